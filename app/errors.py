@@ -1,0 +1,35 @@
+"""One exception root for the project, with a subclass per failure a caller can act on."""
+
+from __future__ import annotations
+
+
+class KVSidecarError(Exception):
+    """Root of every error the sidecar raises on purpose."""
+
+
+class ConfigError(KVSidecarError):
+    """A model, TP pairing, block size or setting that cannot work; the message says what to change."""
+
+
+class LayoutMismatchError(KVSidecarError):
+    """The two sides' layouts fail the validation gate (DESIGN §5)."""
+
+
+class OutOfBoundsError(KVSidecarError):
+    """A descriptor or block id falls outside the peer's registered regions."""
+
+
+class TransferError(KVSidecarError):
+    """A Mooncake submit or transfer failed."""
+
+
+class ProtocolError(KVSidecarError):
+    """A malformed, unknown or wrong-version control message."""
+
+
+class DeadlineExceeded(KVSidecarError):
+    """A wait ran past its deadline."""
+
+
+class PoolError(KVSidecarError):
+    """A Mooncake Store operation failed."""

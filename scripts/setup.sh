@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up a fresh machine: Debian libraries Mooncake needs to import, a virtualenv, the package.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 \
+   || ! ldconfig -p | grep -q libnuma.so.1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1 >/dev/null
+fi
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+# Without a torch present, install the CPU build first so the range in pyproject is already met.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
