@@ -1,0 +1,740 @@
+"""Typed settings of `kv-sidecar serve`: one object built from flags, env, a file and defaults.
+
+Precedence, highest first:
+
+1. CLI flags: the ``cli_overrides`` mapping given to :func:`load_settings` (``None`` values are
+   dropped, so an option the user did not pass never hides the layers below it);
+2. ``KVSIDECAR_*`` environment variables (nested pool settings use ``__``:
+   ``KVSIDECAR_POOL__MASTER_ADDRESS``; lists take ``0,1`` or JSON ``[0, 1]``);
+3. the config file: the explicit ``config_path`` or else ``KVSIDECAR_CONFIG``, TOML (``.toml``)
+   or JSON (``.json``), keys named as the settings, the pool as a ``[pool]`` table;
+4. the defaults below.
+
+Every problem is reported at start as one sentence naming the setting, its environment variable
+and what is allowed (:class:`app.errors.ConfigError`); :func:`settings_table` feeds the README's
+configuration table (``python -m app.config`` prints it as Markdown).
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import json
+import os
+import re
+import socket
+import tomllib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+from pydantic_settings.exceptions import SettingsError
+
+from app.errors import ConfigError
+
+ENV_PREFIX = "KVSIDECAR_"
+ENV_NESTED_DELIMITER = "__"
+CONFIG_ENV_VAR = f"{ENV_PREFIX}CONFIG"
+
+# DESIGN §6: 4096 descriptors in one batch were rejected ("TCP lane queue-full") and poisoned the
+# engine's session to that peer; 2048 passed. 1024 leaves headroom below the last size seen to work.
+MAX_DESCRIPTORS_HARD_LIMIT = 2048
+DEFAULT_DESCRIPTORS_PER_SUBMIT = 1024
+
+# Deadlines are in seconds; an hour catches a value meant as milliseconds.
+_MAX_DEADLINE_S = 3600.0
+
+_HOSTNAME_RE = re.compile(
+    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+)
+_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+_PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
+
+# Sentinel for "no explicit path given": fall back to KVSIDECAR_CONFIG.
+_FROM_ENV = Path("\0from-env")
+_config_path: ContextVar[Path | None] = ContextVar("kvsidecar_config_path", default=_FROM_ENV)
+
+# Defaults that are computed at start; the table shows what they mean, not this host's value.
+_TABLE_DEFAULTS = {"engine_id": "host name"}
+
+
+def _default_engine_id() -> str:
+    # In a pod the host name is the pod name: unique per instance and readable in /v1/peers.
+    return socket.gethostname() or "kv-sidecar"
+
+
+def _check_host(value: str) -> str:
+    value = value.strip()
+    if value.startswith("[") and value.endswith("]"):
+        value = value[1:-1]
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        if not _HOSTNAME_RE.match(value):
+            raise ValueError(
+                "must be an IP address or a host name without scheme or port, "
+                "e.g. 127.0.0.1 (this host only) or 0.0.0.0 (every interface)"
+            ) from None
+    return value
+
+
+def _parse_size(value: object) -> object:
+    """Accept byte counts as integers or as strings like ``512MiB`` / ``4GB`` / ``1.5G``."""
+    if not isinstance(value, str):
+        return value
+    match = _SIZE_RE.match(value)
+    if match is None:
+        raise ValueError("must be a byte count such as 1073741824, 1GiB or 512MB")
+    unit = (match.group(2) or "").upper().removesuffix("B")
+    binary = unit.endswith("I")
+    power = _SIZE_POWERS[unit.removesuffix("I")]
+    return int(float(match.group(1)) * (1024 if binary else 1000) ** power)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _is_wildcard(host: str) -> bool:
+    return host in ("0.0.0.0", "::", "")
+
+
+class PoolSettings(BaseModel):
+    """The shared KV pool on Mooncake Store (DESIGN §9)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=False,
+        description="Store and load KV blocks in the shared Mooncake Store pool.",
+    )
+    master_address: str = Field(
+        default="127.0.0.1:50051",
+        description="host:port of the mooncake_master RPC service (its default port is 50051).",
+    )
+    metadata_server: str = Field(
+        default="P2PHANDSHAKE",
+        description=(
+            "Metadata service of the store's transfer engine: P2PHANDSHAKE (no extra service) "
+            "or the master's HTTP metadata URL, e.g. http://mooncake-master:8080/metadata."
+        ),
+    )
+    global_segment_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description=(
+            "Memory this sidecar contributes to the pool (bytes, or 4GiB / 512MB); "
+            "0 makes it a client that only reads and writes other members' memory."
+        ),
+    )
+    local_buffer_bytes: int = Field(
+        default=256 << 20,
+        ge=1 << 20,
+        description="Registered staging buffer for pool puts and gets (bytes, at least 1MiB).",
+    )
+
+    @field_validator("global_segment_bytes", "local_buffer_bytes", mode="before")
+    @classmethod
+    def _sizes(cls, value: object) -> object:
+        return _parse_size(value)
+
+    @field_validator("master_address")
+    @classmethod
+    def _check_master_address(cls, value: str) -> str:
+        host, sep, port = value.strip().rpartition(":")
+        if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError("must be host:port, e.g. 127.0.0.1:50051 or mooncake-master:50051")
+        _check_host(host)
+        return value.strip()
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """Settings from a TOML or JSON file: the explicit path, else ``KVSIDECAR_CONFIG``."""
+
+    def __init__(self, settings_cls: type[BaseSettings]) -> None:
+        super().__init__(settings_cls)
+        path = _config_path.get()
+        if path == _FROM_ENV:
+            env = os.environ.get(CONFIG_ENV_VAR, "").strip()
+            path = Path(env) if env else None
+        self.path = path
+        self.data = read_config_file(path) if path is not None else {}
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return self.data.get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        # Reuse the init source so that the file's keys are matched exactly like flags are.
+        return InitSettingsSource(self.settings_cls, init_kwargs=self.data)()
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a settings file (TOML or JSON by suffix) into a dict, or raise ConfigError."""
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".json"):
+        raise ConfigError(
+            f"Config file {path} has suffix {suffix or '(none)'!r}: use a .toml or .json file "
+            f"(given by --config or {CONFIG_ENV_VAR})."
+        )
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"Config file {path} cannot be read ({exc.strerror or exc}); fix the path given "
+            f"by --config or {CONFIG_ENV_VAR}, or unset it."
+        ) from None
+    try:
+        data = tomllib.loads(raw.decode()) if suffix == ".toml" else json.loads(raw)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"Config file {path} is not valid {suffix[1:].upper()}: {exc}.") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {path} must hold a table of settings at the top level.")
+    return data
+
+
+class SidecarSettings(BaseSettings):
+    """Everything `kv-sidecar serve` needs, validated before anything binds or registers."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED_DELIMITER,
+        # An empty variable (KVSIDECAR_ADMIN_TOKEN= in a manifest) means "not set", not "".
+        env_ignore_empty=True,
+        extra="forbid",
+        case_sensitive=False,
+    )
+
+    # --- identity -------------------------------------------------------------------------------
+    role: Literal["prefill", "decode", "both"] = Field(
+        default="both",
+        description="Which side this sidecar serves: prefill sends KV, decode receives it, both.",
+    )
+    engine_id: str = Field(
+        default_factory=_default_engine_id,
+        description="Name of this instance in handshakes, Done messages and the admin API.",
+    )
+    ranks: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [0],
+        description="TP ranks whose engines this sidecar serves (one agent each), e.g. 0,1.",
+    )
+    tp_size: int = Field(
+        default=1, ge=1, le=1024, description="Tensor-parallel size of this inference instance."
+    )
+
+    # --- model and KV layout -------------------------------------------------------------------
+    model: str = Field(
+        default="llama-3.1-8b",
+        description="Model preset name (a file in app/kvcache/presets, e.g. qwen3-next-80b-a3b).",
+    )
+    layers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Use only the first N layers of the preset (scaled-down demos and tests).",
+    )
+    # The names of app.kvcache.specs.DTYPES; fp8 variants travel as raw bytes.
+    dtype: Literal["bfloat16", "float16", "float32", "fp8", "fp8_e4m3"] | None = Field(
+        default=None,
+        description="KV cache element type; unset: the preset's dtype (bfloat16 for all shipped).",
+    )
+    cache_dtype: Literal["auto", "fp8_ds_mla", "nvfp4_ds_mla"] = Field(
+        default="auto",
+        description="vLLM's packed MLA cache formats (--kv-cache-dtype); auto: plain dtype.",
+    )
+    conv_layout: Literal["SD", "DS"] = Field(
+        default="SD",
+        description=(
+            "Mamba-style conv state layout: SD state-first (a descriptor per conv row), "
+            "DS dim-first (a descriptor per sub-projection slice)."
+        ),
+    )
+    block_size: int = Field(
+        default=16,
+        ge=1,
+        le=65536,
+        description="Tokens per scheduler (manager) block, as the engine's --block-size.",
+    )
+    layout_mode: Literal["per_layer", "cross_layer"] = Field(
+        default="per_layer",
+        description="per_layer: a tensor per layer; cross_layer: all layers of a block adjacent.",
+    )
+    kv_layout: Literal["HND", "NHD"] = Field(
+        default="NHD",
+        description="Element order in a block; HND keeps TP head slices contiguous (fewer writes).",
+    )
+    device_type: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        default="auto",
+        description="Where the engine's KV lives; auto picks npu, then cuda, then cpu.",
+    )
+
+    # --- admin API ------------------------------------------------------------------------------
+    admin_host: str = Field(
+        default="127.0.0.1",
+        description="Admin API bind address; loopback unless told otherwise (0.0.0.0 in a pod).",
+    )
+    admin_port: int = Field(default=8300, ge=1, le=65535, description="Admin API port.")
+    admin_token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token that mutating admin calls (abort) must present.",
+    )
+
+    # --- control plane --------------------------------------------------------------------------
+    control_host: str = Field(
+        default="127.0.0.1",
+        description="Bind address of the ZMQ ROUTER socket peers handshake with.",
+    )
+    control_port: int = Field(default=5600, ge=1, le=65535, description="Peer control port.")
+    advertise_host: str | None = Field(
+        default=None,
+        description=(
+            "Address peers use to reach this sidecar (control port and Mooncake session); "
+            "default: control_host, or this host's address when that is a wildcard."
+        ),
+    )
+    engine_ipc: str = Field(
+        default="ipc:///dev/shm/kvsidecar/engine.sock",
+        description="ZMQ endpoint the engines connect to (ipc:// path shared through /dev/shm).",
+    )
+
+    # --- Mooncake transfer engine ---------------------------------------------------------------
+    transport: Literal["tcp", "rdma"] = Field(
+        default="tcp",
+        description="Mooncake protocol; tcp also forces TCP where an HCA exists (MC_FORCE_TCP=1).",
+    )
+    device_name: str = Field(
+        default="",
+        description="RDMA device(s) for Mooncake, e.g. mlx5_0 or mlx5_0,mlx5_1; empty: discover.",
+    )
+    mooncake_rpc_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Pin the Mooncake handshake (RPC) port; unset: the engine picks a free one.",
+    )
+    max_descriptors_per_submit: int = Field(
+        default=DEFAULT_DESCRIPTORS_PER_SUBMIT,
+        description=(
+            f"Cap on descriptors in one Mooncake batch (at most {MAX_DESCRIPTORS_HARD_LIMIT}: "
+            "larger batches were rejected and poisoned the peer session, DESIGN §6)."
+        ),
+    )
+    spin_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Threads allowed in busy-spinning Mooncake sync/status calls at once.",
+    )
+    stream_queue_depth: int = Field(
+        default=64,
+        ge=1,
+        le=65536,
+        description="Bound of each device's layer-task queue; a full queue back-pressures.",
+    )
+
+    # --- deadlines (seconds) -------------------------------------------------------------------
+    handshake_timeout_s: float = Field(
+        default=5.0, gt=0, le=_MAX_DEADLINE_S, description="Deadline of one peer handshake."
+    )
+    ack_timeout_s: float = Field(
+        default=5.0, gt=0, le=_MAX_DEADLINE_S, description="Deadline for a peer to Ack a Done."
+    )
+    send_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Prefill: deadline for all of a request's writes to land.",
+    )
+    recv_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Decode: deadline for every expected sender's Done before EXPIRED.",
+    )
+    shutdown_grace_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=_MAX_DEADLINE_S,
+        description="On SIGTERM, time given to in-flight transfers before they are aborted.",
+    )
+
+    # --- KV pool ------------------------------------------------------------------------------
+    pool: PoolSettings = Field(
+        default_factory=PoolSettings, description="Shared KV pool (Mooncake Store)."
+    )
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        default="info", description="Log level of the sidecar's loggers."
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """CLI flags (init kwargs) > env > config file > defaults; no dotenv, no secrets dir."""
+        return (init_settings, env_settings, _ConfigFileSource(settings_cls))
+
+    # --- field checks -----------------------------------------------------------------------
+    @field_validator("ranks", mode="before")
+    @classmethod
+    def _split_ranks(cls, value: object) -> object:
+        # NoDecode: env gives a raw string, so accept both "0,1" and JSON "[0, 1]".
+        if isinstance(value, int) and not isinstance(value, bool):
+            return [value]
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    return json.loads(text)
+                except json.JSONDecodeError:
+                    raise ValueError("must be a list of ranks such as 0,1 or [0, 1]") from None
+            return [part.strip() for part in text.split(",") if part.strip()]
+        return value
+
+    @field_validator("ranks")
+    @classmethod
+    def _check_ranks(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("must name at least one rank")
+        if any(rank < 0 for rank in value):
+            raise ValueError("ranks are 0 or more")
+        if len(set(value)) != len(value):
+            raise ValueError("must not repeat a rank")
+        return value
+
+    @field_validator("engine_id")
+    @classmethod
+    def _check_engine_id(cls, value: str) -> str:
+        if not _ENGINE_ID_RE.match(value):
+            raise ValueError(
+                "must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("model")
+    @classmethod
+    def _check_model(cls, value: str) -> str:
+        if not _PRESET_RE.match(value):
+            raise ValueError("must be a preset name in lower case, e.g. llama-3.1-8b")
+        presets = available_presets()
+        # Checked only once the presets ship, so this module never depends on their loader.
+        if presets and value not in presets:
+            close = difflib.get_close_matches(value, presets, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"is not a known preset{hint}; presets: {', '.join(presets)}")
+        return value
+
+    @field_validator("admin_host", "control_host")
+    @classmethod
+    def _check_bind_host(cls, value: str) -> str:
+        return _check_host(value)
+
+    @field_validator("advertise_host")
+    @classmethod
+    def _check_advertise_host(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = _check_host(value)
+        if _is_wildcard(value):
+            raise ValueError("must be an address peers can reach, not a wildcard like 0.0.0.0")
+        return value
+
+    @field_validator("engine_ipc")
+    @classmethod
+    def _check_engine_ipc(cls, value: str) -> str:
+        if value.startswith("ipc://"):
+            if not value[len("ipc://") :].startswith("/"):
+                raise ValueError("an ipc:// endpoint needs an absolute path, e.g. ipc:///dev/shm/x")
+            return value
+        if value.startswith("tcp://"):
+            return value
+        raise ValueError("must be a ZMQ endpoint starting with ipc:// or tcp://")
+
+    @field_validator("admin_token", mode="before")
+    @classmethod
+    def _blank_token_is_none(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None
+        return value
+
+    @field_validator("max_descriptors_per_submit")
+    @classmethod
+    def _check_descriptors(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError("must be at least 1")
+        if value > MAX_DESCRIPTORS_HARD_LIMIT:
+            raise ValueError(
+                f"must be at most {MAX_DESCRIPTORS_HARD_LIMIT}, because a Mooncake batch of 4096 "
+                "descriptors to one peer was rejected ('TCP lane queue-full') and left that "
+                "engine's session to the peer failing every later call (DESIGN §6); "
+                f"{DEFAULT_DESCRIPTORS_PER_SUBMIT} is the tested default"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_together(self) -> SidecarSettings:
+        problems: list[str] = []
+        outside = [rank for rank in self.ranks if rank >= self.tp_size]
+        if outside:
+            problems.append(
+                f"ranks ({env_var_for('ranks')}) lists {outside} but tp_size "
+                f"({env_var_for('tp_size')}) is {self.tp_size}: every rank must be in "
+                f"[0, {self.tp_size})."
+            )
+        ports = {"admin_port": self.admin_port, "control_port": self.control_port}
+        if self.mooncake_rpc_port is not None:
+            ports["mooncake_rpc_port"] = self.mooncake_rpc_port
+        seen: dict[int, str] = {}
+        for name, port in ports.items():
+            if port in seen:
+                problems.append(
+                    f"{name} ({env_var_for(name)}) and {seen[port]} ({env_var_for(seen[port])}) "
+                    f"are both {port}: each listener needs its own port."
+                )
+            seen.setdefault(port, name)
+        if problems:
+            # One line per problem; format_settings_error turns each into its own sentence.
+            raise ValueError("\n".join(problems))
+        return self
+
+    # --- derived -----------------------------------------------------------------------------
+    def resolved_advertise_host(self) -> str:
+        """Address to hand to peers: advertise_host, else control_host unless it is a wildcard."""
+        if self.advertise_host:
+            return self.advertise_host
+        if not _is_wildcard(self.control_host):
+            return self.control_host
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    def warnings(self) -> list[str]:
+        """Legal but risky choices, for the CLI to log at start."""
+        notes: list[str] = []
+        if not _is_loopback(self.admin_host) and self.admin_token is None:
+            notes.append(
+                f"The admin API binds {self.admin_host} without a token: set "
+                f"{env_var_for('admin_token')} so that mutating calls need it."
+            )
+        known = {env_var_for(name) for name in _known_settings()} | {CONFIG_ENV_VAR}
+        # pydantic-settings ignores unknown variables; a typo there would otherwise go unseen.
+        for var in sorted(os.environ):
+            if var.upper().startswith(ENV_PREFIX) and var.upper() not in known:
+                close = difflib.get_close_matches(var.upper(), sorted(known), n=1)
+                hint = f" (did you mean {close[0]}?)" if close else ""
+                notes.append(f"{var} is not a kv-sidecar setting and is ignored{hint}.")
+        if self.transport == "rdma" and not self.device_name:
+            notes.append(
+                f"transport is rdma but {env_var_for('device_name')} is empty: Mooncake will pick "
+                "the RDMA devices itself."
+            )
+        return notes
+
+
+def env_var_for(setting: str) -> str:
+    """Environment variable of a setting; ``pool.enabled`` -> ``KVSIDECAR_POOL__ENABLED``."""
+    return ENV_PREFIX + ENV_NESTED_DELIMITER.join(part.upper() for part in setting.split("."))
+
+
+def available_presets() -> list[str]:
+    """Names of the model presets shipped as package data (empty until they ship)."""
+    try:
+        folder = resources.files("app.kvcache").joinpath("presets")
+        if not folder.is_dir():
+            return []
+        return sorted(
+            entry.name.removesuffix(".json")
+            for entry in folder.iterdir()
+            if entry.name.endswith(".json")
+        )
+    except (ModuleNotFoundError, OSError):
+        return []
+
+
+def _known_settings() -> list[str]:
+    names = [name for name in SidecarSettings.model_fields if name != "pool"]
+    names += [f"pool.{name}" for name in PoolSettings.model_fields]
+    return names
+
+
+def _setting_name(loc: tuple[int | str, ...]) -> tuple[str, str]:
+    """Split a pydantic error location into (setting, rest): ('ranks', 1) -> ('ranks', '[1]')."""
+    parts = [str(p) for p in loc]
+    if parts and parts[0] == "pool" and len(parts) > 1:
+        setting, rest = f"pool.{parts[1]}", parts[2:]
+    else:
+        setting, rest = (parts[0] if parts else ""), parts[1:]
+    return setting, "".join(f"[{p}]" for p in rest)
+
+
+def _sentence(text: str) -> str:
+    text = text.strip()
+    return text if text.endswith((".", "?", "!")) else text + "."
+
+
+def _shown(setting: str, value: object) -> str:
+    if setting == "admin_token":
+        return "(hidden)"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def format_settings_error(exc: ValidationError) -> str:
+    """One sentence per problem, each naming the setting, its env var and what is allowed."""
+    sentences: list[str] = []
+    known = _known_settings()
+    for err in exc.errors(include_url=False):
+        setting, item = _setting_name(err["loc"])
+        message = str(err["msg"]).removeprefix("Value error, ")
+        if not setting:
+            sentences.extend(_sentence(line) for line in message.splitlines() if line.strip())
+            continue
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(setting, known, n=1)
+            hint = f"; did you mean {close[0]!r} ({env_var_for(close[0])})?" if close else ""
+            sentences.append(
+                _sentence(
+                    f"{setting!r} (from a CLI flag or the config file) is not a kv-sidecar "
+                    f"setting{hint}"
+                )
+            )
+            continue
+        allowed = message[0].lower() + message[1:] if message else "is not allowed"
+        sentences.append(
+            _sentence(
+                f"Setting {setting}{item} ({env_var_for(setting)}) = "
+                f"{_shown(setting, err.get('input'))} is not allowed: {allowed}"
+            )
+        )
+    count = len(sentences)
+    header = f"Invalid kv-sidecar settings ({count} problem{'s' if count != 1 else ''}):"
+    return "\n".join([header, *(f"  - {s}" for s in sentences)])
+
+
+def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Drop unset (None) flags and turn ``pool.x`` / ``pool__x`` keys into nested dicts."""
+    nested: dict[str, Any] = {}
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        parts = key.replace(ENV_NESTED_DELIMITER, ".").replace("-", "_").split(".")
+        target = nested
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        if isinstance(value, Mapping) and isinstance(target.get(parts[-1]), dict):
+            target[parts[-1]].update(value)
+        else:
+            target[parts[-1]] = dict(value) if isinstance(value, Mapping) else value
+    return nested
+
+
+@contextmanager
+def _using_config_file(path: Path | None) -> Iterator[None]:
+    token = _config_path.set(_FROM_ENV if path is None else path)
+    try:
+        yield
+    finally:
+        _config_path.reset(token)
+
+
+def load_settings(
+    cli_overrides: Mapping[str, Any] | None = None, config_path: Path | str | None = None
+) -> SidecarSettings:
+    """Build the settings: CLI flags > KVSIDECAR_* env > config file > defaults.
+
+    ``config_path`` wins over ``KVSIDECAR_CONFIG``. Every problem becomes a ConfigError whose
+    message has one sentence per problem.
+    """
+    path = Path(config_path) if config_path is not None else None
+    with _using_config_file(path):
+        try:
+            return SidecarSettings(**_nest(cli_overrides or {}))
+        except ValidationError as exc:
+            raise ConfigError(format_settings_error(exc)) from None
+        except SettingsError as exc:
+            # Raised for an env value that is not valid JSON for a structured setting.
+            match = re.search(r'field "([^"]+)"', str(exc))
+            field = match.group(1) if match else "?"
+            raise ConfigError(
+                f"Invalid kv-sidecar settings (1 problem):\n  - {env_var_for(field)} is not valid "
+                f"JSON for the setting {field}; set its parts one variable each instead, e.g. "
+                f"{env_var_for('pool.enabled')}=true."
+            ) from None
+
+
+def _table_default(name: str, info: FieldInfo) -> str:
+    if name in _TABLE_DEFAULTS:
+        return _TABLE_DEFAULTS[name]
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "(unset)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value)
+    return str(value) if value != "" else "(empty)"
+
+
+def settings_table() -> list[tuple[str, str, str, str]]:
+    """(setting, env var, default, description) for every setting, pool settings as pool.x."""
+    rows: list[tuple[str, str, str, str]] = []
+    for name, info in SidecarSettings.model_fields.items():
+        if name == "pool":
+            for sub, sub_info in PoolSettings.model_fields.items():
+                key = f"pool.{sub}"
+                rows.append(
+                    (
+                        key,
+                        env_var_for(key),
+                        _table_default(sub, sub_info),
+                        sub_info.description or "",
+                    )
+                )
+            continue
+        rows.append((name, env_var_for(name), _table_default(name, info), info.description or ""))
+    return rows
+
+
+def render_settings_table() -> str:
+    """The settings table as Markdown, for the README."""
+    lines = ["| setting | env var | default | description |", "|---|---|---|---|"]
+    for setting, env, default, description in settings_table():
+        lines.append(f"| `{setting}` | `{env}` | `{default}` | {description} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_settings_table())

@@ -1,0 +1,201 @@
+"""KV cache groups, unified page sizes and block counts, after vLLM's hybrid allocator.
+
+- Layers with equal specs are bucketed; buckets are cut into groups of ``group_size`` layers,
+  and layer i of every group shares tensor (slot) i, so one block id means one page in every slot.
+- All-MLA models (DeepSeek-V3.2 latent + indexer) form one group whose layers keep their own
+  page sizes, each in its own slot (vLLM's ``UniformTypeKVCacheSpecs``).
+- With Mamba-style layers the block size is raised until one attention page holds the largest
+  state page, and state pages are padded up to it (vLLM 0.33 ``_align_hybrid_block_size``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from math import ceil
+
+from app.errors import ConfigError
+from app.kvcache.presets import CacheLayer, ModelSpec
+from app.kvcache.specs import AttentionSpec, LayerSpec, MambaSpec, MLASpec, SpecKind, validate_tp
+
+NULL_BLOCK = 0
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers sharing one block table."""
+
+    index: int
+    kind: SpecKind
+    layers: tuple[CacheLayer, ...]
+    block_size: int
+    kernel_block_size: int
+    sliding_window: int | None = None
+
+    @property
+    def ratio(self) -> int:
+        """Kernel blocks per manager block."""
+        return self.block_size // self.kernel_block_size
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One per-layer tensor: ``num_blocks`` pages, shared by one layer of each member group."""
+
+    index: int
+    page_bytes: int
+    members: tuple[tuple[int, int], ...]  # (group index, cache layer index)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The rank-independent part of a layout: groups, slots and sizes for one TP size."""
+
+    model: ModelSpec
+    tp: int
+    block_size: int
+    groups: tuple[KVGroup, ...]
+    slots: tuple[Slot, ...]
+    num_blocks: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(s.page_bytes for s in self.slots)
+
+    def group_of(self, layer: int) -> KVGroup:
+        for g in self.groups:
+            if any(c.index == layer for c in g.layers):
+                return g
+        raise KeyError(layer)
+
+    def slot_of(self, layer: int) -> Slot:
+        for s in self.slots:
+            if any(li == layer for _, li in s.members):
+                return s
+        raise KeyError(layer)
+
+
+def _kernel(model: ModelSpec, spec: LayerSpec, block_size: int) -> int:
+    k = model.kernel_block_size(spec)
+    return block_size if k is None else k
+
+
+def _check_block_size(model: ModelSpec, block_size: int) -> None:
+    if block_size < 1:
+        raise ConfigError(f"block size must be positive, not {block_size}")
+    for layer in model.layers:
+        k = model.kernel_block_size(layer.spec)
+        if k is not None and block_size % k:
+            what = "MLA" if isinstance(layer.spec, MLASpec) else "attention"
+            raise ConfigError(
+                f"block size {block_size} is not a multiple of the {what} kernel block size {k}; "
+                f"use --block-size {k * max(1, ceil(block_size / k))} or another multiple of {k}"
+            )
+
+
+def hybrid_block_size(model: ModelSpec, tp: int, block_size: int) -> int:
+    """Raise the block size so one attention page holds the largest state page (vLLM 0.33)."""
+    states = [c.spec for c in model.layers if isinstance(c.spec, MambaSpec)]
+    attn = [c.spec for c in model.layers if not isinstance(c.spec, MambaSpec)]
+    if not states or not attn:
+        return block_size
+    per_token = {s.bytes_per_token(tp) for s in attn}
+    if len(per_token) > 1:
+        raise ConfigError(
+            "a hybrid with attention layers of different token sizes is not supported"
+        )
+    attn_1tok = per_token.pop()
+    align = max([block_size] + [_kernel(model, s, block_size) for s in attn])
+    if any(isinstance(s, MLASpec) for s in attn):
+        align = max(align, 128)
+    state_page = max(s.state_bytes(tp) for s in states)
+    return max(block_size, align * ceil(state_page / (align * attn_1tok)))
+
+
+def _bucket(model: ModelSpec) -> list[list[CacheLayer]]:
+    buckets: dict[LayerSpec, list[CacheLayer]] = {}
+    for layer in model.layers:
+        buckets.setdefault(layer.spec, []).append(layer)
+    return list(buckets.values())
+
+
+def build_cache_config(
+    model: ModelSpec,
+    tp: int,
+    block_size: int,
+    *,
+    memory_bytes: int | None = None,
+    num_blocks: int | None = None,
+) -> CacheConfig:
+    """Groups, slots and ``num_blocks`` (from a memory budget, or given) for one TP size."""
+    if tp < 1:
+        raise ConfigError(f"TP size must be positive, not {tp}")
+    for layer in model.layers:
+        validate_tp(layer.spec, tp)
+    _check_block_size(model, block_size)
+    bs = hybrid_block_size(model, tp, block_size)
+
+    groups: list[KVGroup] = []
+    slots: list[Slot] = []
+    if all(isinstance(c.spec, MLASpec) for c in model.layers):
+        kernels = {_kernel(model, c.spec, bs) for c in model.layers}
+        groups.append(KVGroup(0, SpecKind.MLA, model.layers, bs, max(kernels)))
+        slots = [
+            Slot(i, c.spec.page_bytes(tp, bs), ((0, c.index),)) for i, c in enumerate(model.layers)
+        ]
+    else:
+        buckets = _bucket(model)
+        sizes = [len(b) for b in buckets]
+        group_size = min(sizes)
+        if max(sizes) < group_size * 1.25:
+            group_size = max(sizes)
+        page = max(c.spec.page_bytes(tp, bs) for c in model.layers)
+        for layers in buckets:
+            spec = layers[0].spec
+            if not isinstance(spec, MambaSpec) and spec.page_bytes(tp, bs) != page:
+                raise ConfigError(
+                    f"layers {layers[0].name}.. have {spec.page_bytes(tp, bs)}-byte pages and "
+                    f"others {page}; vLLM cannot share tensors between them"
+                )
+            for start in range(0, len(layers), group_size):
+                chunk = tuple(layers[start : start + group_size])
+                window = spec.sliding_window if isinstance(spec, AttentionSpec) else None
+                groups.append(
+                    KVGroup(len(groups), spec.kind, chunk, bs, _kernel(model, spec, bs), window)
+                )
+        slots = [
+            Slot(i, page, tuple((g.index, g.layers[i].index) for g in groups if i < len(g.layers)))
+            for i in range(group_size)
+        ]
+
+    per_block = sum(s.page_bytes for s in slots)
+    if num_blocks is None:
+        if memory_bytes is None:
+            raise ConfigError("give a memory budget or a block count")
+        num_blocks = memory_bytes // per_block
+    if num_blocks < 2:
+        raise ConfigError(
+            f"the memory budget holds {num_blocks} block(s) of {per_block} bytes; "
+            f"give at least {2 * per_block} bytes (the null block plus one)"
+        )
+    return CacheConfig(model, tp, bs, tuple(groups), tuple(slots), num_blocks)
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def sliding_blocks(window: int, block_size: int) -> int:
+    """Blocks a sliding-window layer reads at decode: ``cdiv(window - 1, bs) + 1`` (DESIGN §3)."""
+    return -(-(window - 1) // block_size) + 1
+
+
+def group_rows(groups: Sequence[KVGroup]) -> list[tuple[KVGroup, LayerSpec, tuple[int, ...]]]:
+    """Per group, one row per distinct spec (an MLA group with its indexer gives two)."""
+    rows = []
+    for g in groups:
+        by_spec: dict[LayerSpec, list[int]] = {}
+        for c in g.layers:
+            by_spec.setdefault(c.spec, []).append(c.index)
+        rows.extend((g, spec, tuple(ix)) for spec, ix in by_spec.items())
+    return rows

@@ -1,0 +1,117 @@
+"""Writing the fill into a rank's KV cache through its views, and the decode-side oracle.
+
+The oracle derives what D must hold from attention semantics (a sliding-window layer needs the
+last ``window - 1`` prompt tokens, a state layer the state after ``prompt_len - 1`` tokens), the
+D rank's own views and the fill function: it never looks at a plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from app.kvcache.groups import NULL_BLOCK
+from app.kvcache.layout import RankLayout
+from app.kvcache.specs import AttentionSpec, MambaSpec, SpecKind
+from app.sim.fill import LATENT, K, V, as_int, state_values, token_values
+
+
+def _token_index(layout: RankLayout, layer: int, ids: np.ndarray,
+                 tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = layout.group(layout.placements[layer].group)
+    kb, r = g.kernel_block_size, g.ratio
+    j = tokens // kb
+    return (torch.from_numpy(ids[j // r]), torch.from_numpy(j % r),
+            torch.from_numpy(tokens % kb))
+
+
+def _token_streams(layout: RankLayout, layer: int) -> list[tuple[str, int]]:
+    spec = layout.spec(layer)
+    return [("k", K), ("v", V)] if isinstance(spec, AttentionSpec) else [("latent", LATENT)]
+
+
+def write_tokens(layout: RankLayout, layer: int, ids: np.ndarray, start: int, end: int) -> None:
+    """What the forward pass writes for tokens ``[start, end)`` of a request into ``ids``."""
+    spec = layout.spec(layer)
+    assert not isinstance(spec, MambaSpec)
+    tokens = np.arange(start, end)
+    mid, sub, off = _token_index(layout, layer, ids, tokens)
+    for name, stream in _token_streams(layout, layer):
+        view = as_int(layout.views[layer][name])
+        vals = token_values(spec, layer, stream, tokens, layout.tp, layout.rank)
+        if layout.kv_layout.value == "HND" and name != "latent":
+            view[mid, sub, :, off, :] = vals
+        else:
+            view[mid, sub, off] = vals
+
+
+def write_state(layout: RankLayout, layer: int, block: int, n_tokens: int) -> None:
+    spec = layout.spec(layer)
+    assert isinstance(spec, MambaSpec)
+    for name, vals in state_values(spec, layer, n_tokens, layout.tp, layout.rank).items():
+        as_int(layout.views[layer][name])[block] = vals
+
+
+def check_tokens(layout: RankLayout, layer: int, ids: np.ndarray, tokens: np.ndarray) -> int:
+    """Number of wrong elements among ``tokens`` of one layer."""
+    spec = layout.spec(layer)
+    assert not isinstance(spec, MambaSpec)
+    if tokens.size == 0:
+        return 0
+    mid, sub, off = _token_index(layout, layer, ids, tokens)
+    bad = 0
+    for name, stream in _token_streams(layout, layer):
+        view = as_int(layout.views[layer][name])
+        got = view[mid, sub, :, off, :] if (
+            layout.kv_layout.value == "HND" and name != "latent") else view[mid, sub, off]
+        want = token_values(spec, layer, stream, tokens, layout.tp, layout.rank)
+        bad += int((got != want).sum())
+    return bad
+
+
+def check_state(layout: RankLayout, layer: int, block: int, n_tokens: int) -> int:
+    spec = layout.spec(layer)
+    assert isinstance(spec, MambaSpec)
+    bad = 0
+    for name, want in state_values(spec, layer, n_tokens, layout.tp, layout.rank).items():
+        bad += int((as_int(layout.views[layer][name])[block] != want).sum())
+    return bad
+
+
+def state_block_index(n_ids: int, mamba_mode: str, num_spec: int) -> int:
+    """Which of a request's state block ids holds the final state (vLLM's none/align rule)."""
+    return 0 if mamba_mode == "none" else n_ids - 1 - num_spec
+
+
+def verify_request(layout: RankLayout, blocks: Sequence[np.ndarray], prompt_len: int,
+                   mamba_mode: str = "none", num_spec: int = 0) -> list[str]:
+    """Everything D reads for this request, compared with the fill; one line per bad layer."""
+    problems = []
+    for g in layout.config.groups:
+        ids = blocks[g.index]
+        for c in g.layers:
+            if g.kind is SpecKind.MAMBA:
+                block = int(ids[state_block_index(ids.size, mamba_mode, num_spec)])
+                # The P side sends the state of prompt_len - 1 tokens; D recomputes the last.
+                bad = check_state(layout, c.index, block, prompt_len - 1)
+            else:
+                lo = 0
+                if g.kind is SpecKind.SLIDING and g.sliding_window:
+                    lo = max(0, prompt_len - (g.sliding_window - 1))
+                bad = check_tokens(layout, c.index, ids, np.arange(lo, prompt_len))
+            if bad:
+                problems.append(f"rank {layout.rank} layer {c.index} ({c.name}): {bad} wrong")
+    return problems
+
+
+def untouched(layout: RankLayout, used: set[int]) -> list[str]:
+    """Blocks no request owns (the null block included) must still be all zero."""
+    free = np.array(sorted(set(range(layout.num_blocks)) - used | {NULL_BLOCK}), np.int64)
+    out = []
+    for i, buf in enumerate(layout.buffers):
+        rows = buf.view(layout.num_blocks, -1)[torch.from_numpy(free)]
+        if bool(rows.any()):
+            out.append(f"rank {layout.rank} buffer {i}: bytes written outside the request blocks")
+    return out

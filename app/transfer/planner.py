@@ -1,0 +1,320 @@
+"""The transfer planner (DESIGN §3, §5): pure numpy, no I/O.
+
+For one P rank, a step of one or more requests and a layer, it gives per D rank the descriptors
+``(src, dst, length)`` coalesced into maximal runs, every one bound-checked against the D rank's
+advertised regions. Blocks are addressed in *kernel* blocks on both sides: token-kernel-block j
+lives in manager block ``ids[j // r]``, kernel block ``j % r`` of that side, so two sides may use
+different manager block sizes as long as their kernel blocks match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import numpy as np
+
+from app.errors import LayoutMismatchError, OutOfBoundsError
+from app.kvcache.desc import GroupDesc, LayoutDesc
+from app.kvcache.groups import sliding_blocks
+from app.kvcache.layout import LayerPlacement
+from app.kvcache.specs import RegionKind, SpecKind
+from app.transfer.tp_mapping import Template, coalesce, layer_template
+
+
+class MambaMode(StrEnum):
+    NONE = "none"
+    ALIGN = "align"
+
+
+@dataclass(frozen=True)
+class StepRequest:
+    """One request's share of a forward step: tokens ``[start, end)`` of ``prompt_len``."""
+
+    request_id: str
+    prompt_len: int
+    start: int
+    end: int
+    p_blocks: tuple[np.ndarray, ...]  # manager block ids per group, prefill side
+    d_blocks: tuple[np.ndarray, ...]  # manager block ids per group, decode side
+    mamba_mode: MambaMode = MambaMode.NONE
+    num_spec: int = 0
+
+    @property
+    def last(self) -> bool:
+        return self.end >= self.prompt_len
+
+
+@dataclass
+class Descriptors:
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+
+    @property
+    def count(self) -> int:
+        return int(self.src.size)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @classmethod
+    def concat(cls, parts: Sequence[Descriptors]) -> Descriptors:
+        if not parts:
+            e = np.empty(0, np.int64)
+            return cls(e, e.copy(), e.copy())
+        return cls(
+            *(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length"))
+        )
+
+    def coalesced(self) -> Descriptors:
+        return Descriptors(*coalesce(self.src, self.dst, self.length))
+
+
+@dataclass
+class LayerPlan:
+    """One layer of one step: descriptors per D rank, and requests dropped with the reason."""
+
+    layer: int
+    group: int
+    per_peer: dict[int, Descriptors] = field(default_factory=dict)
+    blocks: dict[int, int] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def descriptors(self) -> int:
+        return sum(d.count for d in self.per_peer.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.per_peer.values())
+
+
+def check_gate(p: LayoutDesc, d: LayoutDesc) -> None:
+    """The validation gate of DESIGN §5: same model, matching groups and regions."""
+    if p.compat_hash != d.compat_hash:
+        raise LayoutMismatchError(
+            f"different models: prefill compat hash {p.compat_hash}, decode {d.compat_hash}; "
+            "both sides must run the same preset, dtype and vLLM formulas"
+        )
+    if len(p.groups) != len(d.groups):
+        raise LayoutMismatchError(
+            f"prefill has {len(p.groups)} KV cache groups, decode {len(d.groups)}"
+        )
+    for gp, gd in zip(p.groups, d.groups, strict=True):
+        if gp.kind != gd.kind or gp.layers != gd.layers:
+            raise LayoutMismatchError(
+                f"group {gp.index}: prefill {gp.kind} layers {gp.layers}, "
+                f"decode {gd.kind} layers {gd.layers}"
+            )
+        if gp.kind is not SpecKind.MAMBA and gp.kernel_block_size != gd.kernel_block_size:
+            raise LayoutMismatchError(
+                f"group {gp.index}: kernel block sizes differ ({gp.kernel_block_size} vs "
+                f"{gd.kernel_block_size}); set the same attention backend block size on both"
+            )
+    kinds_p = sorted((r.group, r.kind) for r in p.regions)
+    kinds_d = sorted((r.group, r.kind) for r in d.regions)
+    if len(kinds_p) != len(kinds_d) or {k for _, k in kinds_p} != {k for _, k in kinds_d}:
+        raise LayoutMismatchError(
+            f"regions differ in count or kind: prefill {len(kinds_p)}, decode {len(kinds_d)}"
+        )
+    for pp in p.placements:
+        dp = d.placement(pp.layer)
+        kind = _kind(p, pp.group)
+        for a, b in zip(pp.pieces, dp.pieces, strict=True):
+            la, lb = a.unit_count * a.unit_bytes, b.unit_count * b.unit_bytes
+            if kind is RegionKind.REPLICATE and la != lb:
+                raise LayoutMismatchError(
+                    f"layer {pp.layer} {a.name}: replicated lengths differ ({la} vs {lb})"
+                )
+            if kind is not RegionKind.REPLICATE and lb * a.unit_count != la * b.unit_count:
+                raise LayoutMismatchError(
+                    f"layer {pp.layer} {a.name}: {la} B for {a.unit_count} heads on prefill and "
+                    f"{lb} B for {b.unit_count} on decode do not match per head"
+                )
+
+
+def _kind(desc: LayoutDesc, group: int) -> RegionKind:
+    kinds = {r.kind for r in desc.regions if r.group == group}
+    return kinds.pop() if len(kinds) == 1 else RegionKind.SPLIT
+
+
+def check_block_ids(desc: LayoutDesc, blocks: Sequence[np.ndarray], side: str) -> None:
+    """Every block id of a request inside ``[0, num_blocks)`` (DESIGN §5)."""
+    if len(blocks) != len(desc.groups):
+        raise OutOfBoundsError(
+            f"{side} sent block ids for {len(blocks)} groups, the layout has {len(desc.groups)}"
+        )
+    for g, ids in zip(desc.groups, blocks, strict=True):
+        if ids.size and (ids.min() < 0 or ids.max() >= desc.num_blocks):
+            bad = ids[(ids < 0) | (ids >= desc.num_blocks)]
+            raise OutOfBoundsError(
+                f"{side} block ids {bad[:4].tolist()} of group {g.index} are outside "
+                f"[0, {desc.num_blocks})"
+            )
+
+
+def kernel_blocks(group: GroupDesc, d_group: GroupDesc, req: StepRequest) -> np.ndarray:
+    """Token-order kernel-block indices of this group to send in this step."""
+    kb = group.kernel_block_size
+    lo = req.start // kb
+    hi = -(-req.end // kb) if req.last else req.end // kb
+    if group.kind is SpecKind.SLIDING and group.sliding_window:
+        # Only what D reads at decode: the last blocks of the prompt at D's block size.
+        bs_d = d_group.block_size
+        total = -(-req.prompt_len // bs_d)
+        first = max(0, total - sliding_blocks(group.sliding_window, bs_d))
+        lo = max(lo, first * bs_d // kb)
+    return np.arange(lo, max(lo, hi), dtype=np.int64)
+
+
+def _state_index(ids: np.ndarray, req: StepRequest) -> int:
+    if req.mamba_mode is MambaMode.NONE:
+        return 0
+    return int(ids.size) - 1 - req.num_spec
+
+
+def block_offsets(pl: LayerPlacement, ids: np.ndarray, j: np.ndarray, ratio: int) -> np.ndarray:
+    """Offsets from ``pl.base`` of token-kernel-blocks ``j`` given manager ``ids``."""
+    return ids[j // ratio] * pl.block_stride + (j % ratio) * pl.kernel_stride
+
+
+@dataclass
+class _Selection:
+    p_ids: np.ndarray
+    d_ids: np.ndarray
+    j_p: np.ndarray
+    j_d: np.ndarray
+
+
+class PairPlanner:
+    """Plans what one P rank writes to every D rank of one decode instance."""
+
+    def __init__(self, local: LayoutDesc, remotes: Mapping[int, LayoutDesc]) -> None:
+        self.local = local
+        self.remotes = dict(remotes)
+        for d in self.remotes.values():
+            check_gate(local, d)
+        self._templates: dict[tuple[int, int], Template] = {}
+        self._bounds = {rank: _region_bounds(d) for rank, d in self.remotes.items()}
+
+    def template(self, layer: int, d_rank: int) -> Template:
+        key = (layer, d_rank)
+        t = self._templates.get(key)
+        if t is None:
+            pp = self.local.placement(layer)
+            d = self.remotes[d_rank]
+            t = layer_template(
+                _kind(self.local, pp.group),
+                pp.pieces,
+                d.placement(layer).pieces,
+                self.local.rank,
+                self.local.tp,
+                d_rank,
+                d.tp,
+            )
+            self._templates[key] = t
+        return t
+
+    def peers(self) -> list[int]:
+        """D ranks this P rank writes anything to."""
+        return [
+            r
+            for r in sorted(self.remotes)
+            if any(self.template(pl.layer, r)[0].size for pl in self.local.placements)
+        ]
+
+    def _select(self, req: StepRequest, group: int, d_rank: int) -> _Selection | None:
+        g = self.local.groups[group]
+        gd = self.remotes[d_rank].groups[group]
+        p_ids, d_ids = req.p_blocks[group], req.d_blocks[group]
+        if g.kind is SpecKind.MAMBA:
+            if not req.last:
+                return None
+            ip, idd = _state_index(p_ids, req), _state_index(d_ids, req)
+            if not (0 <= ip < p_ids.size and 0 <= idd < d_ids.size):
+                raise OutOfBoundsError(
+                    f"request {req.request_id}: no state block at index {ip}/{idd} "
+                    f"(prefill has {p_ids.size} ids, decode {d_ids.size})"
+                )
+            zero = np.zeros(1, np.int64)
+            return _Selection(p_ids[ip : ip + 1], d_ids[idd : idd + 1], zero, zero)
+        j = kernel_blocks(g, gd, req)
+        if j.size == 0:
+            return None
+        need_p = -(-(int(j[-1]) + 1) // g.ratio)
+        need_d = -(-(int(j[-1]) + 1) // gd.ratio)
+        if p_ids.size < need_p or d_ids.size < need_d:
+            raise OutOfBoundsError(
+                f"request {req.request_id} group {group}: {req.end} tokens need {need_p} prefill "
+                f"and {need_d} decode blocks, got {p_ids.size} and {d_ids.size}"
+            )
+        null = self.remotes[d_rank].null_block
+        if np.any(d_ids[j // gd.ratio] == null):
+            raise OutOfBoundsError(
+                f"request {req.request_id} group {group}: decode maps a needed block to the "
+                f"null block {null}"
+            )
+        return _Selection(p_ids, d_ids, j, j)
+
+    def plan_layer(self, layer: int, requests: Sequence[StepRequest]) -> LayerPlan:
+        """Descriptors per D rank for one layer of one step.
+
+        A request whose blocks cannot be planned is left out for every peer and named in
+        ``failed``, so nothing of it is written.
+        """
+        pl = self.local.placement(layer)
+        plan = LayerPlan(layer, pl.group)
+        chosen: list[tuple[int, LayerPlacement, Template, StepRequest, _Selection]] = []
+        for d_rank, d in self.remotes.items():
+            tmpl = self.template(layer, d_rank)
+            if tmpl[0].size == 0:
+                continue
+            for req in requests:
+                try:
+                    sel = self._select(req, pl.group, d_rank)
+                except OutOfBoundsError as e:
+                    plan.failed.setdefault(req.request_id, str(e))
+                    continue
+                if sel is not None:
+                    chosen.append((d_rank, d.placement(layer), tmpl, req, sel))
+        parts: dict[int, list[Descriptors]] = {}
+        for d_rank, dl, tmpl, req, sel in chosen:
+            if req.request_id in plan.failed:
+                continue
+            g, gd = self.local.groups[pl.group], self.remotes[d_rank].groups[pl.group]
+            ratio_p = 1 if g.kind is SpecKind.MAMBA else g.ratio
+            ratio_d = 1 if gd.kind is SpecKind.MAMBA else gd.ratio
+            src_b = pl.base + block_offsets(pl, sel.p_ids, sel.j_p, ratio_p)
+            dst_b = dl.base + block_offsets(dl, sel.d_ids, sel.j_d, ratio_d)
+            plan.blocks[d_rank] = plan.blocks.get(d_rank, 0) + int(sel.j_p.size)
+            parts.setdefault(d_rank, []).append(
+                Descriptors(
+                    (src_b[:, None] + tmpl[0][None, :]).ravel(),
+                    (dst_b[:, None] + tmpl[1][None, :]).ravel(),
+                    np.broadcast_to(tmpl[2], (src_b.size, tmpl[2].size)).ravel(),
+                )
+            )
+        for d_rank, ps in parts.items():
+            descs = Descriptors.concat(ps).coalesced()
+            self._bound_check(d_rank, descs)
+            plan.per_peer[d_rank] = descs
+        return plan
+
+    def _bound_check(self, d_rank: int, descs: Descriptors) -> None:
+        lo, hi = self._bounds[d_rank]
+        i = np.searchsorted(lo, descs.dst, side="right") - 1
+        ok = (i >= 0) & (descs.dst + descs.length <= hi[np.maximum(i, 0)])
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise OutOfBoundsError(
+                f"descriptor to 0x{int(descs.dst[bad]):x}+{int(descs.length[bad])} on decode rank "
+                f"{d_rank} leaves its registered regions"
+            )
+
+
+def _region_bounds(d: LayoutDesc) -> tuple[np.ndarray, np.ndarray]:
+    spans = sorted({(r.base, r.base + r.length) for r in d.regions})
+    return (np.array([s[0] for s in spans], np.int64), np.array([s[1] for s in spans], np.int64))
