@@ -65,11 +65,16 @@ def held_units(rank: int, tp: int, units: int) -> tuple[int, int]:
         raise ConfigError(f"rank {rank} is outside TP size {tp}")
     if tp <= units:
         if units % tp:
-            raise ConfigError(f"{units} heads/groups cannot be split evenly over TP {tp}")
+            raise ConfigError(
+                f"{units} heads/groups cannot be split evenly over TP {tp}; "
+                f"use a TP size that divides {units}"
+            )
         n = units // tp
         return rank * n, n
     if tp % units:
-        raise ConfigError(f"TP {tp} cannot replicate {units} heads evenly (needs a multiple)")
+        raise ConfigError(
+            f"TP {tp} cannot replicate {units} heads evenly; use a multiple of {units}"
+        )
     return rank // (tp // units), 1
 
 

@@ -33,6 +33,7 @@ Measured with wheel 0.3.13.post1 over loopback TCP on a 2-core machine:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import threading
@@ -300,7 +301,8 @@ class MooncakeEngine:
 
         Submits in chunks of ``max_descriptors_per_submit``. A failed submit replaces the local
         engine (see the module docstring), then raises TransferError; chunks before the failed
-        one have landed, later ones were not sent.
+        one have landed, later ones were not sent. Every failed submit costs a reopen (~1 s
+        with the GIL held), so stop writing to a peer that keeps failing.
         """
         with self._cond:
             self._check_open()
@@ -337,9 +339,10 @@ class MooncakeEngine:
                 self._take_budget(peer, end - start)
                 try:
                     # Sync rather than batch_transfer_async_write + get_batch_transfer_status:
-                    # both released the GIL and busy-spun a core at the same ~1.1-1.4 GB/s
-                    # here, but the sync call frees its batch id on every path, and pipelining
-                    # async chunks would put 2 x 1024 descriptors in flight, the queue-full edge.
+                    # both released the GIL and busy-spun ~1.5 cores at the same 0.7-1.5 GB/s
+                    # here (within noise, pipelined or not), but the sync call frees its batch
+                    # on every path, and pipelining async chunks would put 2 x 1024 descriptors
+                    # in flight, the queue-full edge.
                     rc = engine.batch_transfer_sync_write(
                         peer, src_l[start:end], dst_l[start:end], len_l[start:end]
                     )
@@ -483,7 +486,9 @@ class MooncakeEngine:
                         self._engine, self._session_id = new_engine, new_session
                         self._generation += 1
                 except BaseException:
-                    self._discard(new_engine, list(self._spans))
+                    # Keep the original error; the spans may not all be registered there.
+                    with contextlib.suppress(TransferError):
+                        self._discard(new_engine, list(self._spans))
                     raise
             finally:
                 with self._cond:

@@ -1,0 +1,33 @@
+"""``kv-sidecar``: the command line (typer)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from app.cli.plan import plan_command
+from app.errors import KVSidecarError
+
+app = typer.Typer(
+    name="kv-sidecar",
+    help="Layer-wise KV cache transfer for hybrid-attention LLMs on Mooncake.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+app.command("plan")(plan_command)
+
+
+@app.callback()
+def _root() -> None:
+    """Layer-wise KV cache transfer for hybrid-attention LLMs on Mooncake."""
+
+
+def main() -> None:
+    """Console entry point: known errors exit 2 with one sentence, never a traceback."""
+    try:
+        app()
+    except KVSidecarError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
