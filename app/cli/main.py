@@ -6,7 +6,9 @@ import sys
 
 import typer
 
+from app.cli.demo import demo_command
 from app.cli.plan import plan_command
+from app.cli.serve import serve_command
 from app.errors import KVSidecarError
 
 app = typer.Typer(
@@ -16,7 +18,9 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command("demo")(demo_command)
 app.command("plan")(plan_command)
+app.command("serve")(serve_command)
 
 
 @app.callback()

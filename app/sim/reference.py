@@ -34,21 +34,15 @@ def empty_allocator(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-@dataclass
-class Instance:
-    """One P or D instance: every TP rank's layout on this process."""
+class BlockAllocator:
+    """Hands out block ids as vLLM's managers would, for every group of one instance."""
 
-    config: CacheConfig
-    ranks: list[RankLayout]
-    descs: list[LayoutDesc]
-    rng: np.random.Generator
-    free: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
+    def __init__(self, config: CacheConfig, seed: int = 0) -> None:
+        self.config = config
         # Runs of 4 contiguous ids in shuffled order: plans see both runs and breaks.
-        ids = np.arange(1, self.config.num_blocks)
+        ids = np.arange(1, config.num_blocks)
         runs = [ids[i : i + 4] for i in range(0, ids.size, 4)]
-        order = self.rng.permutation(len(runs))
+        order = np.random.default_rng(seed).permutation(len(runs))
         self.free = [int(b) for i in order for b in runs[i]][::-1]
 
     def take(self, n: int) -> np.ndarray:
@@ -56,9 +50,12 @@ class Instance:
             raise MemoryError(f"need {n} blocks, {len(self.free)} free")
         return np.array([self.free.pop() for _ in range(n)], np.int64)
 
+    def release(self, blocks: Sequence[np.ndarray]) -> None:
+        self.free.extend(int(b) for ids in blocks for b in ids if b != NULL_BLOCK)
+
     def allocate_request(self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode,
                          num_spec: int = 0) -> tuple[np.ndarray, ...]:
-        """Block ids per group for a prompt, as vLLM's managers would hand them out."""
+        """Block ids per group for a prompt; decode maps skipped sliding blocks to null."""
         out = []
         for g in self.config.groups:
             n = blocks_for_tokens(prompt_len, g.block_size)
@@ -75,6 +72,21 @@ class Instance:
         return tuple(out)
 
 
+@dataclass
+class Instance:
+    """One P or D instance: every TP rank's layout on this process."""
+
+    config: CacheConfig
+    ranks: list[RankLayout]
+    descs: list[LayoutDesc]
+    blocks: BlockAllocator
+
+    def allocate_request(self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode,
+                         num_spec: int = 0) -> tuple[np.ndarray, ...]:
+        return self.blocks.allocate_request(prompt_len, decode=decode, mamba_mode=mamba_mode,
+                                            num_spec=num_spec)
+
+
 def build_instance(model: ModelSpec, tp: int, block_size: int, num_blocks: int, *,
                    mode: LayoutMode, kv_layout: KVLayout, heads_major: bool = False,
                    allocator: Callable[[int], torch.Tensor] = zeros_allocator,
@@ -82,7 +94,7 @@ def build_instance(model: ModelSpec, tp: int, block_size: int, num_blocks: int, 
     config = build_cache_config(model, tp, block_size, num_blocks=num_blocks)
     ranks = [allocate(config, r, mode=mode, kv_layout=kv_layout, heads_major=heads_major,
                       allocator=allocator) for r in range(tp)]
-    return Instance(config, ranks, [describe(r) for r in ranks], np.random.default_rng(seed))
+    return Instance(config, ranks, [describe(r) for r in ranks], BlockAllocator(config, seed))
 
 
 def blocks_needed(model: ModelSpec, tp: int, block_size: int, prompt_lens: Sequence[int],

@@ -1,0 +1,34 @@
+"""``kv-sidecar serve``: one sidecar process from settings (flags > env > config file)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.config import load_settings
+from app.service import serve
+
+
+def serve_command(
+    role: Annotated[str | None, typer.Option(help="prefill, decode or both.")] = None,
+    engine_id: Annotated[str | None, typer.Option(help="This sidecar's engine id.")] = None,
+    ranks: Annotated[str | None, typer.Option(help="Engine ranks hosted, e.g. 0,1.")] = None,
+    tp_size: Annotated[int | None, typer.Option(help="TP size of the instance.")] = None,
+    control_host: Annotated[str | None, typer.Option(help="Control port bind host.")] = None,
+    control_port: Annotated[int | None, typer.Option(help="Peer control port.")] = None,
+    engine_ipc: Annotated[str | None, typer.Option(help="Engine link endpoint.")] = None,
+    admin_host: Annotated[str | None, typer.Option(help="Admin API bind host.")] = None,
+    admin_port: Annotated[int | None, typer.Option(help="Admin API port.")] = None,
+    transport: Annotated[str | None, typer.Option(help="tcp or rdma.")] = None,
+    config: Annotated[Path | None, typer.Option(help="TOML or JSON config file.")] = None,
+) -> None:
+    """Run a sidecar until SIGTERM/SIGINT."""
+    flags = {"role": role, "engine_id": engine_id, "ranks": ranks, "tp_size": tp_size,
+             "control_host": control_host, "control_port": control_port,
+             "engine_ipc": engine_ipc, "admin_host": admin_host, "admin_port": admin_port,
+             "transport": transport}
+    settings = load_settings(flags, config)
+    raise typer.Exit(asyncio.run(serve(settings)))

@@ -1,0 +1,149 @@
+"""The engine-side shim: what an inference worker calls, shaped after vLLM's connector hooks.
+
+``register_kv_caches`` → ``add_send_request`` / ``expect_receive`` → per step ``begin_step`` and
+``layer_ready(layer, event)`` → ``get_finished``. The engine and its sidecar are separate
+processes; KV memory is shared as POSIX shared memory (CPU), so registering only sends names.
+Calls are synchronous (vLLM workers are), each with a deadline; ``layer_ready`` is one-way and
+never waits on the transfer path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.devices import CpuEvent, Event
+from app.engine_link.shm import ShmArena
+from app.errors import KVSidecarError
+from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
+from app.kvcache.presets import load_preset
+from app.transfer.control import SyncClient
+from app.transfer.protocol import (
+    AbortRequest,
+    AddSend,
+    AnyMsg,
+    BeginStep,
+    ExpectRecv,
+    FailedRequest,
+    Finished,
+    GetFinished,
+    LayerReady,
+    Msg,
+    RegisterCaches,
+    RemoteTarget,
+    Reply,
+    StepSlice,
+)
+
+
+class EngineLinkError(KVSidecarError):
+    """The sidecar refused or failed an engine call; the message is the sidecar's sentence."""
+
+
+@dataclass(frozen=True)
+class CacheParams:
+    model: str
+    tp_size: int
+    block_size: int
+    num_blocks: int
+    layers: int | None = None
+    dtype: str | None = None
+    cache_dtype: str = "auto"
+    layout_mode: str = "per_layer"
+    kv_layout: str = "HND"
+    heads_major: bool = False
+
+
+@dataclass(frozen=True)
+class FinishedRequests:
+    sending: list[str]
+    recving: list[str]
+    failed: list[FailedRequest]
+    bytes: int = 0  # this rank's totals so far, for summaries
+    descriptors: int = 0
+
+
+class EngineLink:
+    """One engine rank's connection to its sidecar."""
+
+    def __init__(self, endpoint: str, engine_id: str, rank: int, *, timeout_s: float = 10.0
+                 ) -> None:
+        self.client = SyncClient(endpoint)
+        self.engine_id = engine_id
+        self.rank = rank
+        self.timeout_s = timeout_s
+        self.arena = ShmArena()
+        self.epoch = ""
+        self.control_port = 0
+
+    def _call(self, msg: Msg, timeout: float | None = None) -> AnyMsg:
+        reply = self.client.request(msg, timeout or self.timeout_s)
+        if isinstance(reply, Reply) and not reply.ok:
+            raise EngineLinkError(reply.error or "sidecar refused the call")
+        if not isinstance(reply, Reply | Finished):
+            raise EngineLinkError(f"unexpected reply {type(reply).__name__}: "
+                                  f"{getattr(reply, 'reason', '')}")
+        return reply
+
+    def allocate_kv_caches(self, params: CacheParams) -> RankLayout:
+        """Allocate this rank's KV cache in shared memory (as the worker's allocator would)."""
+        model = load_preset(params.model, layers=params.layers, dtype=params.dtype,
+                            cache_dtype=params.cache_dtype)
+        config = build_cache_config(model, params.tp_size, params.block_size,
+                                    num_blocks=params.num_blocks)
+        return allocate(config, self.rank, mode=LayoutMode(params.layout_mode),
+                        kv_layout=KVLayout(params.kv_layout), heads_major=params.heads_major,
+                        allocator=self.arena.allocator)
+
+    def register_kv_caches(self, params: CacheParams, timeout_s: float = 60.0) -> None:
+        reply = self._call(RegisterCaches(
+            engine_id=self.engine_id, rank=self.rank, tp_size=params.tp_size, model=params.model,
+            layers=params.layers, dtype=params.dtype, cache_dtype=params.cache_dtype,
+            block_size=params.block_size, num_blocks=params.num_blocks,
+            layout_mode=params.layout_mode, kv_layout=params.kv_layout,
+            heads_major=params.heads_major, shm_names=list(self.arena.names)), timeout_s)
+        assert isinstance(reply, Reply)
+        self.epoch = str(reply.data.get("epoch", ""))
+        self.control_port = int(reply.data.get("control_port") or 0)
+
+    def add_send_request(self, request: str, prompt_len: int, block_ids: Sequence[np.ndarray],
+                         remote: RemoteTarget, *, mamba_mode: str = "none", num_spec: int = 0
+                         ) -> None:
+        self._call(AddSend(rank=self.rank, request=request, prompt_len=prompt_len,
+                           block_ids=[b.tolist() for b in block_ids], remote=remote,
+                           mamba_mode=mamba_mode, num_spec=num_spec))
+
+    def expect_receive(self, request: str, prompt_len: int, block_ids: Sequence[np.ndarray],
+                       prefill_tp: int, *, timeout_s: float | None = None) -> None:
+        self._call(ExpectRecv(rank=self.rank, request=request, prompt_len=prompt_len,
+                              block_ids=[b.tolist() for b in block_ids], prefill_tp=prefill_tp,
+                              timeout_s=timeout_s))
+
+    def begin_step(self, step: int, slices: Sequence[tuple[str, int, int]]) -> None:
+        self._call(BeginStep(rank=self.rank, step=step,
+                             slices=[StepSlice(r, s, e) for r, s, e in slices]))
+
+    def layer_ready(self, step: int, layer: int, event: Event | None = None) -> None:
+        """Signal that ``layer``'s KV of ``step`` is written (after its reshape-cache event)."""
+        del event  # the CPU event is complete; device events are waited on by the sidecar
+        self.client.notify(LayerReady(rank=self.rank, step=step, layer=layer))
+
+    def get_finished(self) -> FinishedRequests:
+        reply = self._call(GetFinished(rank=self.rank))
+        assert isinstance(reply, Finished)
+        return FinishedRequests(reply.sending, reply.recving, reply.failed, reply.bytes,
+                                reply.descriptors)
+
+    def abort(self, request: str, reason: str = "aborted by engine") -> None:
+        self._call(AbortRequest(rank=self.rank, request=request, reason=reason))
+
+    def close(self, unlink: bool = True) -> None:
+        self.client.close()
+        if unlink:
+            self.arena.unlink()
+
+
+__all__ = ["CacheParams", "CpuEvent", "EngineLink", "EngineLinkError", "FinishedRequests"]

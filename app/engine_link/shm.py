@@ -1,0 +1,88 @@
+"""KV memory shared between an engine and its sidecar as POSIX shared memory (CPU).
+
+Segments live in ``/dev/shm`` under names the engine chooses; the sidecar maps them by name and
+registers its own mapping with Mooncake, so peers write straight into the engine's cache.
+``multiprocessing.shared_memory`` is avoided on purpose: on Python 3.11 its resource tracker
+unlinks segments when an *attaching* process exits, which would pull the cache from under a
+live engine when a sidecar restarts.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from app.errors import ConfigError
+
+SHM_DIR = "/dev/shm"
+
+
+def _path(name: str) -> str:
+    if "/" in name or not name:
+        raise ConfigError(f"bad shared-memory name {name!r}: expected a plain file name")
+    return os.path.join(SHM_DIR, name)
+
+
+def _map(fd: int, size: int) -> torch.Tensor:
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+@dataclass
+class ShmArena:
+    """Segments created by one engine rank; ``allocator`` plugs into ``layout.allocate``."""
+
+    prefix: str = field(default_factory=lambda: f"kvs-{secrets.token_hex(4)}")
+    names: list[str] = field(default_factory=list)
+
+    def allocator(self, nbytes: int) -> torch.Tensor:
+        name = f"{self.prefix}-{len(self.names)}"
+        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, nbytes)
+            tensor = _map(fd, nbytes)
+        finally:
+            os.close(fd)
+        self.names.append(name)
+        return tensor
+
+    def unlink(self) -> None:
+        """Remove the names (mappings stay valid until every process drops them)."""
+        for name in self.names:
+            try:
+                os.unlink(_path(name))
+            except FileNotFoundError:
+                pass
+        self.names.clear()
+
+
+def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
+    """An allocator that maps the engine's segments, in the order the engine created them."""
+    queue = list(names)
+
+    def allocate(nbytes: int) -> torch.Tensor:
+        if not queue:
+            raise ConfigError(f"engine registered {len(names)} segments, the layout needs more")
+        name = queue.pop(0)
+        try:
+            fd = os.open(_path(name), os.O_RDWR)
+        except FileNotFoundError:
+            raise ConfigError(f"shared memory {name!r} does not exist; is the engine alive and "
+                              "sharing /dev/shm with the sidecar?") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != nbytes:
+                raise ConfigError(
+                    f"shared memory {name!r} has {size} bytes, the layout expects {nbytes}; "
+                    "engine and sidecar disagree on model, TP or block settings"
+                )
+            return _map(fd, nbytes)
+        finally:
+            os.close(fd)
+
+    return allocate

@@ -1,0 +1,308 @@
+"""A local P/D pair as separate processes: two sidecars and one simulated engine per TP rank.
+
+The driver plays vLLM's scheduler and router: it allocates block ids on both instances, tells
+D's ranks what to expect, hands P's ranks the requests with D's address and block ids, and
+collects what D verified. Used by ``kv-sidecar demo``, the benchmarks and the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from app.engine_link.client import CacheParams
+from app.errors import DeadlineExceeded, KVSidecarError
+from app.kvcache.groups import build_cache_config
+from app.kvcache.presets import load_preset
+from app.sim.engine import Command, SimRequest
+from app.sim.reference import BlockAllocator, blocks_needed
+from app.transfer.planner import MambaMode
+from app.transfer.protocol import RemoteTarget
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Side:
+    """One instance: its sidecar process, engine processes and driver sockets."""
+
+    role: str
+    tp: int
+    params: CacheParams
+    control_port: int
+    admin_port: int
+    engine_id: str
+    sidecar: subprocess.Popen[bytes] | None = None
+    engines: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    sockets: list[zmq.Socket[bytes]] = field(default_factory=list)
+    endpoints: list[str] = field(default_factory=list)
+    info: list[dict[str, Any]] = field(default_factory=list)
+    ipc: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    allocator: BlockAllocator | None = None
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+
+@dataclass
+class ClusterSpec:
+    model: str = "qwen3-next-80b-a3b"
+    layers: int | None = 4
+    prefill_tp: int = 2
+    decode_tp: int = 1
+    block_size: int | None = None
+    layout: str = "per_layer"
+    kv_layout: str = "HND"
+    heads_major: bool = False
+    max_requests: int = 8
+    max_prompt: int = 1024
+    num_spec: int = 0
+    log_dir: str | None = None
+    sidecar_env: dict[str, str] = field(default_factory=dict)
+    prefill_env: dict[str, str] = field(default_factory=dict)
+    decode_env: dict[str, str] = field(default_factory=dict)
+
+
+class Cluster:
+    """Start with ``with Cluster(spec) as c:``; every process is stopped on exit."""
+
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.tmp = tempfile.mkdtemp(prefix="kvs-demo-", dir="/dev/shm")
+        self.ctx = zmq.Context()
+        model = load_preset(spec.model, layers=spec.layers)
+        bs = spec.block_size or max(
+            k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None)
+        lens = [spec.max_prompt] * spec.max_requests
+        self.sides: dict[str, Side] = {}
+        for role, tp in (("decode", spec.decode_tp), ("prefill", spec.prefill_tp)):
+            nb = blocks_needed(model, tp, bs, lens, spec.num_spec)
+            params = CacheParams(spec.model, tp, bs, nb, layers=spec.layers,
+                                 layout_mode=spec.layout, kv_layout=spec.kv_layout,
+                                 heads_major=spec.heads_major)
+            side = Side(role, tp, params, free_port(), free_port(), f"{role}-{os.getpid()}")
+            side.allocator = BlockAllocator(build_cache_config(model, tp, bs, num_blocks=nb),
+                                            seed=1 if role == "decode" else 0)
+            self.sides[role] = side
+        self.log_dir = Path(spec.log_dir or self.tmp)
+
+    # ---- processes -------------------------------------------------------------------------
+
+    def __enter__(self) -> Cluster:
+        try:
+            for side in self.sides.values():
+                self.start_side(side)
+            for side in self.sides.values():
+                self.wait_ready(side)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start_side(self, side: Side) -> None:
+        """Start (or restart) one instance's sidecar and engines."""
+        side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
+        env = dict(os.environ)
+        env.update({
+            "KVSIDECAR_ROLE": side.role, "KVSIDECAR_ENGINE_ID": side.engine_id,
+            "KVSIDECAR_RANKS": ",".join(map(str, range(side.tp))),
+            "KVSIDECAR_TP_SIZE": str(side.tp), "KVSIDECAR_MODEL": self.spec.model,
+            "KVSIDECAR_CONTROL_PORT": str(side.control_port),
+            "KVSIDECAR_ADMIN_PORT": str(side.admin_port), "KVSIDECAR_ENGINE_IPC": side.ipc,
+            "KVSIDECAR_LOG_LEVEL": "warning", "MC_FORCE_TCP": "1",
+            "KVSIDECAR_SEND_TIMEOUT_S": "30", "KVSIDECAR_RECV_TIMEOUT_S": "30",
+        })
+        env.update(self.spec.sidecar_env)
+        env.update(self.spec.prefill_env if side.role == "prefill" else self.spec.decode_env)
+        side.env = env
+        log = open(self.log_dir / f"{side.role}-sidecar.log", "ab")  # noqa: SIM115
+        side.sidecar = subprocess.Popen([sys.executable, "-m", "app", "serve"], env=env,
+                                        stdout=log, stderr=subprocess.STDOUT)
+        side.engines, side.sockets, side.endpoints = [], [], []
+        for rank in range(side.tp):
+            endpoint = f"ipc://{self.tmp}/{side.role}-driver-{rank}.sock"
+            elog = open(self.log_dir / f"{side.role}-engine-{rank}.log", "ab")  # noqa: SIM115
+            side.engines.append(subprocess.Popen(
+                [sys.executable, "-m", "app.sim.engine", "--sidecar", side.ipc,
+                 "--driver", endpoint, "--engine-id", side.engine_id, "--rank", str(rank),
+                 "--params", msgspec.json.encode(side.params).decode()],
+                env=env, stdout=elog, stderr=subprocess.STDOUT))
+            side.endpoints.append(endpoint)
+
+    def _socket(self, side: Side, rank: int) -> zmq.Socket[bytes]:
+        while len(side.sockets) <= rank:
+            sock = self.ctx.socket(zmq.REQ)
+            sock.linger = 0
+            sock.setsockopt(zmq.REQ_RELAXED, 1)
+            sock.setsockopt(zmq.REQ_CORRELATE, 1)
+            sock.connect(side.endpoints[len(side.sockets)])
+            side.sockets.append(sock)
+        return side.sockets[rank]
+
+    def wait_ready(self, side: Side, timeout: float = 90.0) -> None:
+        side.info = [self.call(side, r, Command(cmd="info"), timeout) for r in range(side.tp)]
+
+    def send(self, side: Side, rank: int, cmd: Command) -> None:
+        self._socket(side, rank).send(msgspec.json.encode(cmd))
+
+    def recv(self, side: Side, rank: int, timeout: float) -> dict[str, Any]:
+        sock = self._socket(side, rank)
+        deadline = time.monotonic() + timeout
+        while not sock.poll(100):
+            self._check_alive(side)
+            if time.monotonic() > deadline:
+                raise DeadlineExceeded(f"{side.role} engine rank {rank} did not answer within "
+                                       f"{timeout:.0f}s; see its log in {self.log_dir}")
+        out: dict[str, Any] = msgspec.json.decode(sock.recv())
+        if "error" in out:
+            raise KVSidecarError(f"{side.role} engine rank {rank}: {out['error']}")
+        return out
+
+    def call(self, side: Side, rank: int, cmd: Command, timeout: float) -> dict[str, Any]:
+        self.send(side, rank, cmd)
+        return self.recv(side, rank, timeout)
+
+    def _check_alive(self, side: Side) -> None:
+        for p in [side.sidecar, *side.engines]:
+            if p is not None and p.poll() is not None and p.returncode not in (0, -9, -15):
+                raise KVSidecarError(f"a {side.role} process exited with status {p.returncode}; "
+                                     f"see the logs in {self.log_dir}")
+
+    def kill_side(self, side: Side, sig: int = signal.SIGKILL) -> None:
+        for p in [*side.engines, side.sidecar]:
+            if p is not None and p.poll() is None:
+                p.send_signal(sig)
+        for p in [*side.engines, side.sidecar]:
+            if p is not None:
+                p.wait(10)
+        for s in side.sockets:
+            s.close(0)
+        side.sockets = []
+
+    def close(self) -> None:
+        for side in self.sides.values():
+            for rank, p in enumerate(side.engines):
+                if p.poll() is None and rank < len(side.sockets):
+                    try:
+                        self.send(side, rank, Command(cmd="exit"))
+                    except zmq.ZMQError:
+                        pass
+        for side in self.sides.values():
+            for p in [*side.engines, side.sidecar]:
+                if p is None or p.poll() is not None:
+                    continue
+                p.send_signal(signal.SIGTERM)
+        for side in self.sides.values():
+            for p in [*side.engines, side.sidecar]:
+                if p is None:
+                    continue
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        self.ctx.destroy(0)
+        for f in Path(self.tmp).glob("*.sock"):
+            f.unlink(missing_ok=True)
+
+    # ---- requests --------------------------------------------------------------------------
+
+    def make_requests(self, prompt_lens: Sequence[int], prefix: str = "req", *,
+                      mamba_mode: MambaMode = MambaMode.NONE) -> list[tuple[SimRequest,
+                                                                             SimRequest]]:
+        """(prefill, decode) request pairs with block ids allocated on both instances."""
+        p, d = self.sides["prefill"], self.sides["decode"]
+        assert p.allocator is not None and d.allocator is not None
+        out = []
+        for i, n in enumerate(prompt_lens):
+            rid = f"{prefix}-{i}"
+            pb = p.allocator.allocate_request(n, decode=False, mamba_mode=mamba_mode,
+                                              num_spec=self.spec.num_spec)
+            db = d.allocator.allocate_request(n, decode=True, mamba_mode=mamba_mode,
+                                              num_spec=self.spec.num_spec)
+            target = RemoteTarget("127.0.0.1", d.control_port, d.engine_id, d.info[0]["epoch"],
+                                  d.tp, [b.tolist() for b in db])
+            out.append((SimRequest(rid, n, [b.tolist() for b in pb], target),
+                        SimRequest(rid, n, [b.tolist() for b in db])))
+        return out
+
+    def release(self, pairs: Sequence[tuple[SimRequest, SimRequest]]) -> None:
+        p, d = self.sides["prefill"], self.sides["decode"]
+        assert p.allocator is not None and d.allocator is not None
+        for pr, dr in pairs:
+            p.allocator.release([np.asarray(b) for b in pr.blocks])
+            d.allocator.release([np.asarray(b) for b in dr.blocks])
+
+    def run(self, pairs: Sequence[tuple[SimRequest, SimRequest]], *, chunk: int | None = None,
+            compute_ms: float = 0.0, timeout_s: float = 30.0, bulk: bool = False,
+            mamba_mode: MambaMode = MambaMode.NONE) -> dict[str, Any]:
+        """Expect at D, prefill at P (all ranks at once), wait and verify at D."""
+        p, d = self.sides["prefill"], self.sides["decode"]
+        common = {"chunk": chunk, "compute_ms": compute_ms, "timeout_s": timeout_s,
+                  "mamba_mode": mamba_mode.value, "num_spec": self.spec.num_spec, "bulk": bulk,
+                  "prefill_tp": p.tp}
+        d_reqs = [dr for _, dr in pairs]
+        expect = [self.call(d, r, Command(cmd="expect", requests=d_reqs, **common), 30)
+                  for r in range(d.tp)]
+        t0 = time.monotonic()
+        for r in range(p.tp):
+            self.send(p, r, Command(cmd="prefill", requests=[pr for pr, _ in pairs], **common))
+        for r in range(d.tp):
+            self.send(d, r, Command(cmd="wait", requests=d_reqs, **common))
+        prefill = [self.recv(p, r, timeout_s + 30) for r in range(p.tp)]
+        decode = [self.recv(d, r, timeout_s + 30) for r in range(d.tp)]
+        return {"expect": expect, "prefill": prefill, "decode": decode, "started": t0}
+
+
+def summarize(result: dict[str, Any], pairs: Sequence[tuple[SimRequest, SimRequest]],
+              bytes_before: int = 0, desc_before: int = 0) -> dict[str, Any]:
+    """One line of numbers for a run: requests verified on every D rank, bytes, GB/s."""
+    ids = [pr.id for pr, _ in pairs]
+    decode, prefill = result["decode"], result["prefill"]
+    verified = [i for i in ids if all(i in r["verified"] for r in decode)]
+    failed = {}
+    for r in [*decode, *prefill]:
+        for rid, f in r["failed"].items():
+            failed.setdefault(rid, f)
+    for r in decode:
+        for rid, problems in r["problems"].items():
+            failed.setdefault(rid, {"status": "CORRUPT", "error": "; ".join(problems[:3]),
+                                    "blocks": []})
+    nbytes = sum(r["bytes"] for r in prefill) - bytes_before
+    desc = sum(r["descriptors"] for r in prefill) - desc_before
+    end = max([r["arrived_at"] for r in decode] or [result["started"]])
+    last_layer = max([r["last_layer_at"] for r in prefill] or [result["started"]])
+    seconds = max(1e-9, end - result["started"])
+    return {
+        "requests": len(ids),
+        "verified": len(verified),
+        "failed": len(failed),
+        "failures": failed,
+        "bytes": nbytes,
+        "seconds": round(seconds, 4),
+        "gbps": round(nbytes / seconds / 1e9, 4),
+        "descriptors": desc,
+        "exposed_ms": round(max(0.0, end - last_layer) * 1e3, 3),
+    }

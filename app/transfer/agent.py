@@ -1,0 +1,228 @@
+"""The sidecar's state for one engine rank: its layout, its requests, its stream thread.
+
+Send side (prefill): a request is admitted with D's block ids, planned layer by layer on the
+stream thread as the engine signals layers, and ends DONE when every D rank it wrote to acked its
+``Done``; FAILED on a write error, a nack or a missing ack; ABORTED; or EXPIRED at its deadline.
+Receive side (decode): a request is expected with its manifest (which P ranks deliver which
+groups), and ends DONE when every sender reported OK, FAILED when one reported a failure,
+ABORTED, or EXPIRED at its deadline. Either way the engine hears of it exactly once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from app.devices import CpuEvent, Event
+from app.errors import DeadlineExceeded, KVSidecarError, TransferError
+from app.kvcache.desc import LayoutDesc
+from app.kvcache.layout import RankLayout
+from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
+from app.transfer.protocol import FailedRequest, Status
+from app.transfer.tp_mapping import senders
+
+log = logging.getLogger(__name__)
+
+Blocks = tuple[np.ndarray, ...]
+
+
+def receive_manifest(local: LayoutDesc, prefill_tp: int) -> dict[int, frozenset[int]]:
+    """P rank -> groups it must deliver to this D rank (pure; from both TP sizes)."""
+    out: dict[int, set[int]] = {}
+    kinds = {r.group: r.kind for r in local.regions}
+    for pl in local.placements:
+        for pc in pl.pieces:
+            for p in senders(kinds[pl.group], local.rank, pc.unit_first, pc.unit_count, pc.units,
+                             prefill_tp, local.tp):
+                out.setdefault(p, set()).add(pl.group)
+    return {p: frozenset(g) for p, g in out.items()}
+
+
+@dataclass
+class GroupProgress:
+    layers_sent: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+
+
+@dataclass
+class Request:
+    """Common to both sides."""
+
+    id: str
+    rank: int
+    prompt_len: int
+    blocks: Blocks
+    deadline: float
+    peer: str
+    created: float = field(default_factory=time.monotonic)
+    state: Status = Status.PENDING
+    error: str = ""
+    bytes: int = 0
+    reported: bool = False
+    finished_at: float | None = None
+    groups: dict[int, GroupProgress] = field(default_factory=dict)
+
+    def finish(self, state: Status, error: str = "") -> bool:
+        """Move to a terminal state once; later calls are ignored (first cause wins)."""
+        if self.state.terminal:
+            return False
+        self.state, self.error = state, error
+        self.finished_at = time.monotonic()
+        return True
+
+
+@dataclass
+class SendRequest(Request):
+    d_blocks: Blocks = ()
+    target_epoch: str = ""
+    mamba_mode: MambaMode = MambaMode.NONE
+    num_spec: int = 0
+    final_layers_left: int = -1
+    inflight: int = 0  # writes reading this request's P blocks right now (the pin)
+    d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
+
+
+@dataclass
+class RecvRequest(Request):
+    manifest: dict[int, frozenset[int]] = field(default_factory=dict)
+    delivered: dict[int, Status] = field(default_factory=dict)
+
+
+@dataclass
+class GroupStats:
+    transfers_ok: int = 0
+    transfers_failed: int = 0
+    bytes: int = 0
+    descriptors: int = 0
+    layers_sent: int = 0
+    done: int = 0
+
+
+@dataclass
+class LayerTask:
+    step: int
+    layer: int
+    event: Event
+    batches: list[tuple[str, PairPlanner, list[StepRequest]]]  # (peer te_session, planner, reqs)
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class LayerResult:
+    step: int
+    layer: int
+    group: int
+    ok: list[str]
+    failed: dict[str, str]
+    req_bytes: dict[str, int]
+    bytes: int
+    descriptors: int
+    blocks: int
+    latency_s: float
+
+
+Writer = Callable[[str, np.ndarray, np.ndarray, np.ndarray], None]
+
+
+class StreamThread:
+    """One per device: waits for each layer's event, plans it, submits one batch per peer."""
+
+    def __init__(self, name: str, depth: int, writer: Writer,
+                 on_result: Callable[[LayerResult], None],
+                 is_live: Callable[[str], bool], pin: Callable[[Sequence[str], int], None]) -> None:
+        self.queue: queue.Queue[LayerTask | None] = queue.Queue(maxsize=depth)
+        self._writer, self._on_result, self._is_live, self._pin = writer, on_result, is_live, pin
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def put(self, task: LayerTask, timeout: float) -> None:
+        """Blocks while the queue is full (back-pressure on the engine), up to ``timeout``."""
+        try:
+            self.queue.put(task, timeout=timeout)
+        except queue.Full:
+            raise DeadlineExceeded(
+                f"stream queue full for {timeout}s: transfers are slower than the forward pass"
+            ) from None
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (task := self.queue.get()) is not None:
+            try:
+                task.event.synchronize()
+                for session, planner, steps in task.batches:
+                    self._submit(task, session, planner, steps)
+            except Exception:  # the thread must outlive any one bad task
+                log.exception("stream thread failed on step %s layer %s", task.step, task.layer)
+
+    def _submit(self, task: LayerTask, session: str, planner: PairPlanner,
+                steps: list[StepRequest]) -> None:
+        live = [s for s in steps if self._is_live(s.request_id)]
+        if not live:
+            return
+        t0 = time.monotonic()
+        plan = planner.plan_layer(task.layer, live)
+        ids = [s.request_id for s in live if s.request_id not in plan.failed]
+        descs = Descriptors.concat(list(plan.per_peer.values()))
+        failed = dict(plan.failed)
+        if descs.count:
+            self._pin(ids, +1)
+            try:
+                self._writer(session, descs.src, descs.dst, descs.length)
+            except (TransferError, KVSidecarError) as e:
+                failed.update({i: f"layer {task.layer}: {e}" for i in ids})
+                ids = []
+            finally:
+                self._pin([s.request_id for s in live if s.request_id not in plan.failed], -1)
+        self._on_result(LayerResult(
+            task.step, task.layer, plan.group, ids, failed, plan.req_bytes, descs.nbytes,
+            descs.count, sum(plan.blocks.values()), time.monotonic() - t0))
+
+
+class Agent:
+    """One engine rank's KV cache, requests and counters."""
+
+    def __init__(self, layout: RankLayout, desc: LayoutDesc, engine_id: str) -> None:
+        self.layout = layout
+        self.desc = desc
+        self.engine_id = engine_id
+        self.rank = desc.rank
+        self.sends: dict[str, SendRequest] = {}
+        self.recvs: dict[str, RecvRequest] = {}
+        self.steps: dict[int, list[tuple[str, int, int]]] = {}
+        self.groups = {g.index: GroupStats() for g in desc.groups}
+        self.stream: StreamThread | None = None
+        self.history: list[Request] = []  # recently ended, for the admin API
+
+    def request(self, rid: str) -> Request | None:
+        return self.sends.get(rid) or self.recvs.get(rid)
+
+    def all_requests(self) -> list[Request]:
+        return [*self.sends.values(), *self.recvs.values()]
+
+    def finished(self) -> tuple[list[str], list[str], list[FailedRequest]]:
+        """Terminal requests not yet reported, unpinned; each is reported once."""
+        sending, recving, failed = [], [], []
+        for table, done in ((self.sends, sending), (self.recvs, recving)):
+            for rid, req in list(table.items()):
+                if not req.state.terminal or (isinstance(req, SendRequest) and req.inflight):
+                    continue
+                if req.state is Status.DONE:
+                    done.append(rid)
+                else:
+                    failed.append(FailedRequest(rid, req.state, [b.tolist() for b in req.blocks],
+                                                req.error))
+                req.reported = True
+                del table[rid]
+                self.history.append(req)
+        del self.history[:-256]
+        return sending, recving, failed

@@ -1,0 +1,465 @@
+"""ZMQ request/response plane (DESIGN §4): sidecar <-> sidecar and engine <-> sidecar.
+
+One ``ControlServer`` (a ROUTER) serves the peer control port (``tcp://``) and another the
+engines' socket (``ipc://``). ``PeerClient`` (asyncio DEALER) talks to a remote sidecar;
+``SyncClient`` (blocking DEALER) is for engine workers, which are synchronous code.
+
+Framing, fixed:
+
+- A client sends two frames ``[corr_id, payload]``: ``corr_id`` is 8 bytes (a big-endian
+  per-client counter starting at 1) and ``payload`` is ``protocol.encode(msg)``.
+- The server's ROUTER sees ``[identity, corr_id, payload]`` and answers
+  ``[identity, corr_id, reply_payload]``; the client's DEALER sees ``[corr_id, reply_payload]``.
+- ``corr_id`` of 8 zero bytes (``ONE_WAY``) marks a one-way message: the server never answers
+  it, whatever the handler returns, even when it is malformed or the handler raises (those are
+  counted and logged). Engines send their high-rate ``LayerReady`` this way.
+- A frame that does not fit (wrong frame count, ``corr_id`` not 8 bytes, a payload that does not
+  decode, an unknown version) is counted in ``rejected`` and answered with ``Error(reason)``
+  under the sender's ``corr_id`` when it has one, else under an empty ``corr_id`` frame (which a
+  ``PeerClient`` drops as unknown and a raw socket can still read).
+- A handler that raises is answered with ``Error(reason=str(exc))``; a handler that returns
+  ``None`` to a request (not one-way) is answered with ``Error`` too, so the caller fails now
+  instead of at its deadline.
+
+Replies are matched by ``corr_id`` only, so one client may have many requests in flight; a reply
+that comes after its request's deadline is dropped and counted. A request sent while the peer is
+down waits in the DEALER's queue (no ``IMMEDIATE``) and goes out when the peer comes up, even if
+its deadline has passed by then; the late reply is dropped like any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import zmq
+import zmq.asyncio
+
+from app.errors import ConfigError, DeadlineExceeded, KVSidecarError, ProtocolError
+from app.transfer.protocol import AnyMsg, Error, Msg, decode, encode
+
+__all__ = [
+    "ONE_WAY",
+    "ClientClosed",
+    "ControlServer",
+    "Handler",
+    "PeerClient",
+    "SyncClient",
+]
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[AnyMsg, bytes], Awaitable[Msg | None]]
+"""``(message, peer identity) -> reply``; ``None`` means no reply (one-way messages)."""
+
+ONE_WAY = b"\x00" * 8
+_CORR = struct.Struct(">Q")
+# A stuck peer should not hold an async notify forever, but a busy one gets a while to drain.
+_NOTIFY_TIMEOUT_S = 5.0
+# Engines must not stall the forward pass for long on a sidecar that stopped reading.
+_SYNC_NOTIFY_TIMEOUT_S = 1.0
+
+
+class ClientClosed(KVSidecarError):
+    """The client was closed while a request was waiting for its reply."""
+
+
+class _Throttle:
+    """At most one log line per ``interval`` seconds; says how many were held back."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self._interval = interval
+        self._next = 0.0
+        self._suppressed = 0
+
+    def allow(self) -> int | None:
+        """Number of lines suppressed since the last one allowed, or None to stay quiet."""
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return None
+        self._next = now + self._interval
+        held, self._suppressed = self._suppressed, 0
+        return held
+
+
+def _corr_ids() -> Callable[[], bytes]:
+    counter = itertools.count(1)  # 0 is ONE_WAY
+    return lambda: _CORR.pack(next(counter))
+
+
+def _ipc_prepare(endpoint: str) -> None:
+    path = endpoint.removeprefix("ipc://")
+    if path.startswith("@"):  # Linux abstract namespace: no file
+        return
+    if len(path.encode()) > zmq.IPC_PATH_MAX_LEN:
+        raise ConfigError(
+            f"IPC path {path!r} is longer than the {zmq.IPC_PATH_MAX_LEN} bytes a Unix socket "
+            "allows; choose a shorter directory"
+        )
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+
+
+class ControlServer:
+    """ROUTER that decodes each frame and answers through ``handler``, one task per message.
+
+    At most ``max_inflight`` handlers run at once; past that the receive loop stops reading, so
+    a flood backs up into ZMQ's bounded queues instead of this process's memory.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        handler: Handler,
+        *,
+        name: str = "control",
+        max_inflight: int = 256,
+    ) -> None:
+        if max_inflight < 1:
+            raise ConfigError(f"{name}: max_inflight must be >= 1, got {max_inflight}")
+        self._ctx = ctx
+        self._endpoint = endpoint
+        self._handler = handler
+        self.name = name
+        self._sem = asyncio.Semaphore(max_inflight)
+        self._sock: zmq.asyncio.Socket | None = None
+        self._loop_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._throttle = _Throttle()
+        self.endpoint: str | None = None
+        self.frames = 0
+        self.replies = 0
+        self.rejected = 0
+        self.handler_errors = 0
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "frames": self.frames,
+            "replies": self.replies,
+            "rejected": self.rejected,
+            "handler_errors": self.handler_errors,
+        }
+
+    @property
+    def port(self) -> int | None:
+        """The bound TCP port (the real one after binding port 0); None for IPC or before start."""
+        if self.endpoint is None or not self.endpoint.startswith("tcp://"):
+            return None
+        return int(self.endpoint.rsplit(":", 1)[1])
+
+    async def start(self) -> str:
+        """Bind and start serving; returns the actual endpoint (ephemeral port resolved)."""
+        if self._sock is not None:
+            raise RuntimeError(f"{self.name}: already started on {self.endpoint}")
+        if self._endpoint.startswith("ipc://"):
+            _ipc_prepare(self._endpoint)
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(self._endpoint)
+        except zmq.ZMQError as e:
+            sock.close(linger=0)
+            raise ConfigError(f"{self.name}: cannot bind {self._endpoint}: {e}") from None
+        # LAST_ENDPOINT carries the port the OS chose for "tcp://host:0" or "tcp://host:*".
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._serve(sock), name=f"{self.name}-recv"
+        )
+        log.info("%s: serving on %s", self.name, self.endpoint)
+        return self.endpoint
+
+    async def stop(self) -> None:
+        """Stop reading, cancel running handlers (no replies for them), close the socket."""
+        tasks = [t for t in (self._loop_task, *self._tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._loop_task = None
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart()
+            self.frames += 1
+            try:
+                await self._dispatch(sock, frames)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Whatever one frame does, the loop keeps serving the others.
+                log.exception("%s: unexpected error handling a frame", self.name)
+
+    async def _dispatch(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 3 or len(frames[1]) != 8:
+            corr = frames[1] if len(frames) >= 3 and len(frames[1]) == 8 else b""
+            reason = (
+                f"expected frames [corr_id(8 bytes), payload], got {len(frames) - 1} frame(s) "
+                f"of {[len(f) for f in frames[1:]]} bytes"
+            )
+            await self._reject(sock, identity, corr, reason)
+            return
+        corr, payload = frames[1], frames[2]
+        try:
+            msg = decode(payload)
+        except ProtocolError as e:
+            await self._reject(sock, identity, corr, str(e))
+            return
+        await self._sem.acquire()
+        task = asyncio.get_running_loop().create_task(
+            self._handle(sock, identity, corr, msg), name=f"{self.name}-{type(msg).__name__}"
+        )
+        self._tasks.add(task)
+        # A callback, not a finally: a task cancelled before its first step never runs its body.
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._sem.release()
+
+    async def _reject(
+        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reason: str
+    ) -> None:
+        self.rejected += 1
+        held = self._throttle.allow()
+        if held is not None:
+            more = f" ({held} similar suppressed)" if held else ""
+            log.warning("%s: rejected a frame from %r: %s%s", self.name, identity, reason, more)
+        if corr != ONE_WAY:
+            await self._send(sock, identity, corr, Error(reason=reason))
+
+    async def _handle(
+        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, msg: AnyMsg
+    ) -> None:
+        kind = type(msg).__name__
+        reply: Msg | None
+        try:
+            reply = await self._handler(msg, identity)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.handler_errors += 1
+            log.warning("%s: handler failed on %s from %r: %r", self.name, kind, identity, exc)
+            reply = Error(reason=str(exc) or type(exc).__name__)
+        if corr == ONE_WAY:
+            return
+        if reply is None:
+            self.handler_errors += 1
+            log.warning("%s: handler returned no reply to request %s", self.name, kind)
+            reply = Error(reason=f"{self.name}: no reply to {kind}")
+        await self._send(sock, identity, corr, reply)
+
+    async def _send(
+        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reply: Msg
+    ) -> None:
+        try:
+            payload = encode(reply)
+        except Exception as e:  # a handler returned something that is not a wire message
+            self.handler_errors += 1
+            payload = encode(Error(reason=f"{self.name}: reply does not encode: {e}"))
+        # ROUTER never blocks on send: a peer that left or is over its HWM just loses the reply.
+        await sock.send_multipart([identity, corr, payload])
+        self.replies += 1
+
+
+class PeerClient:
+    """Asyncio DEALER to one endpoint; many requests may be in flight. Event loop only."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._next_corr = _corr_ids()
+        self._pending: dict[bytes, asyncio.Future[AnyMsg]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._closed = False
+        self.requests = 0
+        self.notifies = 0
+        self.replies = 0
+        self.dropped = 0
+        self.malformed = 0
+
+    def counters(self) -> dict[str, int]:
+        return {
+            "requests": self.requests,
+            "notifies": self.notifies,
+            "replies": self.replies,
+            "dropped": self.dropped,
+            "malformed": self.malformed,
+        }
+
+    async def request(self, msg: Msg, timeout: float) -> AnyMsg:
+        """Send ``msg`` and wait for its reply; ``Error`` replies are returned, not raised."""
+        self._check_open()
+        if self._reader is None:
+            self._reader = asyncio.get_running_loop().create_task(
+                self._read(), name=f"peer-reader-{self.endpoint}"
+            )
+        corr = self._next_corr()
+        fut: asyncio.Future[AnyMsg] = asyncio.get_running_loop().create_future()
+        self._pending[corr] = fut
+        self.requests += 1
+        try:
+            # The send is inside the deadline too: it waits while the queue to the peer is full.
+            async with asyncio.timeout(timeout):
+                await self._sock.send_multipart([corr, encode(msg)])
+                return await fut
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"no reply from {self.endpoint} to {type(msg).__name__} within {timeout}s"
+            ) from None
+        finally:
+            self._pending.pop(corr, None)
+
+    async def notify(self, msg: Msg, *, timeout: float = _NOTIFY_TIMEOUT_S) -> None:
+        """Send ``msg`` one-way; waits only while the queue to the peer is full."""
+        self._check_open()
+        try:
+            async with asyncio.timeout(timeout):
+                await self._sock.send_multipart([ONE_WAY, encode(msg)])
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"could not queue {type(msg).__name__} to {self.endpoint} within {timeout}s"
+            ) from None
+        self.notifies += 1
+
+    async def close(self) -> None:
+        """Fail waiting requests with ``ClientClosed`` and close the socket."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(ClientClosed(f"client to {self.endpoint} closed"))
+        self._pending.clear()
+        self._sock.close(linger=0)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"client to {self.endpoint} is closed")
+
+    async def _read(self) -> None:
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 2:
+                self.malformed += 1
+                log.warning("reply from %s has %d frames, not 2", self.endpoint, len(frames))
+                continue
+            corr, payload = frames
+            fut = self._pending.get(corr)
+            if fut is None or fut.done():
+                self.dropped += 1  # late (past its deadline) or not ours
+                continue
+            try:
+                fut.set_result(decode(payload))
+                self.replies += 1
+            except ProtocolError as e:
+                self.malformed += 1
+                fut.set_exception(ProtocolError(f"reply from {self.endpoint}: {e}"))
+
+
+class SyncClient:
+    """Blocking DEALER for engine workers. Use from one thread only (ZMQ sockets are not
+    thread-safe); create it in the process that uses it, after any fork.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ctx: zmq.Context | None = None,
+        notify_timeout: float = _SYNC_NOTIFY_TIMEOUT_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self._own_ctx = ctx is None
+        if ctx is None:
+            ctx = zmq.Context()
+        elif isinstance(ctx, zmq.asyncio.Context):
+            # An asyncio context would hand out asyncio sockets; share its I/O threads instead.
+            ctx = zmq.Context.shadow(ctx.underlying)
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._notify_timeout = notify_timeout
+        self._next_corr = _corr_ids()
+        self._closed = False
+        self.requests = 0
+        self.notifies = 0
+        self.dropped = 0
+
+    def counters(self) -> dict[str, int]:
+        return {"requests": self.requests, "notifies": self.notifies, "dropped": self.dropped}
+
+    def request(self, msg: Msg, timeout: float) -> AnyMsg:
+        """Send ``msg`` and block for its reply; ``Error`` replies are returned, not raised."""
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        corr = self._next_corr()
+        self.requests += 1
+        what = type(msg).__name__
+        err = f"no reply from {self.endpoint} to {what} within {timeout}s"
+        self._send([corr, encode(msg)], deadline, err)
+        while True:
+            if not self._wait(zmq.POLLIN, deadline):
+                raise DeadlineExceeded(err)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 2 or frames[0] != corr:
+                self.dropped += 1  # a late reply to an earlier request that timed out
+                continue
+            try:
+                return decode(frames[1])
+            except ProtocolError as e:
+                raise ProtocolError(f"reply from {self.endpoint}: {e}") from None
+
+    def notify(self, msg: Msg) -> None:
+        """Send ``msg`` one-way. Returns at once unless the queue to the sidecar is full; then
+        waits up to ``notify_timeout`` and raises ``DeadlineExceeded``.
+        """
+        self._check_open()
+        err = (
+            f"could not queue {type(msg).__name__} to {self.endpoint} within "
+            f"{self._notify_timeout}s: the sidecar is not reading"
+        )
+        self._send([ONE_WAY, encode(msg)], time.monotonic() + self._notify_timeout, err)
+        self.notifies += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"client to {self.endpoint} is closed")
+
+    def _send(self, frames: list[bytes], deadline: float, err: str) -> None:
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not self._wait(zmq.POLLOUT, deadline):
+                    raise DeadlineExceeded(err) from None
+
+    def _wait(self, event: int, deadline: float) -> bool:
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        return bool(self._sock.poll(remaining_ms, event))
