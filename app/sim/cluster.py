@@ -140,49 +140,47 @@ class Cluster:
         log = open(self.log_dir / f"{side.role}-sidecar.log", "ab")  # noqa: SIM115
         side.sidecar = subprocess.Popen([sys.executable, "-m", "app", "serve"], env=env,
                                         stdout=log, stderr=subprocess.STDOUT)
-        side.engines, side.sockets, side.endpoints = [], [], []
-        for rank in range(side.tp):
-            endpoint = f"ipc://{self.tmp}/{side.role}-driver-{rank}.sock"
-            elog = open(self.log_dir / f"{side.role}-engine-{rank}.log", "ab")  # noqa: SIM115
-            side.engines.append(subprocess.Popen(
-                [sys.executable, "-m", "app.sim.engine", "--sidecar", side.ipc,
-                 "--driver", endpoint, "--engine-id", side.engine_id, "--rank", str(rank),
-                 "--params", msgspec.json.encode(side.params).decode()],
-                env=env, stdout=elog, stderr=subprocess.STDOUT))
-            side.endpoints.append(endpoint)
+        endpoint = f"ipc://{self.tmp}/{side.role}-driver.sock"
+        elog = open(self.log_dir / f"{side.role}-engine.log", "ab")  # noqa: SIM115
+        side.engines = [subprocess.Popen(
+            [sys.executable, "-m", "app.sim.engine", "--sidecar", side.ipc, "--driver", endpoint,
+             "--engine-id", side.engine_id, "--ranks", ",".join(map(str, range(side.tp))),
+             "--params", msgspec.json.encode(side.params).decode()],
+            env=env, stdout=elog, stderr=subprocess.STDOUT)]
+        side.endpoints, side.sockets = [endpoint], []
 
-    def _socket(self, side: Side, rank: int) -> zmq.Socket[bytes]:
-        while len(side.sockets) <= rank:
+    def _socket(self, side: Side) -> zmq.Socket[bytes]:
+        if not side.sockets:
             sock = self.ctx.socket(zmq.REQ)
             sock.linger = 0
             sock.setsockopt(zmq.REQ_RELAXED, 1)
             sock.setsockopt(zmq.REQ_CORRELATE, 1)
-            sock.connect(side.endpoints[len(side.sockets)])
+            sock.connect(side.endpoints[0])
             side.sockets.append(sock)
-        return side.sockets[rank]
+        return side.sockets[0]
 
     def wait_ready(self, side: Side, timeout: float = 90.0) -> None:
-        side.info = [self.call(side, r, Command(cmd="info"), timeout) for r in range(side.tp)]
+        side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
 
-    def send(self, side: Side, rank: int, cmd: Command) -> None:
-        self._socket(side, rank).send(msgspec.json.encode(cmd))
+    def send(self, side: Side, cmd: Command) -> None:
+        self._socket(side).send(msgspec.json.encode(cmd))
 
-    def recv(self, side: Side, rank: int, timeout: float) -> dict[str, Any]:
-        sock = self._socket(side, rank)
+    def recv(self, side: Side, timeout: float) -> dict[str, Any]:
+        sock = self._socket(side)
         deadline = time.monotonic() + timeout
         while not sock.poll(100):
             self._check_alive(side)
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{side.role} engine rank {rank} did not answer within "
+                raise DeadlineExceeded(f"{side.role} engines did not answer within "
                                        f"{timeout:.0f}s; see its log in {self.log_dir}")
         out: dict[str, Any] = msgspec.json.decode(sock.recv())
         if "error" in out:
-            raise KVSidecarError(f"{side.role} engine rank {rank}: {out['error']}")
+            raise KVSidecarError(f"{side.role} engines: {out['error']}")
         return out
 
-    def call(self, side: Side, rank: int, cmd: Command, timeout: float) -> dict[str, Any]:
-        self.send(side, rank, cmd)
-        return self.recv(side, rank, timeout)
+    def call(self, side: Side, cmd: Command, timeout: float) -> dict[str, Any]:
+        self.send(side, cmd)
+        return self.recv(side, timeout)
 
     def _check_alive(self, side: Side) -> None:
         for p in [side.sidecar, *side.engines]:
@@ -203,12 +201,11 @@ class Cluster:
 
     def close(self) -> None:
         for side in self.sides.values():
-            for rank, p in enumerate(side.engines):
-                if p.poll() is None and rank < len(side.sockets):
-                    try:
-                        self.send(side, rank, Command(cmd="exit"))
-                    except zmq.ZMQError:
-                        pass
+            if side.sockets and side.engines and side.engines[0].poll() is None:
+                try:
+                    side.sockets[0].send(msgspec.json.encode(Command(cmd="exit")), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
         for side in self.sides.values():
             for p in [*side.engines, side.sidecar]:
                 if p is None or p.poll() is not None:
@@ -264,15 +261,12 @@ class Cluster:
                   "mamba_mode": mamba_mode.value, "num_spec": self.spec.num_spec, "bulk": bulk,
                   "prefill_tp": p.tp}
         d_reqs = [dr for _, dr in pairs]
-        expect = [self.call(d, r, Command(cmd="expect", requests=d_reqs, **common), 30)
-                  for r in range(d.tp)]
+        expect = self.call(d, Command(cmd="expect", requests=d_reqs, **common), 30)
         t0 = time.monotonic()
-        for r in range(p.tp):
-            self.send(p, r, Command(cmd="prefill", requests=[pr for pr, _ in pairs], **common))
-        for r in range(d.tp):
-            self.send(d, r, Command(cmd="wait", requests=d_reqs, **common))
-        prefill = [self.recv(p, r, timeout_s + 30) for r in range(p.tp)]
-        decode = [self.recv(d, r, timeout_s + 30) for r in range(d.tp)]
+        self.send(p, Command(cmd="prefill", requests=[pr for pr, _ in pairs], **common))
+        self.send(d, Command(cmd="wait", requests=d_reqs, **common))
+        prefill = self.recv(p, timeout_s + 60)
+        decode = self.recv(d, timeout_s + 60)
         return {"expect": expect, "prefill": prefill, "decode": decode, "started": t0}
 
 
@@ -280,7 +274,7 @@ def summarize(result: dict[str, Any], pairs: Sequence[tuple[SimRequest, SimReque
               bytes_before: int = 0, desc_before: int = 0) -> dict[str, Any]:
     """One line of numbers for a run: requests verified on every D rank, bytes, GB/s."""
     ids = [pr.id for pr, _ in pairs]
-    decode, prefill = result["decode"], result["prefill"]
+    decode, prefill = result["decode"]["ranks"], result["prefill"]["ranks"]
     verified = [i for i in ids if all(i in r["verified"] for r in decode)]
     failed = {}
     for r in [*decode, *prefill]:
@@ -292,8 +286,8 @@ def summarize(result: dict[str, Any], pairs: Sequence[tuple[SimRequest, SimReque
                                     "blocks": []})
     nbytes = sum(r["bytes"] for r in prefill) - bytes_before
     desc = sum(r["descriptors"] for r in prefill) - desc_before
-    end = max([r["arrived_at"] for r in decode] or [result["started"]])
-    last_layer = max([r["last_layer_at"] for r in prefill] or [result["started"]])
+    end = result["decode"]["arrived_at"]
+    last_layer = result["prefill"]["last_layer_at"]
     seconds = max(1e-9, end - result["started"])
     return {
         "requests": len(ids),

@@ -20,7 +20,13 @@ import zmq
 from app.engine_link.client import CacheParams, EngineLink
 from app.kvcache.layout import RankLayout
 from app.kvcache.specs import SpecKind
-from app.sim.kv_io import state_block_index, verify_request, write_state, write_tokens
+from app.sim.kv_io import (
+    state_block_index,
+    untouched,
+    verify_request,
+    write_state,
+    write_tokens,
+)
 from app.transfer.protocol import RemoteTarget, Status
 
 
@@ -57,8 +63,9 @@ class SimEngine:
         return {"epoch": self.link.epoch, "control_port": self.link.control_port,
                 "num_blocks": self.layout.num_blocks, "rank": self.layout.rank}
 
-    def _forward_layer(self, layer: int, slices: list[tuple[SimRequest, int, int]],
-                       cmd: Command) -> None:
+    def forward_layer(self, layer: int, slices: list[tuple[SimRequest, int, int]],
+                      cmd: Command) -> None:
+        """What attention / the state update writes for ``layer`` in this step."""
         g = self.layout.group(self.layout.placements[layer].group)
         for req, start, end in slices:
             ids = _ids(req)[g.index]
@@ -69,49 +76,24 @@ class SimEngine:
             else:
                 write_tokens(self.layout, layer, ids, start, end)
 
-    def prefill(self, cmd: Command) -> dict[str, Any]:
-        """Admit, run the chunked forward pass layer by layer, wait until every send ended."""
-        t0 = time.monotonic()
-        admitted, refused = [], {}
+    def admit(self, cmd: Command) -> dict[str, str]:
+        refused = {}
         for req in cmd.requests:
             assert req.remote is not None
             try:
                 self.link.add_send_request(req.id, req.prompt_len, _ids(req), req.remote,
                                            mamba_mode=cmd.mamba_mode, num_spec=cmd.num_spec)
-                admitted.append(req)
-            except Exception as e:  # reported back to the driver, the request is FAILED there
+            except Exception as e:  # reported to the driver; the sidecar ended it FAILED
                 refused[req.id] = str(e)
-        longest = max((r.prompt_len for r in admitted), default=0)
-        chunk = cmd.chunk or longest or 1
-        last_layer_at = t0
-        for start in range(0, longest, chunk):
-            slices = [(r, start, min(start + chunk, r.prompt_len)) for r in admitted
-                      if start < r.prompt_len]
-            self.step += 1
-            steps = [] if cmd.bulk else [(r.id, s, e) for r, s, e in slices]
-            self.link.begin_step(self.step, steps)
-            for layer in self.layers:
-                self._forward_layer(layer, slices, cmd)
-                if cmd.compute_ms:
-                    time.sleep(cmd.compute_ms / 1e3)
-                self.link.layer_ready(self.step, layer)
-            last_layer_at = time.monotonic()
-        if cmd.bulk and admitted:
-            # Bulk: the whole prompt after the last layer (one more "step" of every layer).
-            self.step += 1
-            self.link.begin_step(self.step, [(r.id, 0, r.prompt_len) for r in admitted])
-            for layer in self.layers:
-                self.link.layer_ready(self.step, layer)
-        done, failed = self._wait({r.id for r in admitted}, cmd.timeout_s, sending=True)
-        failed.update({rid: {"status": "FAILED", "error": e, "blocks": []}
-                       for rid, e in refused.items()})
-        fin = self.link.get_finished()
-        return {"done": done, "failed": failed, "bytes": fin.bytes,
-                "descriptors": fin.descriptors, "seconds": time.monotonic() - t0,
-                "last_layer_at": last_layer_at}
+        return refused
 
-    def _wait(self, ids: set[str], timeout_s: float, *, sending: bool
-              ) -> tuple[list[str], dict[str, Any]]:
+    def begin(self, slices: list[tuple[SimRequest, int, int]]) -> None:
+        self.step += 1
+        self.link.begin_step(self.step, [(r.id, s, e) for r, s, e in slices])
+
+    def wait_ids(self, ids: set[str], timeout_s: float, *, sending: bool
+                 ) -> tuple[list[str], dict[str, Any]]:
+        """Poll ``get_finished`` until every id ended (or the driver's deadline)."""
         done: list[str] = []
         failed: dict[str, Any] = {}
         deadline = time.monotonic() + timeout_s
@@ -138,51 +120,113 @@ class SimEngine:
                 refused[req.id] = str(e)
         return {"refused": refused}
 
-    def wait(self, cmd: Command) -> dict[str, Any]:
+
+class SimInstance:
+    """Every TP rank of one instance in one process, stepping through layers in lockstep."""
+
+    def __init__(self, engines: list[SimEngine]) -> None:
+        self.engines = engines
+
+    def info(self, cmd: Command) -> dict[str, Any]:
+        return {"ranks": [e.info() for e in self.engines]}
+
+    def prefill(self, cmd: Command) -> dict[str, Any]:
+        """Admit on every rank, run the chunked forward pass, wait until every send ended."""
         t0 = time.monotonic()
-        done, failed = self._wait({r.id for r in cmd.requests}, cmd.timeout_s + 5,
-                                  sending=False)
+        admitted = [e.admit(cmd) for e in self.engines]
+        live = [r for r in cmd.requests if all(r.id not in refused for refused in admitted)]
+        longest = max((r.prompt_len for r in live), default=0)
+        chunk = cmd.chunk or longest or 1
+        last_layer_at = t0
+        for start in range(0, longest, chunk):
+            slices = [(r, start, min(start + chunk, r.prompt_len)) for r in live
+                      if start < r.prompt_len]
+            for e in self.engines:
+                e.begin([] if cmd.bulk else slices)
+            for layer in self.engines[0].layers:
+                for e in self.engines:
+                    e.forward_layer(layer, slices, cmd)
+                if cmd.compute_ms:
+                    time.sleep(cmd.compute_ms / 1e3)
+                for e in self.engines:
+                    e.link.layer_ready(e.step, layer)
+            last_layer_at = time.monotonic()
+        if cmd.bulk and live:
+            # Bulk: the whole prompt after the last layer, as one more pass of layer signals.
+            whole = [(r, 0, r.prompt_len) for r in live]
+            for e in self.engines:
+                e.begin(whole)
+                for layer in e.layers:
+                    e.link.layer_ready(e.step, layer)
+        ranks = []
+        for e, refused in zip(self.engines, admitted, strict=True):
+            done, failed = e.wait_ids({r.id for r in live}, cmd.timeout_s, sending=True)
+            failed.update({rid: {"status": "FAILED", "error": err, "blocks": []}
+                           for rid, err in refused.items()})
+            fin = e.link.get_finished()
+            ranks.append({"done": done, "failed": failed, "bytes": fin.bytes,
+                          "descriptors": fin.descriptors})
+        return {"ranks": ranks, "seconds": time.monotonic() - t0, "last_layer_at": last_layer_at}
+
+    def expect(self, cmd: Command) -> dict[str, Any]:
+        return {"ranks": [e.expect(cmd) for e in self.engines]}
+
+    def wait(self, cmd: Command) -> dict[str, Any]:
+        ids = {r.id for r in cmd.requests}
+        deadline = time.monotonic() + cmd.timeout_s + 5
+        results = [e.wait_ids(ids, max(0.0, deadline - time.monotonic()), sending=False)
+                   for e in self.engines]
         arrived = time.monotonic()
         by_id = {r.id: r for r in cmd.requests}
-        problems = {rid: verify_request(self.layout, _ids(by_id[rid]), by_id[rid].prompt_len,
-                                        cmd.mamba_mode, cmd.num_spec) for rid in done}
-        return {"done": done, "failed": failed, "arrived_at": arrived,
-                "problems": {k: v for k, v in problems.items() if v},
-                "verified": [k for k, v in problems.items() if not v],
-                "seconds": arrived - t0}
+        ranks = []
+        for e, (done, failed) in zip(self.engines, results, strict=True):
+            problems = {rid: verify_request(e.layout, _ids(by_id[rid]), by_id[rid].prompt_len,
+                                            cmd.mamba_mode, cmd.num_spec) for rid in done}
+            ranks.append({"done": done, "failed": failed,
+                          "problems": {k: v for k, v in problems.items() if v},
+                          "verified": [k for k, v in problems.items() if not v]})
+        return {"ranks": ranks, "arrived_at": arrived}
+
+    def untouched(self, cmd: Command) -> dict[str, Any]:
+        used = {b for r in cmd.requests for ids in r.blocks for b in ids}
+        return {"problems": [p for e in self.engines for p in untouched(e.layout, used)]}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="simulated engine rank (driven over ZMQ)")
+    ap = argparse.ArgumentParser(description="simulated engine ranks (driven over ZMQ)")
     ap.add_argument("--sidecar", required=True, help="the sidecar's engine IPC endpoint")
-    ap.add_argument("--driver", required=True, help="endpoint this engine binds for commands")
+    ap.add_argument("--driver", required=True, help="endpoint this process binds for commands")
     ap.add_argument("--engine-id", required=True)
-    ap.add_argument("--rank", type=int, default=0)
+    ap.add_argument("--ranks", default="0", help="TP ranks hosted here, e.g. 0,1")
     ap.add_argument("--params", required=True, help="CacheParams as JSON")
     args = ap.parse_args(argv)
     params = msgspec.json.decode(args.params, type=CacheParams)
-    link = EngineLink(args.sidecar, args.engine_id, args.rank)
-    layout = link.allocate_kv_caches(params)
+    links = [EngineLink(args.sidecar, args.engine_id, int(r)) for r in args.ranks.split(",")]
     try:
-        link.register_kv_caches(params)
-        engine = SimEngine(link, layout, params)
+        layouts = [link.allocate_kv_caches(params) for link in links]
+        for link in links:
+            link.register_kv_caches(params)
+        sim = SimInstance([SimEngine(link, lay, params)
+                           for link, lay in zip(links, layouts, strict=True)])
         sock = zmq.Context.instance().socket(zmq.REP)
         sock.linger = 0
         sock.bind(args.driver)
+        handlers = {"info": sim.info, "prefill": sim.prefill, "expect": sim.expect,
+                    "wait": sim.wait, "untouched": sim.untouched}
         while True:
             cmd = msgspec.json.decode(sock.recv(), type=Command)
             if cmd.cmd == "exit":
                 sock.send(msgspec.json.encode({}))
                 break
-            handler = {"info": lambda c: engine.info(), "prefill": engine.prefill,
-                       "expect": engine.expect, "wait": engine.wait}.get(cmd.cmd)
+            handler = handlers.get(cmd.cmd)
             try:
                 out = handler(cmd) if handler else {"error": f"unknown command {cmd.cmd}"}
             except Exception as e:
                 out = {"error": f"{type(e).__name__}: {e}"}
             sock.send(msgspec.json.encode(out))
     finally:
-        link.close()
+        for link in links:
+            link.close()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ its deadline has passed by then; the late reply is dropped like any other.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import struct
@@ -189,7 +188,11 @@ class ControlServer:
 
     async def _serve(self, sock: zmq.asyncio.Socket) -> None:
         while True:
-            frames = await sock.recv_multipart()
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError as e:  # socket or context closed under us: nothing left to serve
+                log.error("%s: receive loop stopped: %s", self.name, e)
+                return
             self.frames += 1
             try:
                 await self._dispatch(sock, frames)
@@ -205,7 +208,7 @@ class ControlServer:
             corr = frames[1] if len(frames) >= 3 and len(frames[1]) == 8 else b""
             reason = (
                 f"expected frames [corr_id(8 bytes), payload], got {len(frames) - 1} frame(s) "
-                f"of {[len(f) for f in frames[1:]]} bytes"
+                f"of {[len(f) for f in frames[1:5]]} bytes"
             )
             await self._reject(sock, identity, corr, reason)
             return
@@ -341,8 +344,7 @@ class PeerClient:
         self._closed = True
         if self._reader is not None:
             self._reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reader
+            await asyncio.gather(self._reader, return_exceptions=True)
         for fut in self._pending.values():
             if not fut.done():
                 fut.set_exception(ClientClosed(f"client to {self.endpoint} closed"))
@@ -355,7 +357,11 @@ class PeerClient:
 
     async def _read(self) -> None:
         while True:
-            frames = await self._sock.recv_multipart()
+            try:
+                frames = await self._sock.recv_multipart()
+            except zmq.ZMQError as e:  # waiting requests still end at their deadlines
+                log.error("reader for %s stopped: %s", self.endpoint, e)
+                return
             if len(frames) != 2:
                 self.malformed += 1
                 log.warning("reply from %s has %d frames, not 2", self.endpoint, len(frames))

@@ -278,6 +278,13 @@ def decode(frame: bytes) -> AnyMsg:
     try:
         msg = _decoder.decode(frame)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        # A newer peer's message may not fit our structs: name the version, not the field.
+        version = _peek_version(frame)
+        if version is not None and version != PROTOCOL_VERSION:
+            raise ProtocolError(
+                f"protocol version {version} is not supported; this sidecar speaks "
+                f"{PROTOCOL_VERSION}"
+            ) from None
         raise ProtocolError(f"malformed frame ({len(frame)} bytes): {e}") from None
     if msg.version != PROTOCOL_VERSION:
         raise ProtocolError(
@@ -285,6 +292,15 @@ def decode(frame: bytes) -> AnyMsg:
             f"{PROTOCOL_VERSION}"
         )
     return msg
+
+
+def _peek_version(frame: bytes) -> int | None:
+    try:
+        raw = msgspec.msgpack.decode(frame)
+    except msgspec.DecodeError:
+        return None
+    version = raw.get("version") if isinstance(raw, dict) else None
+    return version if isinstance(version, int) else None
 
 
 def rank_metadata(desc: LayoutDesc) -> RankMetadata:

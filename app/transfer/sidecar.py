@@ -326,12 +326,13 @@ class Sidecar:
             check_block_ids(agent.desc, req.blocks, "prefill")
             peer = await self._peer(t.host, t.port, t.epoch)
             planner = peer.planners[msg.rank]
-            check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
+            # Known before the id check, so that D hears of a refusal instead of expiring.
             req.d_ranks = {
                 d: frozenset(pl.group for pl in agent.desc.placements
                              if planner.template(pl.layer, d)[0].size)
                 for d in planner.peers()
             }
+            check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
         except (KVSidecarError, ValueError) as e:
             req.finish(Status.FAILED, str(e))
             self._spawn(self._send_done(req))

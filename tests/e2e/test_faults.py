@@ -1,0 +1,157 @@
+"""Faults end every request in exactly one terminal state, within its deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from app.sim.cluster import Cluster, summarize
+from app.sim.engine import Command
+from app.transfer.protocol import Error, Hello, Role, decode, encode
+
+FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
+
+
+def _statuses(rank_results: list[dict[str, object]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for r in rank_results:
+        for rid in r["done"]:  # type: ignore[attr-defined]
+            out[rid] = "DONE"
+        for rid, f in r["failed"].items():  # type: ignore[attr-defined]
+            out.setdefault(rid, f["status"])
+    return out
+
+
+def test_decode_killed_mid_transfer_fails_prefill_and_unpins(
+        make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=2, decode_tp=1, layers=8, max_requests=3, max_prompt=1024,
+                     sidecar_env=FAST)
+    p, d = c.sides["prefill"], c.sides["decode"]
+    pairs = c.make_requests([1024, 1024, 900])
+    c.call(d, Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=30), 30)
+    t0 = time.monotonic()
+    # 8 layers x 8 chunks x 30 ms of compute: the transfer is still running when D dies.
+    c.send(p, Command(cmd="prefill", requests=[pr for pr, _ in pairs], chunk=128,
+                      compute_ms=30, timeout_s=30))
+    time.sleep(1.0)
+    c.kill_side(d)
+    out = c.recv(p, 60)
+    elapsed = time.monotonic() - t0
+    statuses = _statuses(out["ranks"])
+    assert set(statuses) == {pr.id for pr, _ in pairs}
+    assert set(statuses.values()) == {"FAILED"}, statuses
+    # Reported as failed means every write reading those blocks ended: the pins are released.
+    for r in out["ranks"]:
+        assert all(f["blocks"] for f in r["failed"].values())
+    assert elapsed < 45
+
+
+def test_prefill_killed_decode_expires_with_block_ids(
+        make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=1, decode_tp=2, layers=4, max_requests=2, max_prompt=512,
+                     decode_env={"KVSIDECAR_RECV_TIMEOUT_S": "3"})
+    p, d = c.sides["prefill"], c.sides["decode"]
+    pairs = c.make_requests([512, 300])
+    c.call(d, Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=3), 30)
+    c.kill_side(p)
+    t0 = time.monotonic()
+    out = c.call(d, Command(cmd="wait", requests=[dr for _, dr in pairs], timeout_s=3), 30)
+    assert time.monotonic() - t0 < 10
+    for rank in out["ranks"]:
+        assert rank["done"] == []
+        assert {k: v["status"] for k, v in rank["failed"].items()} == {
+            "req-0": "EXPIRED", "req-1": "EXPIRED"}
+        for _, dr in pairs:
+            assert rank["failed"][dr.id]["blocks"] == dr.blocks
+
+
+def test_decode_restart_rehandshakes_and_new_requests_succeed(
+        make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=2, decode_tp=2, layers=4, max_requests=4, max_prompt=256,
+                     sidecar_env=FAST)
+    d = c.sides["decode"]
+    first = c.make_requests([256], prefix="before")
+    assert summarize(c.run(first), first)["verified"] == 1
+    old_epoch = d.info[0]["epoch"]
+    stale = c.make_requests([200], prefix="stale")  # still aimed at the old epoch
+    c.kill_side(d)
+    c.start_side(d)
+    c.wait_ready(d)
+    assert d.info[0]["epoch"] != old_epoch
+    fresh = c.make_requests([256, 100], prefix="after")
+    s = summarize(c.run(fresh), fresh)
+    assert s["verified"] == 2 and s["failures"] == {}
+    # A request addressed to the old epoch fails fast at admission, never DONE.
+    out = c.call(c.sides["prefill"], Command(cmd="prefill", requests=[stale[0][0]],
+                                             timeout_s=5), 30)
+    failed = out["ranks"][0]["failed"]
+    assert failed["stale-0"]["status"] == "FAILED"
+    assert "epoch" in failed["stale-0"]["error"]
+
+
+def test_injected_transfer_error_fails_never_done(make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=1, decode_tp=1, layers=4, max_requests=2, max_prompt=256,
+                     prefill_env={"KV_SIDECAR_FAULT_FAIL_WRITES": "1"}, sidecar_env=FAST)
+    pairs = c.make_requests([256, 256])
+    result = c.run(pairs, timeout_s=15)
+    s = summarize(result, pairs)
+    assert s["verified"] == 0
+    assert {f["status"] for f in s["failures"].values()} == {"FAILED"}
+    assert "injected" in " ".join(f["error"] for f in s["failures"].values())
+    # Decode heard it from prefill: FAILED there too, not DONE.
+    assert _statuses(result["decode"]["ranks"]) == {"req-0": "FAILED", "req-1": "FAILED"}
+    # The engine recovered: the next request goes through.
+    again = c.make_requests([256], prefix="again")
+    assert summarize(c.run(again), again)["verified"] == 1
+
+
+def test_out_of_range_block_ids_fail_with_nothing_written(
+        make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=2, decode_tp=1, layers=4, max_requests=2, max_prompt=256,
+                     sidecar_env=FAST)
+    d = c.sides["decode"]
+    pairs = c.make_requests([256])
+    pr, dr = pairs[0]
+    assert pr.remote is not None
+    bad = d.params.num_blocks + 5
+    pr.remote.block_ids = [[*ids[:-1], bad] for ids in pr.remote.block_ids]
+    result = c.run(pairs, timeout_s=5)
+    statuses = _statuses(result["prefill"]["ranks"])
+    assert statuses == {"req-0": "FAILED"}
+    errors = [f["error"] for r in result["prefill"]["ranks"] for f in r["failed"].values()]
+    assert any(str(bad) in e and "outside" in e for e in errors)
+    assert _statuses(result["decode"]["ranks"]) == {"req-0": "FAILED"}
+    untouched = c.call(d, Command(cmd="untouched", requests=[]), 30)
+    assert untouched["problems"] == []
+
+
+def test_malformed_frame_gets_error_and_loop_keeps_serving(
+        make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(prefill_tp=1, decode_tp=1, layers=4, max_requests=1, max_prompt=128)
+    d = c.sides["decode"]
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{d.control_port}")
+    try:
+        sock.send_multipart([b"\x00" * 7 + b"\x01", b"\xc1 not msgpack"])
+        assert sock.poll(5000)
+        _, payload = sock.recv_multipart()
+        reply = decode(payload)
+        assert isinstance(reply, Error) and "malformed" in reply.reason
+        sock.send_multipart([b"\x00" * 7 + b"\x02",
+                             msgspec.msgpack.encode({"type": "hello", "version": 99})])
+        assert sock.poll(5000)
+        reply = decode(sock.recv_multipart()[1])
+        assert isinstance(reply, Error) and "version" in reply.reason
+        hello = Hello(compat_hash="nope", engine_id="x", role=Role.PREFILL)
+        sock.send_multipart([b"\x00" * 7 + b"\x03", encode(hello)])
+        assert sock.poll(5000)
+        assert "model mismatch" in decode(sock.recv_multipart()[1]).reason  # type: ignore[union-attr]
+    finally:
+        ctx.destroy(0)
+    pairs = c.make_requests([128])
+    assert summarize(c.run(pairs), pairs)["verified"] == 1
