@@ -8,7 +8,7 @@ class KVSidecarError(Exception):
 
 
 class ConfigError(KVSidecarError):
-    """A model, TP pairing, block size or setting that cannot work; the message says what to change."""
+    """A model, TP pairing, block size or setting that cannot work; says what to change."""
 
 
 class LayoutMismatchError(KVSidecarError):

@@ -16,8 +16,9 @@ log = logging.getLogger(__name__)
 
 async def serve(settings: SidecarSettings) -> int:
     """Run until a stop signal; in-flight requests get the grace period, then are aborted."""
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     for note in settings.warnings():
         log.warning(note)
     sidecar = Sidecar(settings)

@@ -27,19 +27,32 @@ def demo_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Start a P and a D sidecar with simulated engines, transfer, verify, summarize."""
-    spec = ClusterSpec(model=model, layers=layers, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                       layout=layout.value, kv_layout=kv_layout.value, max_requests=requests,
-                       max_prompt=prompt_tokens)
+    spec = ClusterSpec(
+        model=model,
+        layers=layers,
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        layout=layout.value,
+        kv_layout=kv_layout.value,
+        max_requests=requests,
+        max_prompt=prompt_tokens,
+    )
     with Cluster(spec) as cluster:
         pairs = cluster.make_requests([prompt_tokens] * requests)
         result = cluster.run(pairs, chunk=chunk, compute_ms=compute_ms)
         summary = summarize(result, pairs)
-        summary.update({
-            "model": model, "prefill_tp": prefill_tp, "decode_tp": decode_tp, "layers": layers,
-            "prompt_tokens": prompt_tokens, "layout": layout.value,
-            "prefill_admin": cluster.sides["prefill"].admin_url,
-            "decode_admin": cluster.sides["decode"].admin_url,
-        })
+        summary.update(
+            {
+                "model": model,
+                "prefill_tp": prefill_tp,
+                "decode_tp": decode_tp,
+                "layers": layers,
+                "prompt_tokens": prompt_tokens,
+                "layout": layout.value,
+                "prefill_admin": cluster.sides["prefill"].admin_url,
+                "decode_admin": cluster.sides["decode"].admin_url,
+            }
+        )
     if as_json:
         print(json.dumps(summary))
     else:
@@ -49,12 +62,21 @@ def demo_command(
 
 
 def _print(s: dict[str, Any]) -> None:
-    t = Table(title=f"{s['model']} ({s['layers']} layers) prefill TP {s['prefill_tp']} -> "
-                    f"decode TP {s['decode_tp']}, {s['layout']}")
+    t = Table(
+        title=f"{s['model']} ({s['layers']} layers) prefill TP {s['prefill_tp']} -> "
+        f"decode TP {s['decode_tp']}, {s['layout']}"
+    )
     for col in ("requests", "verified", "failed", "bytes", "GB/s", "exposed ms", "descriptors"):
         t.add_column(col, justify="right")
-    t.add_row(str(s["requests"]), str(s["verified"]), str(s["failed"]), f"{s['bytes']:,}",
-              f"{s['gbps']:.3f}", f"{s['exposed_ms']:.1f}", f"{s['descriptors']:,}")
+    t.add_row(
+        str(s["requests"]),
+        str(s["verified"]),
+        str(s["failed"]),
+        f"{s['bytes']:,}",
+        f"{s['gbps']:.3f}",
+        f"{s['exposed_ms']:.1f}",
+        f"{s['descriptors']:,}",
+    )
     Console().print(t)
     for rid, f in s["failures"].items():
         Console().print(f"[red]{rid}: {f['status']}[/] {f['error']}")

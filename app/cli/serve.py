@@ -26,9 +26,17 @@ def serve_command(
     config: Annotated[Path | None, typer.Option(help="TOML or JSON config file.")] = None,
 ) -> None:
     """Run a sidecar until SIGTERM/SIGINT."""
-    flags = {"role": role, "engine_id": engine_id, "ranks": ranks, "tp_size": tp_size,
-             "control_host": control_host, "control_port": control_port,
-             "engine_ipc": engine_ipc, "admin_host": admin_host, "admin_port": admin_port,
-             "transport": transport}
+    flags = {
+        "role": role,
+        "engine_id": engine_id,
+        "ranks": ranks,
+        "tp_size": tp_size,
+        "control_host": control_host,
+        "control_port": control_port,
+        "engine_ipc": engine_ipc,
+        "admin_host": admin_host,
+        "admin_port": admin_port,
+        "transport": transport,
+    }
     settings = load_settings(flags, config)
     raise typer.Exit(asyncio.run(serve(settings)))

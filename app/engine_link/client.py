@@ -69,8 +69,9 @@ class FinishedRequests:
 class EngineLink:
     """One engine rank's connection to its sidecar."""
 
-    def __init__(self, endpoint: str, engine_id: str, rank: int, *, timeout_s: float = 10.0
-                 ) -> None:
+    def __init__(
+        self, endpoint: str, engine_id: str, rank: int, *, timeout_s: float = 10.0
+    ) -> None:
         self.client = SyncClient(endpoint)
         self.engine_id = engine_id
         self.rank = rank
@@ -84,47 +85,97 @@ class EngineLink:
         if isinstance(reply, Reply) and not reply.ok:
             raise EngineLinkError(reply.error or "sidecar refused the call")
         if not isinstance(reply, Reply | Finished):
-            raise EngineLinkError(f"unexpected reply {type(reply).__name__}: "
-                                  f"{getattr(reply, 'reason', '')}")
+            raise EngineLinkError(
+                f"unexpected reply {type(reply).__name__}: {getattr(reply, 'reason', '')}"
+            )
         return reply
 
     def allocate_kv_caches(self, params: CacheParams) -> RankLayout:
         """Allocate this rank's KV cache in shared memory (as the worker's allocator would)."""
-        model = load_preset(params.model, layers=params.layers, dtype=params.dtype,
-                            cache_dtype=params.cache_dtype)
-        config = build_cache_config(model, params.tp_size, params.block_size,
-                                    num_blocks=params.num_blocks)
-        return allocate(config, self.rank, mode=LayoutMode(params.layout_mode),
-                        kv_layout=KVLayout(params.kv_layout), heads_major=params.heads_major,
-                        allocator=self.arena.allocator)
+        model = load_preset(
+            params.model, layers=params.layers, dtype=params.dtype, cache_dtype=params.cache_dtype
+        )
+        config = build_cache_config(
+            model, params.tp_size, params.block_size, num_blocks=params.num_blocks
+        )
+        return allocate(
+            config,
+            self.rank,
+            mode=LayoutMode(params.layout_mode),
+            kv_layout=KVLayout(params.kv_layout),
+            heads_major=params.heads_major,
+            allocator=self.arena.allocator,
+        )
 
     def register_kv_caches(self, params: CacheParams, timeout_s: float = 60.0) -> None:
-        reply = self._call(RegisterCaches(
-            engine_id=self.engine_id, rank=self.rank, tp_size=params.tp_size, model=params.model,
-            layers=params.layers, dtype=params.dtype, cache_dtype=params.cache_dtype,
-            block_size=params.block_size, num_blocks=params.num_blocks,
-            layout_mode=params.layout_mode, kv_layout=params.kv_layout,
-            heads_major=params.heads_major, shm_names=list(self.arena.names)), timeout_s)
+        reply = self._call(
+            RegisterCaches(
+                engine_id=self.engine_id,
+                rank=self.rank,
+                tp_size=params.tp_size,
+                model=params.model,
+                layers=params.layers,
+                dtype=params.dtype,
+                cache_dtype=params.cache_dtype,
+                block_size=params.block_size,
+                num_blocks=params.num_blocks,
+                layout_mode=params.layout_mode,
+                kv_layout=params.kv_layout,
+                heads_major=params.heads_major,
+                shm_names=list(self.arena.names),
+            ),
+            timeout_s,
+        )
         assert isinstance(reply, Reply)
         self.epoch = str(reply.data.get("epoch", ""))
         self.control_port = int(reply.data.get("control_port") or 0)
 
-    def add_send_request(self, request: str, prompt_len: int, block_ids: Sequence[np.ndarray],
-                         remote: RemoteTarget, *, mamba_mode: str = "none", num_spec: int = 0
-                         ) -> None:
-        self._call(AddSend(rank=self.rank, request=request, prompt_len=prompt_len,
-                           block_ids=[b.tolist() for b in block_ids], remote=remote,
-                           mamba_mode=mamba_mode, num_spec=num_spec))
+    def add_send_request(
+        self,
+        request: str,
+        prompt_len: int,
+        block_ids: Sequence[np.ndarray],
+        remote: RemoteTarget,
+        *,
+        mamba_mode: str = "none",
+        num_spec: int = 0,
+    ) -> None:
+        self._call(
+            AddSend(
+                rank=self.rank,
+                request=request,
+                prompt_len=prompt_len,
+                block_ids=[b.tolist() for b in block_ids],
+                remote=remote,
+                mamba_mode=mamba_mode,
+                num_spec=num_spec,
+            )
+        )
 
-    def expect_receive(self, request: str, prompt_len: int, block_ids: Sequence[np.ndarray],
-                       prefill_tp: int, *, timeout_s: float | None = None) -> None:
-        self._call(ExpectRecv(rank=self.rank, request=request, prompt_len=prompt_len,
-                              block_ids=[b.tolist() for b in block_ids], prefill_tp=prefill_tp,
-                              timeout_s=timeout_s))
+    def expect_receive(
+        self,
+        request: str,
+        prompt_len: int,
+        block_ids: Sequence[np.ndarray],
+        prefill_tp: int,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        self._call(
+            ExpectRecv(
+                rank=self.rank,
+                request=request,
+                prompt_len=prompt_len,
+                block_ids=[b.tolist() for b in block_ids],
+                prefill_tp=prefill_tp,
+                timeout_s=timeout_s,
+            )
+        )
 
     def begin_step(self, step: int, slices: Sequence[tuple[str, int, int]]) -> None:
-        self._call(BeginStep(rank=self.rank, step=step,
-                             slices=[StepSlice(r, s, e) for r, s, e in slices]))
+        self._call(
+            BeginStep(rank=self.rank, step=step, slices=[StepSlice(r, s, e) for r, s, e in slices])
+        )
 
     def layer_ready(self, step: int, layer: int, event: Event | None = None) -> None:
         """Signal that ``layer``'s KV of ``step`` is written (after its reshape-cache event)."""
@@ -134,8 +185,9 @@ class EngineLink:
     def get_finished(self) -> FinishedRequests:
         reply = self._call(GetFinished(rank=self.rank))
         assert isinstance(reply, Finished)
-        return FinishedRequests(reply.sending, reply.recving, reply.failed, reply.bytes,
-                                reply.descriptors)
+        return FinishedRequests(
+            reply.sending, reply.recving, reply.failed, reply.bytes, reply.descriptors
+        )
 
     def abort(self, request: str, reason: str = "aborted by engine") -> None:
         self._call(AbortRequest(rank=self.rank, request=request, reason=reason))

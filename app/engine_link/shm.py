@@ -9,6 +9,7 @@ live engine when a sidecar restarts.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -54,10 +55,8 @@ class ShmArena:
     def unlink(self) -> None:
         """Remove the names (mappings stay valid until every process drops them)."""
         for name in self.names:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(_path(name))
-            except FileNotFoundError:
-                pass
         self.names.clear()
 
 
@@ -72,8 +71,10 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
         try:
             fd = os.open(_path(name), os.O_RDWR)
         except FileNotFoundError:
-            raise ConfigError(f"shared memory {name!r} does not exist; is the engine alive and "
-                              "sharing /dev/shm with the sidecar?") from None
+            raise ConfigError(
+                f"shared memory {name!r} does not exist; is the engine alive and "
+                "sharing /dev/shm with the sidecar?"
+            ) from None
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:

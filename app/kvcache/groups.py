@@ -192,7 +192,7 @@ def sliding_blocks(window: int, block_size: int) -> int:
 
 def group_rows(groups: Sequence[KVGroup]) -> list[tuple[KVGroup, LayerSpec, tuple[int, ...]]]:
     """Per group, one row per distinct spec (an MLA group with its indexer gives two)."""
-    rows = []
+    rows: list[tuple[KVGroup, LayerSpec, tuple[int, ...]]] = []
     for g in groups:
         by_spec: dict[LayerSpec, list[int]] = {}
         for c in g.layers:

@@ -291,7 +291,7 @@ def allocate(
         raise ConfigError("the heads-major variant needs --layout cross_layer and --kv-layout HND")
     tp, n = config.tp, config.num_blocks
     buffers: list[torch.Tensor] = []
-    # (buffer index, byte offset of the slot inside a block, block stride, slots in buffer, slot pos)
+    # slot -> (buffer index, slot offset in a block, block stride, slots in buffer, position)
     slot_home: dict[int, tuple[int, int, int, int, int]] = {}
     if mode is LayoutMode.PER_LAYER:
         for s in config.slots:
@@ -394,8 +394,8 @@ def _views(
         offset = off0
         for state in spec.states:
             dt = DTYPES[state.dtype]
-            shape = state.shape(tp, spec.conv_layout)
-            inner = [dt.itemsize * prod(shape[i + 1 :]) for i in range(len(shape))]
-            out[state.name] = strided(buf, dt, offset, (n, *shape), (pl.block_stride, *inner))
+            dims = state.shape(tp, spec.conv_layout)
+            inner = [dt.itemsize * prod(dims[i + 1 :]) for i in range(len(dims))]
+            out[state.name] = strided(buf, dt, offset, (n, *dims), (pl.block_stride, *inner))
             offset += state.nbytes(tp)
     return out

@@ -31,7 +31,7 @@ KERNEL_BLOCK = {"attention": 16, "mla": 64}
 
 @dataclass(frozen=True)
 class CacheLayer:
-    """One cache tensor owner. A DeepSeek-V3.2 model layer owns two: the MLA latent and the indexer."""
+    """One cache owner; a DeepSeek-V3.2 model layer owns two (MLA latent and indexer)."""
 
     index: int
     name: str

@@ -7,6 +7,7 @@ collects what D verified. Used by ``kv-sidecar demo``, the benchmarks and the en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -91,17 +92,26 @@ class Cluster:
         self.ctx = zmq.Context()
         model = load_preset(spec.model, layers=spec.layers)
         bs = spec.block_size or max(
-            k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None)
+            k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
+        )
         lens = [spec.max_prompt] * spec.max_requests
         self.sides: dict[str, Side] = {}
         for role, tp in (("decode", spec.decode_tp), ("prefill", spec.prefill_tp)):
             nb = blocks_needed(model, tp, bs, lens, spec.num_spec)
-            params = CacheParams(spec.model, tp, bs, nb, layers=spec.layers,
-                                 layout_mode=spec.layout, kv_layout=spec.kv_layout,
-                                 heads_major=spec.heads_major)
+            params = CacheParams(
+                spec.model,
+                tp,
+                bs,
+                nb,
+                layers=spec.layers,
+                layout_mode=spec.layout,
+                kv_layout=spec.kv_layout,
+                heads_major=spec.heads_major,
+            )
             side = Side(role, tp, params, free_port(), free_port(), f"{role}-{os.getpid()}")
-            side.allocator = BlockAllocator(build_cache_config(model, tp, bs, num_blocks=nb),
-                                            seed=1 if role == "decode" else 0)
+            side.allocator = BlockAllocator(
+                build_cache_config(model, tp, bs, num_blocks=nb), seed=1 if role == "decode" else 0
+            )
             self.sides[role] = side
         self.log_dir = Path(spec.log_dir or self.tmp)
 
@@ -125,28 +135,53 @@ class Cluster:
         """Start (or restart) one instance's sidecar and engines."""
         side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
         env = dict(os.environ)
-        env.update({
-            "KVSIDECAR_ROLE": side.role, "KVSIDECAR_ENGINE_ID": side.engine_id,
-            "KVSIDECAR_RANKS": ",".join(map(str, range(side.tp))),
-            "KVSIDECAR_TP_SIZE": str(side.tp), "KVSIDECAR_MODEL": self.spec.model,
-            "KVSIDECAR_CONTROL_PORT": str(side.control_port),
-            "KVSIDECAR_ADMIN_PORT": str(side.admin_port), "KVSIDECAR_ENGINE_IPC": side.ipc,
-            "KVSIDECAR_LOG_LEVEL": "warning", "MC_FORCE_TCP": "1",
-            "KVSIDECAR_SEND_TIMEOUT_S": "30", "KVSIDECAR_RECV_TIMEOUT_S": "30",
-        })
+        env.update(
+            {
+                "KVSIDECAR_ROLE": side.role,
+                "KVSIDECAR_ENGINE_ID": side.engine_id,
+                "KVSIDECAR_RANKS": ",".join(map(str, range(side.tp))),
+                "KVSIDECAR_TP_SIZE": str(side.tp),
+                "KVSIDECAR_MODEL": self.spec.model,
+                "KVSIDECAR_CONTROL_PORT": str(side.control_port),
+                "KVSIDECAR_ADMIN_PORT": str(side.admin_port),
+                "KVSIDECAR_ENGINE_IPC": side.ipc,
+                "KVSIDECAR_LOG_LEVEL": "warning",
+                "MC_FORCE_TCP": "1",
+                "KVSIDECAR_SEND_TIMEOUT_S": "30",
+                "KVSIDECAR_RECV_TIMEOUT_S": "30",
+            }
+        )
         env.update(self.spec.sidecar_env)
         env.update(self.spec.prefill_env if side.role == "prefill" else self.spec.decode_env)
         side.env = env
         log = open(self.log_dir / f"{side.role}-sidecar.log", "ab")  # noqa: SIM115
-        side.sidecar = subprocess.Popen([sys.executable, "-m", "app", "serve"], env=env,
-                                        stdout=log, stderr=subprocess.STDOUT)
+        side.sidecar = subprocess.Popen(
+            [sys.executable, "-m", "app", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
         endpoint = f"ipc://{self.tmp}/{side.role}-driver.sock"
         elog = open(self.log_dir / f"{side.role}-engine.log", "ab")  # noqa: SIM115
-        side.engines = [subprocess.Popen(
-            [sys.executable, "-m", "app.sim.engine", "--sidecar", side.ipc, "--driver", endpoint,
-             "--engine-id", side.engine_id, "--ranks", ",".join(map(str, range(side.tp))),
-             "--params", msgspec.json.encode(side.params).decode()],
-            env=env, stdout=elog, stderr=subprocess.STDOUT)]
+        side.engines = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "app.sim.engine",
+                    "--sidecar",
+                    side.ipc,
+                    "--driver",
+                    endpoint,
+                    "--engine-id",
+                    side.engine_id,
+                    "--ranks",
+                    ",".join(map(str, range(side.tp))),
+                    "--params",
+                    msgspec.json.encode(side.params).decode(),
+                ],
+                env=env,
+                stdout=elog,
+                stderr=subprocess.STDOUT,
+            )
+        ]
         side.endpoints, side.sockets = [endpoint], []
 
     def _socket(self, side: Side) -> zmq.Socket[bytes]:
@@ -171,8 +206,10 @@ class Cluster:
         while not sock.poll(100):
             self._check_alive(side)
             if time.monotonic() > deadline:
-                raise DeadlineExceeded(f"{side.role} engines did not answer within "
-                                       f"{timeout:.0f}s; see its log in {self.log_dir}")
+                raise DeadlineExceeded(
+                    f"{side.role} engines did not answer within "
+                    f"{timeout:.0f}s; see its log in {self.log_dir}"
+                )
         out: dict[str, Any] = msgspec.json.decode(sock.recv())
         if "error" in out:
             raise KVSidecarError(f"{side.role} engines: {out['error']}")
@@ -185,8 +222,10 @@ class Cluster:
     def _check_alive(self, side: Side) -> None:
         for p in [side.sidecar, *side.engines]:
             if p is not None and p.poll() is not None and p.returncode not in (0, -9, -15):
-                raise KVSidecarError(f"a {side.role} process exited with status {p.returncode}; "
-                                     f"see the logs in {self.log_dir}")
+                raise KVSidecarError(
+                    f"a {side.role} process exited with status {p.returncode}; "
+                    f"see the logs in {self.log_dir}"
+                )
 
     def kill_side(self, side: Side, sig: int = signal.SIGKILL) -> None:
         for p in [*side.engines, side.sidecar]:
@@ -202,10 +241,8 @@ class Cluster:
     def close(self) -> None:
         for side in self.sides.values():
             if side.sockets and side.engines and side.engines[0].poll() is None:
-                try:
+                with contextlib.suppress(zmq.ZMQError):
                     side.sockets[0].send(msgspec.json.encode(Command(cmd="exit")), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
         for side in self.sides.values():
             for p in [*side.engines, side.sidecar]:
                 if p is None or p.poll() is not None:
@@ -226,23 +263,39 @@ class Cluster:
 
     # ---- requests --------------------------------------------------------------------------
 
-    def make_requests(self, prompt_lens: Sequence[int], prefix: str = "req", *,
-                      mamba_mode: MambaMode = MambaMode.NONE) -> list[tuple[SimRequest,
-                                                                             SimRequest]]:
+    def make_requests(
+        self,
+        prompt_lens: Sequence[int],
+        prefix: str = "req",
+        *,
+        mamba_mode: MambaMode = MambaMode.NONE,
+    ) -> list[tuple[SimRequest, SimRequest]]:
         """(prefill, decode) request pairs with block ids allocated on both instances."""
         p, d = self.sides["prefill"], self.sides["decode"]
         assert p.allocator is not None and d.allocator is not None
         out = []
         for i, n in enumerate(prompt_lens):
             rid = f"{prefix}-{i}"
-            pb = p.allocator.allocate_request(n, decode=False, mamba_mode=mamba_mode,
-                                              num_spec=self.spec.num_spec)
-            db = d.allocator.allocate_request(n, decode=True, mamba_mode=mamba_mode,
-                                              num_spec=self.spec.num_spec)
-            target = RemoteTarget("127.0.0.1", d.control_port, d.engine_id, d.info[0]["epoch"],
-                                  d.tp, [b.tolist() for b in db])
-            out.append((SimRequest(rid, n, [b.tolist() for b in pb], target),
-                        SimRequest(rid, n, [b.tolist() for b in db])))
+            pb = p.allocator.allocate_request(
+                n, decode=False, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
+            )
+            db = d.allocator.allocate_request(
+                n, decode=True, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
+            )
+            target = RemoteTarget(
+                "127.0.0.1",
+                d.control_port,
+                d.engine_id,
+                d.info[0]["epoch"],
+                d.tp,
+                [b.tolist() for b in db],
+            )
+            out.append(
+                (
+                    SimRequest(rid, n, [b.tolist() for b in pb], target),
+                    SimRequest(rid, n, [b.tolist() for b in db]),
+                )
+            )
         return out
 
     def release(self, pairs: Sequence[tuple[SimRequest, SimRequest]]) -> None:
@@ -252,14 +305,27 @@ class Cluster:
             p.allocator.release([np.asarray(b) for b in pr.blocks])
             d.allocator.release([np.asarray(b) for b in dr.blocks])
 
-    def run(self, pairs: Sequence[tuple[SimRequest, SimRequest]], *, chunk: int | None = None,
-            compute_ms: float = 0.0, timeout_s: float = 30.0, bulk: bool = False,
-            mamba_mode: MambaMode = MambaMode.NONE) -> dict[str, Any]:
+    def run(
+        self,
+        pairs: Sequence[tuple[SimRequest, SimRequest]],
+        *,
+        chunk: int | None = None,
+        compute_ms: float = 0.0,
+        timeout_s: float = 30.0,
+        bulk: bool = False,
+        mamba_mode: MambaMode = MambaMode.NONE,
+    ) -> dict[str, Any]:
         """Expect at D, prefill at P (all ranks at once), wait and verify at D."""
         p, d = self.sides["prefill"], self.sides["decode"]
-        common = {"chunk": chunk, "compute_ms": compute_ms, "timeout_s": timeout_s,
-                  "mamba_mode": mamba_mode.value, "num_spec": self.spec.num_spec, "bulk": bulk,
-                  "prefill_tp": p.tp}
+        common: dict[str, Any] = {
+            "chunk": chunk,
+            "compute_ms": compute_ms,
+            "timeout_s": timeout_s,
+            "mamba_mode": mamba_mode.value,
+            "num_spec": self.spec.num_spec,
+            "bulk": bulk,
+            "prefill_tp": p.tp,
+        }
         d_reqs = [dr for _, dr in pairs]
         expect = self.call(d, Command(cmd="expect", requests=d_reqs, **common), 30)
         t0 = time.monotonic()
@@ -270,20 +336,25 @@ class Cluster:
         return {"expect": expect, "prefill": prefill, "decode": decode, "started": t0}
 
 
-def summarize(result: dict[str, Any], pairs: Sequence[tuple[SimRequest, SimRequest]],
-              bytes_before: int = 0, desc_before: int = 0) -> dict[str, Any]:
+def summarize(
+    result: dict[str, Any],
+    pairs: Sequence[tuple[SimRequest, SimRequest]],
+    bytes_before: int = 0,
+    desc_before: int = 0,
+) -> dict[str, Any]:
     """One line of numbers for a run: requests verified on every D rank, bytes, GB/s."""
     ids = [pr.id for pr, _ in pairs]
     decode, prefill = result["decode"]["ranks"], result["prefill"]["ranks"]
     verified = [i for i in ids if all(i in r["verified"] for r in decode)]
-    failed = {}
+    failed: dict[str, Any] = {}
     for r in [*decode, *prefill]:
         for rid, f in r["failed"].items():
             failed.setdefault(rid, f)
     for r in decode:
         for rid, problems in r["problems"].items():
-            failed.setdefault(rid, {"status": "CORRUPT", "error": "; ".join(problems[:3]),
-                                    "blocks": []})
+            failed.setdefault(
+                rid, {"status": "CORRUPT", "error": "; ".join(problems[:3]), "blocks": []}
+            )
     nbytes = sum(r["bytes"] for r in prefill) - bytes_before
     desc = sum(r["descriptors"] for r in prefill) - desc_before
     end = result["decode"]["arrived_at"]

@@ -9,7 +9,6 @@ signal the layer); D ranks expect requests, wait for them and verify them byte-e
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
@@ -60,11 +59,16 @@ class SimEngine:
         self.layers = [c.index for c in layout.config.model.layers]
 
     def info(self) -> dict[str, Any]:
-        return {"epoch": self.link.epoch, "control_port": self.link.control_port,
-                "num_blocks": self.layout.num_blocks, "rank": self.layout.rank}
+        return {
+            "epoch": self.link.epoch,
+            "control_port": self.link.control_port,
+            "num_blocks": self.layout.num_blocks,
+            "rank": self.layout.rank,
+        }
 
-    def forward_layer(self, layer: int, slices: list[tuple[SimRequest, int, int]],
-                      cmd: Command) -> None:
+    def forward_layer(
+        self, layer: int, slices: list[tuple[SimRequest, int, int]], cmd: Command
+    ) -> None:
         """What attention / the state update writes for ``layer`` in this step."""
         g = self.layout.group(self.layout.placements[layer].group)
         for req, start, end in slices:
@@ -81,8 +85,14 @@ class SimEngine:
         for req in cmd.requests:
             assert req.remote is not None
             try:
-                self.link.add_send_request(req.id, req.prompt_len, _ids(req), req.remote,
-                                           mamba_mode=cmd.mamba_mode, num_spec=cmd.num_spec)
+                self.link.add_send_request(
+                    req.id,
+                    req.prompt_len,
+                    _ids(req),
+                    req.remote,
+                    mamba_mode=cmd.mamba_mode,
+                    num_spec=cmd.num_spec,
+                )
             except Exception as e:  # reported to the driver; the sidecar ended it FAILED
                 refused[req.id] = str(e)
         return refused
@@ -91,8 +101,9 @@ class SimEngine:
         self.step += 1
         self.link.begin_step(self.step, [(r.id, s, e) for r, s, e in slices])
 
-    def wait_ids(self, ids: set[str], timeout_s: float, *, sending: bool
-                 ) -> tuple[list[str], dict[str, Any]]:
+    def wait_ids(
+        self, ids: set[str], timeout_s: float, *, sending: bool
+    ) -> tuple[list[str], dict[str, Any]]:
         """Poll ``get_finished`` until every id ended (or the driver's deadline)."""
         done: list[str] = []
         failed: dict[str, Any] = {}
@@ -102,20 +113,27 @@ class SimEngine:
             done += [r for r in (fin.sending if sending else fin.recving) if r in ids]
             for f in fin.failed:
                 if f.request in ids:
-                    failed[f.request] = {"status": Status(f.status).name, "error": f.error,
-                                         "blocks": f.block_ids}
+                    failed[f.request] = {
+                        "status": Status(f.status).name,
+                        "error": f.error,
+                        "blocks": f.block_ids,
+                    }
             time.sleep(0.005)
         for rid in ids - set(done) - set(failed):
-            failed[rid] = {"status": "HUNG", "error": "no terminal state before the driver's "
-                           "deadline", "blocks": []}
+            failed[rid] = {
+                "status": "HUNG",
+                "error": "no terminal state before the driver's deadline",
+                "blocks": [],
+            }
         return done, failed
 
     def expect(self, cmd: Command) -> dict[str, Any]:
         refused = {}
         for req in cmd.requests:
             try:
-                self.link.expect_receive(req.id, req.prompt_len, _ids(req), cmd.prefill_tp,
-                                         timeout_s=cmd.timeout_s)
+                self.link.expect_receive(
+                    req.id, req.prompt_len, _ids(req), cmd.prefill_tp, timeout_s=cmd.timeout_s
+                )
             except Exception as e:
                 refused[req.id] = str(e)
         return {"refused": refused}
@@ -139,8 +157,9 @@ class SimInstance:
         chunk = cmd.chunk or longest or 1
         last_layer_at = t0
         for start in range(0, longest, chunk):
-            slices = [(r, start, min(start + chunk, r.prompt_len)) for r in live
-                      if start < r.prompt_len]
+            slices = [
+                (r, start, min(start + chunk, r.prompt_len)) for r in live if start < r.prompt_len
+            ]
             for e in self.engines:
                 e.begin([] if cmd.bulk else slices)
             for layer in self.engines[0].layers:
@@ -161,11 +180,16 @@ class SimInstance:
         ranks = []
         for e, refused in zip(self.engines, admitted, strict=True):
             done, failed = e.wait_ids({r.id for r in live}, cmd.timeout_s, sending=True)
-            failed.update({rid: {"status": "FAILED", "error": err, "blocks": []}
-                           for rid, err in refused.items()})
+            failed.update(
+                {
+                    rid: {"status": "FAILED", "error": err, "blocks": []}
+                    for rid, err in refused.items()
+                }
+            )
             fin = e.link.get_finished()
-            ranks.append({"done": done, "failed": failed, "bytes": fin.bytes,
-                          "descriptors": fin.descriptors})
+            ranks.append(
+                {"done": done, "failed": failed, "bytes": fin.bytes, "descriptors": fin.descriptors}
+            )
         return {"ranks": ranks, "seconds": time.monotonic() - t0, "last_layer_at": last_layer_at}
 
     def expect(self, cmd: Command) -> dict[str, Any]:
@@ -174,17 +198,28 @@ class SimInstance:
     def wait(self, cmd: Command) -> dict[str, Any]:
         ids = {r.id for r in cmd.requests}
         deadline = time.monotonic() + cmd.timeout_s + 5
-        results = [e.wait_ids(ids, max(0.0, deadline - time.monotonic()), sending=False)
-                   for e in self.engines]
+        results = [
+            e.wait_ids(ids, max(0.0, deadline - time.monotonic()), sending=False)
+            for e in self.engines
+        ]
         arrived = time.monotonic()
         by_id = {r.id: r for r in cmd.requests}
         ranks = []
         for e, (done, failed) in zip(self.engines, results, strict=True):
-            problems = {rid: verify_request(e.layout, _ids(by_id[rid]), by_id[rid].prompt_len,
-                                            cmd.mamba_mode, cmd.num_spec) for rid in done}
-            ranks.append({"done": done, "failed": failed,
-                          "problems": {k: v for k, v in problems.items() if v},
-                          "verified": [k for k, v in problems.items() if not v]})
+            problems = {
+                rid: verify_request(
+                    e.layout, _ids(by_id[rid]), by_id[rid].prompt_len, cmd.mamba_mode, cmd.num_spec
+                )
+                for rid in done
+            }
+            ranks.append(
+                {
+                    "done": done,
+                    "failed": failed,
+                    "problems": {k: v for k, v in problems.items() if v},
+                    "verified": [k for k, v in problems.items() if not v],
+                }
+            )
         return {"ranks": ranks, "arrived_at": arrived}
 
     def untouched(self, cmd: Command) -> dict[str, Any]:
@@ -206,13 +241,19 @@ def main(argv: list[str] | None = None) -> None:
         layouts = [link.allocate_kv_caches(params) for link in links]
         for link in links:
             link.register_kv_caches(params)
-        sim = SimInstance([SimEngine(link, lay, params)
-                           for link, lay in zip(links, layouts, strict=True)])
-        sock = zmq.Context.instance().socket(zmq.REP)
+        sim = SimInstance(
+            [SimEngine(link, lay, params) for link, lay in zip(links, layouts, strict=True)]
+        )
+        sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
         sock.linger = 0
         sock.bind(args.driver)
-        handlers = {"info": sim.info, "prefill": sim.prefill, "expect": sim.expect,
-                    "wait": sim.wait, "untouched": sim.untouched}
+        handlers = {
+            "info": sim.info,
+            "prefill": sim.prefill,
+            "expect": sim.expect,
+            "wait": sim.wait,
+            "untouched": sim.untouched,
+        }
         while True:
             cmd = msgspec.json.decode(sock.recv(), type=Command)
             if cmd.cmd == "exit":
@@ -230,4 +271,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -20,11 +20,12 @@ _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 K, V, LATENT, STATE_BASE = 0, 1, 2, 16
 
 
-def mix(layer: int, stream: int, pos: np.ndarray, unit: np.ndarray,
-        elem: np.ndarray) -> np.ndarray:
+def mix(layer: int, stream: int, pos: np.ndarray, unit: np.ndarray, elem: np.ndarray) -> np.ndarray:
     """splitmix64 over the packed coordinates (broadcasting); wraps by design."""
     with np.errstate(over="ignore"):
-        x = (np.uint64(layer) << np.uint64(52)) ^ (np.uint64(stream) << np.uint64(44))
+        x: np.ndarray = np.asarray(
+            (np.uint64(layer) << np.uint64(52)) ^ (np.uint64(stream) << np.uint64(44))
+        )
         x = x ^ (pos.astype(np.uint64) << np.uint64(24)) ^ (unit.astype(np.uint64) << np.uint64(16))
         x = x ^ elem.astype(np.uint64)
         x = x + np.uint64(0x9E3779B97F4A7C15)
@@ -42,25 +43,29 @@ def _bits(values: np.ndarray, size: int) -> torch.Tensor:
     return torch.from_numpy(values.astype(_NP_INT[size]))
 
 
-def token_values(spec: AttentionSpec | MLASpec, layer: int, stream: int, tokens: np.ndarray,
-                 tp: int, rank: int) -> torch.Tensor:
+def token_values(
+    spec: AttentionSpec | MLASpec, layer: int, stream: int, tokens: np.ndarray, tp: int, rank: int
+) -> torch.Tensor:
     """Values for ``tokens``: ``(T, heads_on_rank, head_size)`` for attention, ``(T, row)`` bytes
     for MLA."""
     if isinstance(spec, MLASpec):
         row = spec.bytes_per_token(tp)
-        vals = mix(layer, stream, tokens[:, None], np.zeros(1, np.int64)[None, :],
-                   np.arange(row)[None, :])
+        vals = mix(
+            layer, stream, tokens[:, None], np.zeros(1, np.int64)[None, :], np.arange(row)[None, :]
+        )
         return _bits(vals & np.uint64(0xFF), 1)
     first, count = held_units(rank, tp, spec.num_kv_heads)
     hs = spec.head_size if stream == K else spec.head_size_v
     heads = np.arange(first, first + count)
-    vals = mix(layer, stream, tokens[:, None, None], heads[None, :, None],
-               np.arange(hs)[None, None, :])
+    vals = mix(
+        layer, stream, tokens[:, None, None], heads[None, :, None], np.arange(hs)[None, None, :]
+    )
     return _bits(vals, dtype_size(spec.dtype))
 
 
-def state_values(spec: MambaSpec, layer: int, n_tokens: int, tp: int,
-                 rank: int) -> dict[str, torch.Tensor]:
+def state_values(
+    spec: MambaSpec, layer: int, n_tokens: int, tp: int, rank: int
+) -> dict[str, torch.Tensor]:
     """Every state tensor of one layer after ``n_tokens`` tokens, in this rank's shapes."""
     out: dict[str, torch.Tensor] = {}
     for si, state in enumerate(spec.states):
@@ -72,16 +77,27 @@ def state_values(spec: MambaSpec, layer: int, n_tokens: int, tp: int,
                 unit = np.repeat(np.arange(first, first + count), part.unit_elems)
                 elem = np.tile(np.arange(part.unit_elems), count)
                 rows = np.arange(state.rows)[:, None]
-                cols.append(mix(layer, STATE_BASE + si * 8 + pi, np.full(1, n_tokens)[None, :],
-                                unit[None, :], elem[None, :] + rows * part.unit_elems))
+                cols.append(
+                    mix(
+                        layer,
+                        STATE_BASE + si * 8 + pi,
+                        np.full(1, n_tokens)[None, :],
+                        unit[None, :],
+                        elem[None, :] + rows * part.unit_elems,
+                    )
+                )
             sd = np.concatenate(cols, axis=1)  # (rows, width)
             vals = sd if spec.conv_layout == "SD" else sd.T
         else:
             (part,) = state.parts
             first, count = held_units(rank, tp, part.units)
-            flat = mix(layer, STATE_BASE + si * 8, np.full(1, n_tokens)[:, None],
-                       np.arange(first, first + count)[:, None],
-                       np.arange(part.unit_elems)[None, :])
+            flat = mix(
+                layer,
+                STATE_BASE + si * 8,
+                np.full(1, n_tokens)[:, None],
+                np.arange(first, first + count)[:, None],
+                np.arange(part.unit_elems)[None, :],
+            )
             vals = flat.reshape(count, *state.unit_shape)
         out[state.name] = _bits(np.ascontiguousarray(vals), size)
     return out

@@ -18,13 +18,13 @@ from app.kvcache.specs import AttentionSpec, MambaSpec, SpecKind
 from app.sim.fill import LATENT, K, V, as_int, state_values, token_values
 
 
-def _token_index(layout: RankLayout, layer: int, ids: np.ndarray,
-                 tokens: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _token_index(
+    layout: RankLayout, layer: int, ids: np.ndarray, tokens: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = layout.group(layout.placements[layer].group)
     kb, r = g.kernel_block_size, g.ratio
     j = tokens // kb
-    return (torch.from_numpy(ids[j // r]), torch.from_numpy(j % r),
-            torch.from_numpy(tokens % kb))
+    return (torch.from_numpy(ids[j // r]), torch.from_numpy(j % r), torch.from_numpy(tokens % kb))
 
 
 def _token_streams(layout: RankLayout, layer: int) -> list[tuple[str, int]]:
@@ -64,8 +64,11 @@ def check_tokens(layout: RankLayout, layer: int, ids: np.ndarray, tokens: np.nda
     bad = 0
     for name, stream in _token_streams(layout, layer):
         view = as_int(layout.views[layer][name])
-        got = view[mid, sub, :, off, :] if (
-            layout.kv_layout.value == "HND" and name != "latent") else view[mid, sub, off]
+        got = (
+            view[mid, sub, :, off, :]
+            if (layout.kv_layout.value == "HND" and name != "latent")
+            else view[mid, sub, off]
+        )
         want = token_values(spec, layer, stream, tokens, layout.tp, layout.rank)
         bad += int((got != want).sum())
     return bad
@@ -85,8 +88,13 @@ def state_block_index(n_ids: int, mamba_mode: str, num_spec: int) -> int:
     return 0 if mamba_mode == "none" else n_ids - 1 - num_spec
 
 
-def verify_request(layout: RankLayout, blocks: Sequence[np.ndarray], prompt_len: int,
-                   mamba_mode: str = "none", num_spec: int = 0) -> list[str]:
+def verify_request(
+    layout: RankLayout,
+    blocks: Sequence[np.ndarray],
+    prompt_len: int,
+    mamba_mode: str = "none",
+    num_spec: int = 0,
+) -> list[str]:
     """Everything D reads for this request, compared with the fill; one line per bad layer."""
     problems = []
     for g in layout.config.groups:

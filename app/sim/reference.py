@@ -53,8 +53,9 @@ class BlockAllocator:
     def release(self, blocks: Sequence[np.ndarray]) -> None:
         self.free.extend(int(b) for ids in blocks for b in ids if b != NULL_BLOCK)
 
-    def allocate_request(self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode,
-                         num_spec: int = 0) -> tuple[np.ndarray, ...]:
+    def allocate_request(
+        self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode, num_spec: int = 0
+    ) -> tuple[np.ndarray, ...]:
         """Block ids per group for a prompt; decode maps skipped sliding blocks to null."""
         out = []
         for g in self.config.groups:
@@ -81,24 +82,39 @@ class Instance:
     descs: list[LayoutDesc]
     blocks: BlockAllocator
 
-    def allocate_request(self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode,
-                         num_spec: int = 0) -> tuple[np.ndarray, ...]:
-        return self.blocks.allocate_request(prompt_len, decode=decode, mamba_mode=mamba_mode,
-                                            num_spec=num_spec)
+    def allocate_request(
+        self, prompt_len: int, *, decode: bool, mamba_mode: MambaMode, num_spec: int = 0
+    ) -> tuple[np.ndarray, ...]:
+        return self.blocks.allocate_request(
+            prompt_len, decode=decode, mamba_mode=mamba_mode, num_spec=num_spec
+        )
 
 
-def build_instance(model: ModelSpec, tp: int, block_size: int, num_blocks: int, *,
-                   mode: LayoutMode, kv_layout: KVLayout, heads_major: bool = False,
-                   allocator: Callable[[int], torch.Tensor] = zeros_allocator,
-                   seed: int = 0) -> Instance:
+def build_instance(
+    model: ModelSpec,
+    tp: int,
+    block_size: int,
+    num_blocks: int,
+    *,
+    mode: LayoutMode,
+    kv_layout: KVLayout,
+    heads_major: bool = False,
+    allocator: Callable[[int], torch.Tensor] = zeros_allocator,
+    seed: int = 0,
+) -> Instance:
     config = build_cache_config(model, tp, block_size, num_blocks=num_blocks)
-    ranks = [allocate(config, r, mode=mode, kv_layout=kv_layout, heads_major=heads_major,
-                      allocator=allocator) for r in range(tp)]
+    ranks = [
+        allocate(
+            config, r, mode=mode, kv_layout=kv_layout, heads_major=heads_major, allocator=allocator
+        )
+        for r in range(tp)
+    ]
     return Instance(config, ranks, [describe(r) for r in ranks], BlockAllocator(config, seed))
 
 
-def blocks_needed(model: ModelSpec, tp: int, block_size: int, prompt_lens: Sequence[int],
-                  num_spec: int = 0) -> int:
+def blocks_needed(
+    model: ModelSpec, tp: int, block_size: int, prompt_lens: Sequence[int], num_spec: int = 0
+) -> int:
     """Blocks (null included) that ``prompt_lens`` need on an instance, with align-mode slack."""
     probe = build_cache_config(model, tp, block_size, num_blocks=2)
     total = 1
@@ -169,8 +185,9 @@ def run_transfer(
                 if rid in res.failed:
                     continue
                 used.update(int(x) for ids in db for x in ids)
-                res.problems += [f"{rid}: {m}" for m in
-                                 verify_request(rank, db, n, mamba_mode.value, num_spec)]
+                res.problems += [
+                    f"{rid}: {m}" for m in verify_request(rank, db, n, mamba_mode.value, num_spec)
+                ]
             res.problems += untouched(rank, used)
     return res
 
@@ -189,9 +206,14 @@ def _prefill(p: Instance, steps: Sequence[StepRequest]) -> None:
                         write_tokens(rank, c.index, ids, s.start, s.end)
 
 
-def _plan_and_copy(planners: Sequence[PairPlanner], layers: Sequence[int],
-                   steps: Sequence[StepRequest], res: TransferResult, copy: bool,
-                   keep: bool) -> None:
+def _plan_and_copy(
+    planners: Sequence[PairPlanner],
+    layers: Sequence[int],
+    steps: Sequence[StepRequest],
+    res: TransferResult,
+    copy: bool,
+    keep: bool,
+) -> None:
     """Plan ``layers`` as one submission per (P rank, D rank); bulk mode passes all layers."""
     for pr, planner in enumerate(planners):
         t0 = time.perf_counter()
@@ -207,8 +229,10 @@ def _plan_and_copy(planners: Sequence[PairPlanner], layers: Sequence[int],
                 if len(layers) == 1:
                     g[1] += descs.count
                 g[2] += descs.nbytes
-        merged = {dr: Descriptors.concat(ds).coalesced() if len(layers) > 1 else ds[0]
-                  for dr, ds in per_peer.items()}
+        merged = {
+            dr: Descriptors.concat(ds).coalesced() if len(layers) > 1 else ds[0]
+            for dr, ds in per_peer.items()
+        }
         res.planning_s += time.perf_counter() - t0
         for dr, descs in merged.items():
             res.descriptors += descs.count

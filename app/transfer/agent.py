@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.devices import CpuEvent, Event
+from app.devices import Event
 from app.errors import DeadlineExceeded, KVSidecarError, TransferError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.layout import RankLayout
@@ -38,8 +38,15 @@ def receive_manifest(local: LayoutDesc, prefill_tp: int) -> dict[int, frozenset[
     kinds = {r.group: r.kind for r in local.regions}
     for pl in local.placements:
         for pc in pl.pieces:
-            for p in senders(kinds[pl.group], local.rank, pc.unit_first, pc.unit_count, pc.units,
-                             prefill_tp, local.tp):
+            for p in senders(
+                kinds[pl.group],
+                local.rank,
+                pc.unit_first,
+                pc.unit_count,
+                pc.units,
+                prefill_tp,
+                local.tp,
+            ):
                 out.setdefault(p, set()).add(pl.group)
     return {p: frozenset(g) for p, g in out.items()}
 
@@ -134,9 +141,15 @@ Writer = Callable[[str, np.ndarray, np.ndarray, np.ndarray], None]
 class StreamThread:
     """One per device: waits for each layer's event, plans it, submits one batch per peer."""
 
-    def __init__(self, name: str, depth: int, writer: Writer,
-                 on_result: Callable[[LayerResult], None],
-                 is_live: Callable[[str], bool], pin: Callable[[Sequence[str], int], None]) -> None:
+    def __init__(
+        self,
+        name: str,
+        depth: int,
+        writer: Writer,
+        on_result: Callable[[LayerResult], None],
+        is_live: Callable[[str], bool],
+        pin: Callable[[Sequence[str], int], None],
+    ) -> None:
         self.queue: queue.Queue[LayerTask | None] = queue.Queue(maxsize=depth)
         self._writer, self._on_result, self._is_live, self._pin = writer, on_result, is_live, pin
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -164,8 +177,9 @@ class StreamThread:
             except Exception:  # the thread must outlive any one bad task
                 log.exception("stream thread failed on step %s layer %s", task.step, task.layer)
 
-    def _submit(self, task: LayerTask, session: str, planner: PairPlanner,
-                steps: list[StepRequest]) -> None:
+    def _submit(
+        self, task: LayerTask, session: str, planner: PairPlanner, steps: list[StepRequest]
+    ) -> None:
         live = [s for s in steps if self._is_live(s.request_id)]
         if not live:
             return
@@ -183,9 +197,20 @@ class StreamThread:
                 ids = []
             finally:
                 self._pin([s.request_id for s in live if s.request_id not in plan.failed], -1)
-        self._on_result(LayerResult(
-            task.step, task.layer, plan.group, ids, failed, plan.req_bytes, descs.nbytes,
-            descs.count, sum(plan.blocks.values()), time.monotonic() - t0))
+        self._on_result(
+            LayerResult(
+                task.step,
+                task.layer,
+                plan.group,
+                ids,
+                failed,
+                plan.req_bytes,
+                descs.nbytes,
+                descs.count,
+                sum(plan.blocks.values()),
+                time.monotonic() - t0,
+            )
+        )
 
 
 class Agent:
@@ -211,7 +236,9 @@ class Agent:
 
     def finished(self) -> tuple[list[str], list[str], list[FailedRequest]]:
         """Terminal requests not yet reported, unpinned; each is reported once."""
-        sending, recving, failed = [], [], []
+        sending: list[str] = []
+        recving: list[str] = []
+        failed: list[FailedRequest] = []
         for table, done in ((self.sends, sending), (self.recvs, recving)):
             for rid, req in list(table.items()):
                 if not req.state.terminal or (isinstance(req, SendRequest) and req.inflight):
@@ -219,8 +246,9 @@ class Agent:
                 if req.state is Status.DONE:
                     done.append(rid)
                 else:
-                    failed.append(FailedRequest(rid, req.state, [b.tolist() for b in req.blocks],
-                                                req.error))
+                    failed.append(
+                        FailedRequest(rid, req.state, [b.tolist() for b in req.blocks], req.error)
+                    )
                 req.reported = True
                 del table[rid]
                 self.history.append(req)

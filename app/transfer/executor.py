@@ -9,7 +9,6 @@ from app.transfer.planner import Descriptors
 
 def execute(descs: Descriptors) -> int:
     """Copy every descriptor (both sides are addresses in this process); bytes copied."""
-    for s, d, n in zip(descs.src.tolist(), descs.dst.tolist(), descs.length.tolist(),
-                       strict=True):
+    for s, d, n in zip(descs.src.tolist(), descs.dst.tolist(), descs.length.tolist(), strict=True):
         ctypes.memmove(d, s, n)
     return descs.nbytes

@@ -291,8 +291,9 @@ class PairPlanner:
             src_b = pl.base + block_offsets(pl, sel.p_ids, sel.j_p, ratio_p)
             dst_b = dl.base + block_offsets(dl, sel.d_ids, sel.j_d, ratio_d)
             plan.blocks[d_rank] = plan.blocks.get(d_rank, 0) + int(sel.j_p.size)
-            plan.req_bytes[req.request_id] = (plan.req_bytes.get(req.request_id, 0)
-                                              + int(sel.j_p.size) * int(tmpl[2].sum()))
+            plan.req_bytes[req.request_id] = plan.req_bytes.get(req.request_id, 0) + int(
+                sel.j_p.size
+            ) * int(tmpl[2].sum())
             parts.setdefault(d_rank, []).append(
                 Descriptors(
                     (src_b[:, None] + tmpl[0][None, :]).ravel(),

@@ -261,8 +261,22 @@ class Reply(Msg, tag="reply"):
 
 
 AnyMsg = (
-    Hello | AgentMetadata | Rejected | Done | Ack | Abort | Error | RegisterCaches | AddSend
-    | ExpectRecv | BeginStep | LayerReady | GetFinished | Finished | AbortRequest | Reply
+    Hello
+    | AgentMetadata
+    | Rejected
+    | Done
+    | Ack
+    | Abort
+    | Error
+    | RegisterCaches
+    | AddSend
+    | ExpectRecv
+    | BeginStep
+    | LayerReady
+    | GetFinished
+    | Finished
+    | AbortRequest
+    | Reply
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -312,20 +326,57 @@ def rank_metadata(desc: LayoutDesc) -> RankMetadata:
         kv_layout=desc.kv_layout,
         layout_mode=desc.layout_mode,
         compat_hash=desc.compat_hash,
-        groups=[WireGroup(g.index, g.kind.value, g.block_size, g.kernel_block_size,
-                          list(g.layers), g.sliding_window) for g in desc.groups],
-        regions=[WireRegion(r.base, r.length, r.block_stride, r.kind.value, r.group,
-                            list(r.layers), [WireStream(s.offset, s.length) for s in r.streams])
-                 for r in desc.regions],
-        placements=[WirePlacement(p.layer, p.group, p.base, p.block_stride, p.kernel_stride,
-                                  p.ratio, [WirePiece(*_piece_fields(x)) for x in p.pieces],
-                                  p.buffer) for p in desc.placements],
+        groups=[
+            WireGroup(
+                g.index,
+                g.kind.value,
+                g.block_size,
+                g.kernel_block_size,
+                list(g.layers),
+                g.sliding_window,
+            )
+            for g in desc.groups
+        ],
+        regions=[
+            WireRegion(
+                r.base,
+                r.length,
+                r.block_stride,
+                r.kind.value,
+                r.group,
+                list(r.layers),
+                [WireStream(s.offset, s.length) for s in r.streams],
+            )
+            for r in desc.regions
+        ],
+        placements=[
+            WirePlacement(
+                p.layer,
+                p.group,
+                p.base,
+                p.block_stride,
+                p.kernel_stride,
+                p.ratio,
+                [WirePiece(*_piece_fields(x)) for x in p.pieces],
+                p.buffer,
+            )
+            for p in desc.placements
+        ],
     )
 
 
-def _piece_fields(p: Piece) -> tuple[str, int, int, int, int, int, int, int, int]:
-    return (p.name, p.offset, p.outer, p.outer_stride, p.units, p.unit_first, p.unit_count,
-            p.unit_stride, p.unit_bytes)
+def _piece_fields(p: Piece | WirePiece) -> tuple[str, int, int, int, int, int, int, int, int]:
+    return (
+        p.name,
+        p.offset,
+        p.outer,
+        p.outer_stride,
+        p.units,
+        p.unit_first,
+        p.unit_count,
+        p.unit_stride,
+        p.unit_bytes,
+    )
 
 
 def layout_desc(m: RankMetadata) -> LayoutDesc:
@@ -338,13 +389,40 @@ def layout_desc(m: RankMetadata) -> LayoutDesc:
         null_block=m.null_block,
         kv_layout=m.kv_layout,
         layout_mode=m.layout_mode,
-        groups=tuple(GroupDesc(g.index, SpecKind(g.kind), g.block_size, g.kernel_block_size,
-                               tuple(g.layers), g.sliding_window) for g in m.groups),
+        groups=tuple(
+            GroupDesc(
+                g.index,
+                SpecKind(g.kind),
+                g.block_size,
+                g.kernel_block_size,
+                tuple(g.layers),
+                g.sliding_window,
+            )
+            for g in m.groups
+        ),
         placements=tuple(
-            LayerPlacement(p.layer, p.group, p.base, p.block_stride, p.kernel_stride, p.ratio,
-                           tuple(Piece(*_piece_fields(x)) for x in p.pieces), p.buffer)  # type: ignore[arg-type]
-            for p in m.placements),
-        regions=tuple(Region(r.base, r.length, r.block_stride, RegionKind(r.kind), r.group,
-                             tuple(r.layers), tuple(Stream(s.offset, s.length) for s in r.streams))
-                      for r in m.regions),
+            LayerPlacement(
+                p.layer,
+                p.group,
+                p.base,
+                p.block_stride,
+                p.kernel_stride,
+                p.ratio,
+                tuple(Piece(*_piece_fields(x)) for x in p.pieces),
+                p.buffer,
+            )
+            for p in m.placements
+        ),
+        regions=tuple(
+            Region(
+                r.base,
+                r.length,
+                r.block_stride,
+                RegionKind(r.kind),
+                r.group,
+                tuple(r.layers),
+                tuple(Stream(s.offset, s.length) for s in r.streams),
+            )
+            for r in m.regions
+        ),
     )

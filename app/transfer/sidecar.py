@@ -11,8 +11,10 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
 
 import numpy as np
 import zmq.asyncio
@@ -124,21 +126,33 @@ class Sidecar:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         s = self.settings
-        self.engine = await asyncio.to_thread(MooncakeEngine, EngineConfig(
-            host=s.resolved_advertise_host(),
-            protocol=s.transport, device_name=s.device_name,
-            max_descriptors_per_submit=s.max_descriptors_per_submit, spin_threads=s.spin_threads))
+        self.engine = await asyncio.to_thread(
+            MooncakeEngine,
+            EngineConfig(
+                host=s.resolved_advertise_host(),
+                protocol=s.transport,
+                device_name=s.device_name,
+                max_descriptors_per_submit=s.max_descriptors_per_submit,
+                spin_threads=s.spin_threads,
+            ),
+        )
         faults = int(os.environ.get(FAULT_ENV, "0") or 0)
         if faults:
             self.engine.inject_failures(faults)
-        self.control = ControlServer(self.ctx, f"tcp://{s.control_host}:{s.control_port}",
-                                     self._on_peer, name="control")
+        self.control = ControlServer(
+            self.ctx, f"tcp://{s.control_host}:{s.control_port}", self._on_peer, name="control"
+        )
         self.control_endpoint = await self.control.start()
         self.engine_server = ControlServer(self.ctx, s.engine_ipc, self._on_engine, name="engine")
         await self.engine_server.start()
         self._watchdog = asyncio.create_task(self._watch())
-        log.info("sidecar %s epoch %s control %s engine %s", s.engine_id, self.epoch,
-                 self.control_endpoint, s.engine_ipc)
+        log.info(
+            "sidecar %s epoch %s control %s engine %s",
+            s.engine_id,
+            self.epoch,
+            self.control_endpoint,
+            s.engine_ipc,
+        )
 
     @property
     def control_port(self) -> int:
@@ -160,7 +174,8 @@ class Sidecar:
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and any(
-                not r.state.terminal for a in self.agents.values() for r in a.all_requests()):
+            not r.state.terminal for a in self.agents.values() for r in a.all_requests()
+        ):
             await asyncio.sleep(0.05)
         aborted = 0
         for a in self.agents.values():
@@ -168,8 +183,9 @@ class Sidecar:
                 if r.finish(Status.ABORTED, "sidecar shutting down"):
                     aborted += 1
         report = {
-            "done": sum(1 for a in self.agents.values() for r in a.history
-                        if r.state is Status.DONE),
+            "done": sum(
+                1 for a in self.agents.values() for r in a.history if r.state is Status.DONE
+            ),
             "aborted": aborted,
         }
         for a in self.agents.values():
@@ -201,15 +217,20 @@ class Sidecar:
             if isinstance(msg, ExpectRecv):
                 return self._expect(msg)
             if isinstance(msg, BeginStep):
-                self._agent(msg.rank).steps[msg.step] = [(s.request, s.start, s.end)
-                                                         for s in msg.slices]
+                self._agent(msg.rank).steps[msg.step] = [
+                    (s.request, s.start, s.end) for s in msg.slices
+                ]
                 return Reply()
             if isinstance(msg, GetFinished):
                 agent = self._agent(msg.rank)
                 sending, recving, failed = agent.finished()
-                return Finished(sending=sending, recving=recving, failed=failed,
-                                bytes=sum(g.bytes for g in agent.groups.values()),
-                                descriptors=sum(g.descriptors for g in agent.groups.values()))
+                return Finished(
+                    sending=sending,
+                    recving=recving,
+                    failed=failed,
+                    bytes=sum(g.bytes for g in agent.groups.values()),
+                    descriptors=sum(g.descriptors for g in agent.groups.values()),
+                )
             if isinstance(msg, AbortRequest):
                 await self._abort(msg.rank, msg.request, msg.reason, notify=True)
                 return Reply()
@@ -224,24 +245,32 @@ class Sidecar:
         return agent
 
     async def _register(self, msg: RegisterCaches) -> Msg:
-        model = load_preset(msg.model, layers=msg.layers, dtype=msg.dtype,
-                            cache_dtype=msg.cache_dtype)
+        model = load_preset(
+            msg.model, layers=msg.layers, dtype=msg.dtype, cache_dtype=msg.cache_dtype
+        )
         if self.compat_hash and model.compat_hash() != self.compat_hash:
             return Reply(ok=False, error="rank registered a different model than its siblings")
         config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
-        layout = allocate(config, msg.rank, mode=LayoutMode(msg.layout_mode),
-                          kv_layout=KVLayout(msg.kv_layout), heads_major=msg.heads_major,
-                          allocator=attach_allocator(msg.shm_names))
+        layout = allocate(
+            config,
+            msg.rank,
+            mode=LayoutMode(msg.layout_mode),
+            kv_layout=KVLayout(msg.kv_layout),
+            heads_major=msg.heads_major,
+            allocator=attach_allocator(msg.shm_names),
+        )
         assert self.engine is not None
         await asyncio.to_thread(self.engine.register_many, layout.spans())
         agent = Agent(layout, describe(layout), msg.engine_id)
         loop = self._loop
         assert loop is not None
         agent.stream = StreamThread(
-            f"stream-{msg.rank}", self.settings.stream_queue_depth, self.engine.write_sync,
-            lambda res, a=agent: loop.call_soon_threadsafe(self._layer_done, a, res),
-            lambda rid, a=agent: rid in a.sends and not a.sends[rid].state.terminal,
-            lambda ids, d, a=agent: loop.call_soon_threadsafe(self._pin, a, ids, d),
+            f"stream-{msg.rank}",
+            self.settings.stream_queue_depth,
+            self.engine.write_sync,
+            partial(_threadsafe, loop, partial(self._layer_done, agent)),
+            partial(_is_live, agent),
+            partial(_threadsafe, loop, partial(self._pin, agent)),
         )
         old = self.agents.pop(msg.rank, None)
         if old and old.stream:
@@ -249,8 +278,13 @@ class Sidecar:
         self.agents[msg.rank] = agent
         self.compat_hash = model.compat_hash()
         self.tp_size = msg.tp_size
-        return Reply(data={"epoch": self.epoch, "control_port": self.control_port,
-                           "num_blocks": config.num_blocks})
+        return Reply(
+            data={
+                "epoch": self.epoch,
+                "control_port": self.control_port,
+                "num_blocks": config.num_blocks,
+            }
+        )
 
     def _pin(self, agent: Agent, ids: Sequence[str], delta: int) -> None:
         for rid in ids:
@@ -278,8 +312,12 @@ class Sidecar:
     async def _handshake(self, peer: Peer) -> None:
         t0 = time.monotonic()
         role = Role.PREFILL if self.settings.role == "prefill" else Role.BOTH
-        hello = Hello(compat_hash=self.compat_hash, engine_id=self.settings.engine_id, role=role,
-                      epoch=self.epoch)
+        hello = Hello(
+            compat_hash=self.compat_hash,
+            engine_id=self.settings.engine_id,
+            role=role,
+            epoch=self.epoch,
+        )
         try:
             reply = await peer.client.request(hello, self.settings.handshake_timeout_s)
         except DeadlineExceeded as e:
@@ -289,8 +327,7 @@ class Sidecar:
         if isinstance(reply, Rejected | Error):
             peer.failures += 1
             peer.last_error = reply.reason
-            raise LayoutMismatchError(f"decode sidecar {peer.endpoint} rejected us: "
-                                      f"{reply.reason}")
+            raise LayoutMismatchError(f"decode sidecar {peer.endpoint} rejected us: {reply.reason}")
         if not isinstance(reply, AgentMetadata):
             raise ProtocolError(f"expected AgentMetadata, got {type(reply).__name__}")
         descs = {m.rank: layout_desc(m) for m in reply.ranks}
@@ -317,10 +354,17 @@ class Sidecar:
             return Reply(ok=False, error=f"request {msg.request} is already in flight")
         t = msg.remote
         req = SendRequest(
-            id=msg.request, rank=msg.rank, prompt_len=msg.prompt_len,
-            blocks=_blocks(msg.block_ids), deadline=time.monotonic() + self.settings.send_timeout_s,
-            peer=f"tcp://{t.host}:{t.port}", d_blocks=_blocks(t.block_ids), target_epoch=t.epoch,
-            mamba_mode=MambaMode(msg.mamba_mode), num_spec=msg.num_spec)
+            id=msg.request,
+            rank=msg.rank,
+            prompt_len=msg.prompt_len,
+            blocks=_blocks(msg.block_ids),
+            deadline=time.monotonic() + self.settings.send_timeout_s,
+            peer=f"tcp://{t.host}:{t.port}",
+            d_blocks=_blocks(t.block_ids),
+            target_epoch=t.epoch,
+            mamba_mode=MambaMode(msg.mamba_mode),
+            num_spec=msg.num_spec,
+        )
         agent.sends[req.id] = req
         try:
             check_block_ids(agent.desc, req.blocks, "prefill")
@@ -328,8 +372,11 @@ class Sidecar:
             planner = peer.planners[msg.rank]
             # Known before the id check, so that D hears of a refusal instead of expiring.
             req.d_ranks = {
-                d: frozenset(pl.group for pl in agent.desc.placements
-                             if planner.template(pl.layer, d)[0].size)
+                d: frozenset(
+                    pl.group
+                    for pl in agent.desc.placements
+                    if planner.template(pl.layer, d)[0].size
+                )
                 for d in planner.peers()
             }
             check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
@@ -350,9 +397,18 @@ class Sidecar:
             req.state = Status.TRANSFERRING
             if end >= req.prompt_len and req.final_layers_left < 0:
                 req.final_layers_left = len(agent.desc.placements)
-            by_peer.setdefault(req.peer, []).append(StepRequest(
-                rid, req.prompt_len, start, min(end, req.prompt_len), req.blocks, req.d_blocks,
-                req.mamba_mode, req.num_spec))
+            by_peer.setdefault(req.peer, []).append(
+                StepRequest(
+                    rid,
+                    req.prompt_len,
+                    start,
+                    min(end, req.prompt_len),
+                    req.blocks,
+                    req.d_blocks,
+                    req.mamba_mode,
+                    req.num_spec,
+                )
+            )
         batches = []
         for endpoint, steps in by_peer.items():
             peer = self.peers[endpoint]
@@ -402,10 +458,17 @@ class Sidecar:
             return
         errors = []
         for d_rank, groups in req.d_ranks.items():
-            done = Done(request=req.id, sender_engine=self.settings.engine_id,
-                        sender_rank=req.rank, target_rank=d_rank, epoch=peer.epoch,
-                        status=status, groups=sorted(groups), bytes=req.bytes,
-                        error=req.error or None)
+            done = Done(
+                request=req.id,
+                sender_engine=self.settings.engine_id,
+                sender_rank=req.rank,
+                target_rank=d_rank,
+                epoch=peer.epoch,
+                status=status,
+                groups=sorted(groups),
+                bytes=req.bytes,
+                error=req.error or None,
+            )
             try:
                 ack = await peer.client.request(done, self.settings.ack_timeout_s)
             except DeadlineExceeded as e:
@@ -416,8 +479,10 @@ class Sidecar:
                 errors.append(f"decode rank {d_rank} refused Done: {reason}")
         if errors:
             peer.failures += 1
-            req.finish(Status.ABORTED if any("aborted" in e for e in errors) else Status.FAILED,
-                       "; ".join(errors))
+            req.finish(
+                Status.ABORTED if any("aborted" in e for e in errors) else Status.FAILED,
+                "; ".join(errors),
+            )
         else:
             req.finish(Status.DONE)
 
@@ -428,10 +493,15 @@ class Sidecar:
         if not self.admitting:
             return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
         timeout = msg.timeout_s or self.settings.recv_timeout_s
-        req = RecvRequest(id=msg.request, rank=msg.rank, prompt_len=msg.prompt_len,
-                          blocks=_blocks(msg.block_ids), deadline=time.monotonic() + timeout,
-                          peer=msg.prefill_engine,
-                          manifest=receive_manifest(agent.desc, msg.prefill_tp))
+        req = RecvRequest(
+            id=msg.request,
+            rank=msg.rank,
+            prompt_len=msg.prompt_len,
+            blocks=_blocks(msg.block_ids),
+            deadline=time.monotonic() + timeout,
+            peer=msg.prefill_engine,
+            manifest=receive_manifest(agent.desc, msg.prefill_tp),
+        )
         agent.recvs[req.id] = req
         try:
             check_block_ids(agent.desc, req.blocks, "decode")
@@ -456,40 +526,60 @@ class Sidecar:
         if not ok:
             return Rejected(reason=f"decode sidecar not ready: {why}")
         if msg.compat_hash != self.compat_hash:
-            return Rejected(reason=(
-                f"model mismatch: prefill compat hash {msg.compat_hash}, decode "
-                f"{self.compat_hash}; run the same preset, dtype and layer count on both"))
+            return Rejected(
+                reason=(
+                    f"model mismatch: prefill compat hash {msg.compat_hash}, decode "
+                    f"{self.compat_hash}; run the same preset, dtype and layer count on both"
+                )
+            )
         assert self.engine is not None
         return AgentMetadata(
-            engine_id=self.settings.engine_id, epoch=self.epoch, tp_size=self.tp_size,
+            engine_id=self.settings.engine_id,
+            epoch=self.epoch,
+            tp_size=self.tp_size,
             te_session=self.engine.session_id,
-            ranks=[rank_metadata(a.desc) for a in self.agents.values()])
+            ranks=[rank_metadata(a.desc) for a in self.agents.values()],
+        )
 
     def _done(self, msg: Done) -> Msg:
         if msg.epoch != self.epoch:
-            return Ack(request=msg.request, ok=False,
-                       error=f"stale epoch {msg.epoch}; this sidecar runs {self.epoch}")
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"stale epoch {msg.epoch}; this sidecar runs {self.epoch}",
+            )
         agent = self.agents.get(msg.target_rank)
         req = agent.recvs.get(msg.request) if agent else None
         if agent is None or req is None:
-            return Ack(request=msg.request, ok=False,
-                       error=f"request {msg.request} is not expected on rank {msg.target_rank}")
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"request {msg.request} is not expected on rank {msg.target_rank}",
+            )
         if req.state is Status.ABORTED:
             return Ack(request=msg.request, ok=False, error="aborted at decode")
         if req.state.terminal:
             return Ack(request=msg.request, ok=False, error=f"request already {req.state.name}")
         want = req.manifest.get(msg.sender_rank)
         if want is None:
-            return Ack(request=msg.request, ok=False,
-                       error=f"prefill rank {msg.sender_rank} is not in the manifest")
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"prefill rank {msg.sender_rank} is not in the manifest",
+            )
         req.bytes += msg.bytes
         if msg.status is not Status.DONE:
-            req.finish(Status.FAILED, f"prefill rank {msg.sender_rank}: {msg.status.name} "
-                                      f"{msg.error or ''}".strip())
+            req.finish(
+                Status.FAILED,
+                f"prefill rank {msg.sender_rank}: {msg.status.name} {msg.error or ''}".strip(),
+            )
             return Ack(request=msg.request)
         if not want <= set(msg.groups):
-            req.finish(Status.FAILED, f"prefill rank {msg.sender_rank} delivered groups "
-                                      f"{sorted(msg.groups)}, expected {sorted(want)}")
+            req.finish(
+                Status.FAILED,
+                f"prefill rank {msg.sender_rank} delivered groups "
+                f"{sorted(msg.groups)}, expected {sorted(want)}",
+            )
             return Ack(request=msg.request)
         req.delivered[msg.sender_rank] = Status.DONE
         req.state = Status.TRANSFERRING
@@ -507,8 +597,9 @@ class Sidecar:
         peer = self.peers.get(req.peer) if isinstance(req, SendRequest) else None
         if notify and peer is not None:
             try:
-                await peer.client.request(Abort(request=rid, reason=reason),
-                                          self.settings.ack_timeout_s)
+                await peer.client.request(
+                    Abort(request=rid, reason=reason), self.settings.ack_timeout_s
+                )
             except DeadlineExceeded:
                 peer.failures += 1
 
@@ -526,8 +617,17 @@ class Sidecar:
                             if isinstance(req, SendRequest):
                                 self._spawn(self._send_done(req))
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+
+def _threadsafe(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """Run ``fn`` on the loop from a stream thread."""
+    loop.call_soon_threadsafe(fn, *args)
+
+
+def _is_live(agent: Agent, rid: str) -> bool:
+    req = agent.sends.get(rid)
+    return req is not None and not req.state.terminal

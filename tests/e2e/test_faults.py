@@ -26,16 +26,22 @@ def _statuses(rank_results: list[dict[str, object]]) -> dict[str, str]:
 
 
 def test_decode_killed_mid_transfer_fails_prefill_and_unpins(
-        make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(prefill_tp=2, decode_tp=1, layers=8, max_requests=3, max_prompt=1024,
-                     sidecar_env=FAST)
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = make_cluster(
+        prefill_tp=2, decode_tp=1, layers=8, max_requests=3, max_prompt=1024, sidecar_env=FAST
+    )
     p, d = c.sides["prefill"], c.sides["decode"]
     pairs = c.make_requests([1024, 1024, 900])
     c.call(d, Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=30), 30)
     t0 = time.monotonic()
     # 8 layers x 8 chunks x 30 ms of compute: the transfer is still running when D dies.
-    c.send(p, Command(cmd="prefill", requests=[pr for pr, _ in pairs], chunk=128,
-                      compute_ms=30, timeout_s=30))
+    c.send(
+        p,
+        Command(
+            cmd="prefill", requests=[pr for pr, _ in pairs], chunk=128, compute_ms=30, timeout_s=30
+        ),
+    )
     time.sleep(1.0)
     c.kill_side(d)
     out = c.recv(p, 60)
@@ -49,10 +55,15 @@ def test_decode_killed_mid_transfer_fails_prefill_and_unpins(
     assert elapsed < 45
 
 
-def test_prefill_killed_decode_expires_with_block_ids(
-        make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(prefill_tp=1, decode_tp=2, layers=4, max_requests=2, max_prompt=512,
-                     decode_env={"KVSIDECAR_RECV_TIMEOUT_S": "3"})
+def test_prefill_killed_decode_expires_with_block_ids(make_cluster: Callable[..., Cluster]) -> None:
+    c = make_cluster(
+        prefill_tp=1,
+        decode_tp=2,
+        layers=4,
+        max_requests=2,
+        max_prompt=512,
+        decode_env={"KVSIDECAR_RECV_TIMEOUT_S": "3"},
+    )
     p, d = c.sides["prefill"], c.sides["decode"]
     pairs = c.make_requests([512, 300])
     c.call(d, Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=3), 30)
@@ -63,15 +74,19 @@ def test_prefill_killed_decode_expires_with_block_ids(
     for rank in out["ranks"]:
         assert rank["done"] == []
         assert {k: v["status"] for k, v in rank["failed"].items()} == {
-            "req-0": "EXPIRED", "req-1": "EXPIRED"}
+            "req-0": "EXPIRED",
+            "req-1": "EXPIRED",
+        }
         for _, dr in pairs:
             assert rank["failed"][dr.id]["blocks"] == dr.blocks
 
 
 def test_decode_restart_rehandshakes_and_new_requests_succeed(
-        make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(prefill_tp=2, decode_tp=2, layers=4, max_requests=4, max_prompt=256,
-                     sidecar_env=FAST)
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = make_cluster(
+        prefill_tp=2, decode_tp=2, layers=4, max_requests=4, max_prompt=256, sidecar_env=FAST
+    )
     d = c.sides["decode"]
     first = c.make_requests([256], prefix="before")
     assert summarize(c.run(first), first)["verified"] == 1
@@ -85,16 +100,24 @@ def test_decode_restart_rehandshakes_and_new_requests_succeed(
     s = summarize(c.run(fresh), fresh)
     assert s["verified"] == 2 and s["failures"] == {}
     # A request addressed to the old epoch fails fast at admission, never DONE.
-    out = c.call(c.sides["prefill"], Command(cmd="prefill", requests=[stale[0][0]],
-                                             timeout_s=5), 30)
+    out = c.call(
+        c.sides["prefill"], Command(cmd="prefill", requests=[stale[0][0]], timeout_s=5), 30
+    )
     failed = out["ranks"][0]["failed"]
     assert failed["stale-0"]["status"] == "FAILED"
     assert "epoch" in failed["stale-0"]["error"]
 
 
 def test_injected_transfer_error_fails_never_done(make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(prefill_tp=1, decode_tp=1, layers=4, max_requests=2, max_prompt=256,
-                     prefill_env={"KV_SIDECAR_FAULT_FAIL_WRITES": "1"}, sidecar_env=FAST)
+    c = make_cluster(
+        prefill_tp=1,
+        decode_tp=1,
+        layers=4,
+        max_requests=2,
+        max_prompt=256,
+        prefill_env={"KV_SIDECAR_FAULT_FAIL_WRITES": "1"},
+        sidecar_env=FAST,
+    )
     pairs = c.make_requests([256, 256])
     result = c.run(pairs, timeout_s=15)
     s = summarize(result, pairs)
@@ -109,12 +132,14 @@ def test_injected_transfer_error_fails_never_done(make_cluster: Callable[..., Cl
 
 
 def test_out_of_range_block_ids_fail_with_nothing_written(
-        make_cluster: Callable[..., Cluster]) -> None:
-    c = make_cluster(prefill_tp=2, decode_tp=1, layers=4, max_requests=2, max_prompt=256,
-                     sidecar_env=FAST)
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = make_cluster(
+        prefill_tp=2, decode_tp=1, layers=4, max_requests=2, max_prompt=256, sidecar_env=FAST
+    )
     d = c.sides["decode"]
     pairs = c.make_requests([256])
-    pr, dr = pairs[0]
+    pr, _dr = pairs[0]
     assert pr.remote is not None
     bad = d.params.num_blocks + 5
     pr.remote.block_ids = [[*ids[:-1], bad] for ids in pr.remote.block_ids]
@@ -129,7 +154,8 @@ def test_out_of_range_block_ids_fail_with_nothing_written(
 
 
 def test_malformed_frame_gets_error_and_loop_keeps_serving(
-        make_cluster: Callable[..., Cluster]) -> None:
+    make_cluster: Callable[..., Cluster],
+) -> None:
     c = make_cluster(prefill_tp=1, decode_tp=1, layers=4, max_requests=1, max_prompt=128)
     d = c.sides["decode"]
     ctx = zmq.Context()
@@ -142,8 +168,9 @@ def test_malformed_frame_gets_error_and_loop_keeps_serving(
         _, payload = sock.recv_multipart()
         reply = decode(payload)
         assert isinstance(reply, Error) and "malformed" in reply.reason
-        sock.send_multipart([b"\x00" * 7 + b"\x02",
-                             msgspec.msgpack.encode({"type": "hello", "version": 99})])
+        sock.send_multipart(
+            [b"\x00" * 7 + b"\x02", msgspec.msgpack.encode({"type": "hello", "version": 99})]
+        )
         assert sock.poll(5000)
         reply = decode(sock.recv_multipart()[1])
         assert isinstance(reply, Error) and "version" in reply.reason

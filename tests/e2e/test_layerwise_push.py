@@ -25,9 +25,16 @@ def test_concurrent_chunked_requests_arrive_byte_exact(
 ) -> None:
     layers, block = MODELS[model]
     lens = [300, 517, 64]
-    cluster = make_cluster(model=model, layers=layers, prefill_tp=p_tp, decode_tp=d_tp,
-                           layout=layout, block_size=block, max_requests=len(lens),
-                           max_prompt=max(lens))
+    cluster = make_cluster(
+        model=model,
+        layers=layers,
+        prefill_tp=p_tp,
+        decode_tp=d_tp,
+        layout=layout,
+        block_size=block,
+        max_requests=len(lens),
+        max_prompt=max(lens),
+    )
     pairs = cluster.make_requests(lens)
     result = cluster.run(pairs, chunk=128)
     s = summarize(result, pairs)

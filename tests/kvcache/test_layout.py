@@ -12,9 +12,17 @@ from app.kvcache.layout import KVLayout, LayoutMode, allocate
 from app.kvcache.presets import load_preset
 
 
-def _layout(model: str, tp: int = 2, rank: int = 0, *, layers: int = 4, block: int = 16,
-            mode: LayoutMode = LayoutMode.PER_LAYER, kv: KVLayout = KVLayout.HND,
-            heads_major: bool = False):  # type: ignore[no-untyped-def]
+def _layout(
+    model: str,
+    tp: int = 2,
+    rank: int = 0,
+    *,
+    layers: int = 4,
+    block: int = 16,
+    mode: LayoutMode = LayoutMode.PER_LAYER,
+    kv: KVLayout = KVLayout.HND,
+    heads_major: bool = False,
+):  # type: ignore[no-untyped-def]
     cfg = build_cache_config(load_preset(model, layers=layers), tp, block, num_blocks=8)
     return allocate(cfg, rank, mode=mode, kv_layout=kv, heads_major=heads_major)
 

@@ -16,8 +16,13 @@ def _first(name: str, cls: type) -> object:
 
 @pytest.mark.parametrize(
     ("model", "per_token"),
-    [("llama-3.1-8b", 4096), ("gpt-oss-20b", 2048), ("gemma-3-27b", 8192),
-     ("qwen3-next-80b-a3b", 2048), ("nemotron-nano-9b-v2", 4096)],
+    [
+        ("llama-3.1-8b", 4096),
+        ("gpt-oss-20b", 2048),
+        ("gemma-3-27b", 8192),
+        ("qwen3-next-80b-a3b", 2048),
+        ("nemotron-nano-9b-v2", 4096),
+    ],
 )
 def test_attention_bytes_per_token(model: str, per_token: int) -> None:
     spec = _first(model, AttentionSpec)
@@ -33,9 +38,14 @@ def test_qwen3_next_kv_heads_replicate_past_tp2() -> None:
 
 @pytest.mark.parametrize(
     ("model", "tp", "nbytes"),
-    [("qwen3-next-80b-a3b", 1, 1_097_728), ("qwen3-next-80b-a3b", 2, 548_864),
-     ("qwen3-next-80b-a3b", 4, 274_432), ("kimi-linear-48b-a3b", 1, 2_170_880),
-     ("nemotron-nano-9b-v2", 1, 5_316_608), ("nemotron-nano-9b-v2", 8, 664_576)],
+    [
+        ("qwen3-next-80b-a3b", 1, 1_097_728),
+        ("qwen3-next-80b-a3b", 2, 548_864),
+        ("qwen3-next-80b-a3b", 4, 274_432),
+        ("kimi-linear-48b-a3b", 1, 2_170_880),
+        ("nemotron-nano-9b-v2", 1, 5_316_608),
+        ("nemotron-nano-9b-v2", 8, 664_576),
+    ],
 )
 def test_state_bytes(model: str, tp: int, nbytes: int) -> None:
     spec = _first(model, MambaSpec)
@@ -51,7 +61,9 @@ def test_state_shapes_follow_vllm_033() -> None:
     kda = _first("kimi-linear-48b-a3b", MambaSpec)
     assert isinstance(kda, MambaSpec)
     assert [(s.shape(1, "SD"), s.dtype) for s in kda.states] == [
-        ((3, 12288), "bfloat16"), ((32, 128, 128), "float32")]
+        ((3, 12288), "bfloat16"),
+        ((32, 128, 128), "float32"),
+    ]
     m2 = _first("nemotron-nano-9b-v2", MambaSpec)
     assert isinstance(m2, MambaSpec)
     assert [s.shape(1, "SD") for s in m2.states] == [(3, 12288), (128, 80, 128)]
@@ -70,9 +82,14 @@ def test_mla_and_indexer_rows() -> None:
 
 @pytest.mark.parametrize(
     ("model", "tp", "block"),
-    [("qwen3-next-80b-a3b", 1, 544), ("qwen3-next-80b-a3b", 2, 544),
-     ("qwen3-next-80b-a3b", 4, 272), ("nemotron-nano-9b-v2", 1, 1312),
-     ("kimi-linear-48b-a3b", 1, 1920), ("llama-3.1-8b", 1, 16)],
+    [
+        ("qwen3-next-80b-a3b", 1, 544),
+        ("qwen3-next-80b-a3b", 2, 544),
+        ("qwen3-next-80b-a3b", 4, 272),
+        ("nemotron-nano-9b-v2", 1, 1312),
+        ("kimi-linear-48b-a3b", 1, 1920),
+        ("llama-3.1-8b", 1, 16),
+    ],
 )
 def test_hybrid_block_size(model: str, tp: int, block: int) -> None:
     m = load_preset(model)
@@ -93,7 +110,9 @@ def test_groups_follow_vllm_bucketing() -> None:
     assert gemma.slots[1].members[0] == (0, gemma.groups[0].layers[1].index)
     gpt = build_cache_config(load_preset("gpt-oss-20b"), 2, 16, num_blocks=4)
     assert [(g.kind.value, len(g.layers)) for g in gpt.groups] == [
-        ("sliding_window", 12), ("full_attention", 12)]
+        ("sliding_window", 12),
+        ("full_attention", 12),
+    ]
     ds = build_cache_config(load_preset("deepseek-v3.2-exp"), 1, 64, num_blocks=4)
     assert len(ds.groups) == 1 and len(ds.slots) == 122
     assert {s.page_bytes for s in ds.slots} == {64 * 1152, 64 * 132}
@@ -109,10 +128,12 @@ def test_num_blocks_from_budget() -> None:
 
 @pytest.mark.parametrize(
     ("model", "tp", "block", "words"),
-    [("llama-3.1-8b", 3, 16, "TP size that divides 8"),
-     ("deepseek-v3.2-exp", 1, 16, "multiple of 64"),
-     ("llama-3.1-8b", 1, 24, "multiple of 16"),
-     ("nemotron-nano-9b-v2", 16, 16, "at most 8")],
+    [
+        ("llama-3.1-8b", 3, 16, "TP size that divides 8"),
+        ("deepseek-v3.2-exp", 1, 16, "multiple of 64"),
+        ("llama-3.1-8b", 1, 24, "multiple of 16"),
+        ("nemotron-nano-9b-v2", 16, 16, "at most 8"),
+    ],
 )
 def test_bad_configs_say_what_to_change(model: str, tp: int, block: int, words: str) -> None:
     with pytest.raises(ConfigError, match=words):

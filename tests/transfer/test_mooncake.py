@@ -23,8 +23,6 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
-pytest.importorskip("mooncake.engine")
-
 from app.errors import ConfigError, TransferError
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 

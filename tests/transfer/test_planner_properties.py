@@ -40,20 +40,41 @@ PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (4, 1), (1, 4), (8, 2)]
     num_spec=st.integers(0, 1),
 )
 def test_transfer_is_byte_exact(
-    model: str, p_tp: int, d_tp: int, mode: LayoutMode, lens: list[int], chunk: int | None,
-    kv: KVLayout, heads_major: bool, mamba: MambaMode, num_spec: int,
+    model: str,
+    p_tp: int,
+    d_tp: int,
+    mode: LayoutMode,
+    lens: list[int],
+    chunk: int | None,
+    kv: KVLayout,
+    heads_major: bool,
+    mamba: MambaMode,
+    num_spec: int,
 ) -> None:
     layers, bs = PRESETS[model]
     spec = load_preset(model, layers=layers)
     heads_major = heads_major and mode is LayoutMode.CROSS_LAYER and kv is KVLayout.HND
     spec_n = num_spec if mamba is MambaMode.ALIGN else 0
-    p = build_instance(spec, p_tp, bs, blocks_needed(spec, p_tp, bs, lens, spec_n),
-                       mode=mode, kv_layout=kv, heads_major=heads_major)
-    d = build_instance(spec, d_tp, bs, blocks_needed(spec, d_tp, bs, lens, spec_n),
-                       mode=mode, kv_layout=kv, heads_major=heads_major, seed=7)
+    p = build_instance(
+        spec,
+        p_tp,
+        bs,
+        blocks_needed(spec, p_tp, bs, lens, spec_n),
+        mode=mode,
+        kv_layout=kv,
+        heads_major=heads_major,
+    )
+    d = build_instance(
+        spec,
+        d_tp,
+        bs,
+        blocks_needed(spec, d_tp, bs, lens, spec_n),
+        mode=mode,
+        kv_layout=kv,
+        heads_major=heads_major,
+        seed=7,
+    )
     res = run_transfer(p, d, lens, chunk=chunk, mamba_mode=mamba, num_spec=spec_n)
     assert res.failed == {}
     assert res.problems == []
     assert res.bytes > 0
-
-

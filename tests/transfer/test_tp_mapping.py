@@ -44,7 +44,7 @@ def test_replicate_spreads_over_prefill_ranks(p_tp: int, d_tp: int) -> None:
         assert len(set(senders)) == d_tp  # each D rank served by a different P rank
     for d, p in itertools.product(range(d_tp), range(p_tp)):
         piece = Piece("latent", 0, 1, 0, 1, 0, 1, 64, 64)
-        src, _, ln = piece_template(RegionKind.REPLICATE, piece, piece, p, p_tp, d, d_tp)
+        _src, _, ln = piece_template(RegionKind.REPLICATE, piece, piece, p, p_tp, d, d_tp)
         assert (ln.sum() == 64) == (p == senders[d])
 
 
