@@ -227,6 +227,8 @@ class Agent:
         self.groups = {g.index: GroupStats() for g in desc.groups}
         self.stream: StreamThread | None = None
         self.history: list[Request] = []  # recently ended, for the admin API
+        # (side, terminal state) -> requests reported to the engine, for metrics.
+        self.terminal: dict[tuple[str, Status], int] = {}
 
     def request(self, rid: str) -> Request | None:
         return self.sends.get(rid) or self.recvs.get(rid)
@@ -250,6 +252,8 @@ class Agent:
                         FailedRequest(rid, req.state, [b.tolist() for b in req.blocks], req.error)
                     )
                 req.reported = True
+                key = ("send" if isinstance(req, SendRequest) else "recv", req.state)
+                self.terminal[key] = self.terminal.get(key, 0) + 1
                 del table[rid]
                 self.history.append(req)
         del self.history[:-256]
