@@ -46,6 +46,7 @@ class Command(msgspec.Struct):
     mamba_mode: str = "none"
     num_spec: int = 0
     bulk: bool = False
+    fill: bool = True  # False: skip writing the fill (benchmarks time the transfer, not numpy)
 
 
 def _ids(req: SimRequest) -> tuple[np.ndarray, ...]:
@@ -164,7 +165,8 @@ class SimInstance:
                 e.begin([] if cmd.bulk else slices)
             for layer in self.engines[0].layers:
                 for e in self.engines:
-                    e.forward_layer(layer, slices, cmd)
+                    if cmd.fill:
+                        e.forward_layer(layer, slices, cmd)
                 if cmd.compute_ms:
                     time.sleep(cmd.compute_ms / 1e3)
                 for e in self.engines:
