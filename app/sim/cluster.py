@@ -314,6 +314,7 @@ class Cluster:
         timeout_s: float = 30.0,
         bulk: bool = False,
         mamba_mode: MambaMode = MambaMode.NONE,
+        fill: bool = True,
     ) -> dict[str, Any]:
         """Expect at D, prefill at P (all ranks at once), wait and verify at D."""
         p, d = self.sides["prefill"], self.sides["decode"]
@@ -324,6 +325,7 @@ class Cluster:
             "mamba_mode": mamba_mode.value,
             "num_spec": self.spec.num_spec,
             "bulk": bulk,
+            "fill": fill,
             "prefill_tp": p.tp,
         }
         d_reqs = [dr for _, dr in pairs]
