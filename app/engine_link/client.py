@@ -32,6 +32,10 @@ from app.transfer.protocol import (
     GetFinished,
     LayerReady,
     Msg,
+    PoolLoad,
+    PoolLoaded,
+    PoolLookup,
+    PoolSave,
     RegisterCaches,
     RemoteTarget,
     Reply,
@@ -84,7 +88,7 @@ class EngineLink:
         reply = self.client.request(msg, timeout or self.timeout_s)
         if isinstance(reply, Reply) and not reply.ok:
             raise EngineLinkError(reply.error or "sidecar refused the call")
-        if not isinstance(reply, Reply | Finished):
+        if not isinstance(reply, Reply | Finished | PoolLoaded):
             raise EngineLinkError(
                 f"unexpected reply {type(reply).__name__}: {getattr(reply, 'reason', '')}"
             )
@@ -188,6 +192,67 @@ class EngineLink:
         return FinishedRequests(
             reply.sending, reply.recving, reply.failed, reply.bytes, reply.descriptors
         )
+
+    def pool_lookup(
+        self, request: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+    ) -> int:
+        """Tokens of this prompt the KV pool can serve (vLLM's hybrid hit rule)."""
+        reply = self._call(
+            PoolLookup(
+                rank=self.rank,
+                request=request,
+                token_ids=list(token_ids),
+                extra_keys=list(extra_keys),
+            )
+        )
+        assert isinstance(reply, Reply)
+        return int(reply.data.get("hit_tokens") or 0)
+
+    def pool_save(
+        self,
+        request: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[np.ndarray],
+        num_computed: int,
+        extra_keys: Sequence[str] = (),
+    ) -> dict[str, int]:
+        """Store fully computed blocks after prefill; the blocks may be freed on return."""
+        reply = self._call(
+            PoolSave(
+                rank=self.rank,
+                request=request,
+                token_ids=list(token_ids),
+                block_ids=[b.tolist() for b in block_ids],
+                num_computed=num_computed,
+                extra_keys=list(extra_keys),
+            ),
+            self.timeout_s * 3,
+        )
+        assert isinstance(reply, Reply)
+        return {k: int(v or 0) for k, v in reply.data.items()}
+
+    def pool_load(
+        self,
+        request: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[np.ndarray],
+        hit_tokens: int,
+        extra_keys: Sequence[str] = (),
+    ) -> PoolLoaded:
+        """Load a hit into ``block_ids``; ``failed_blocks`` must be recomputed."""
+        reply = self._call(
+            PoolLoad(
+                rank=self.rank,
+                request=request,
+                token_ids=list(token_ids),
+                block_ids=[b.tolist() for b in block_ids],
+                hit_tokens=hit_tokens,
+                extra_keys=list(extra_keys),
+            ),
+            self.timeout_s * 3,
+        )
+        assert isinstance(reply, PoolLoaded)
+        return reply
 
     def abort(self, request: str, reason: str = "aborted by engine") -> None:
         self._call(AbortRequest(rank=self.rank, request=request, reason=reason))

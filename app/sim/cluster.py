@@ -30,6 +30,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.presets import load_preset
 from app.sim.engine import Command, SimRequest
 from app.sim.reference import BlockAllocator, blocks_needed
+from app.store.master import MasterProcess, start_master, stop_master
 from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget
 
@@ -78,6 +79,8 @@ class ClusterSpec:
     max_prompt: int = 1024
     num_spec: int = 0
     log_dir: str | None = None
+    pool: bool = False  # start a mooncake_master and enable the KV pool on both sidecars
+    pool_segment_bytes: int = 64 << 20  # what the prefill sidecar contributes (decode: 0)
     sidecar_env: dict[str, str] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)
@@ -114,11 +117,14 @@ class Cluster:
             )
             self.sides[role] = side
         self.log_dir = Path(spec.log_dir or self.tmp)
+        self.master: MasterProcess | None = None
 
     # ---- processes -------------------------------------------------------------------------
 
     def __enter__(self) -> Cluster:
         try:
+            if self.spec.pool:
+                self.master = start_master(0, log_path=self.log_dir / "mooncake-master.log")
             for side in self.sides.values():
                 self.start_side(side)
             for side in self.sides.values():
@@ -151,6 +157,17 @@ class Cluster:
                 "KVSIDECAR_RECV_TIMEOUT_S": "30",
             }
         )
+        if self.master is not None:
+            env.update(
+                {
+                    "KVSIDECAR_POOL__ENABLED": "true",
+                    "KVSIDECAR_POOL__MASTER_ADDRESS": self.master.rpc_address,
+                    "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(
+                        self.spec.pool_segment_bytes if side.role == "prefill" else 0
+                    ),
+                    "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
+                }
+            )
         env.update(self.spec.sidecar_env)
         env.update(self.spec.prefill_env if side.role == "prefill" else self.spec.decode_env)
         side.env = env
@@ -194,7 +211,7 @@ class Cluster:
             side.sockets.append(sock)
         return side.sockets[0]
 
-    def wait_ready(self, side: Side, timeout: float = 90.0) -> None:
+    def wait_ready(self, side: Side, timeout: float = 180.0) -> None:
         side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
 
     def send(self, side: Side, cmd: Command) -> None:
@@ -258,6 +275,9 @@ class Cluster:
                     p.kill()
                     p.wait(5)
         self.ctx.destroy(0)
+        if self.master is not None:
+            stop_master(self.master)
+            self.master = None
         for f in Path(self.tmp).glob("*.sock"):
             f.unlink(missing_ok=True)
 
@@ -269,18 +289,25 @@ class Cluster:
         prefix: str = "req",
         *,
         mamba_mode: MambaMode = MambaMode.NONE,
+        tokens: Sequence[Sequence[int]] | None = None,
+        full_decode_table: bool = False,
     ) -> list[tuple[SimRequest, SimRequest]]:
-        """(prefill, decode) request pairs with block ids allocated on both instances."""
+        """(prefill, decode) request pairs with block ids allocated on both instances.
+
+        ``full_decode_table`` gives D every block of the prompt (a pool load may fill any of
+        them) instead of the null block for skipped sliding-window blocks.
+        """
         p, d = self.sides["prefill"], self.sides["decode"]
         assert p.allocator is not None and d.allocator is not None
         out = []
         for i, n in enumerate(prompt_lens):
             rid = f"{prefix}-{i}"
+            toks = list(tokens[i]) if tokens is not None else []
             pb = p.allocator.allocate_request(
                 n, decode=False, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
             )
             db = d.allocator.allocate_request(
-                n, decode=True, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
+                n, decode=not full_decode_table, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
             )
             target = RemoteTarget(
                 "127.0.0.1",
@@ -292,8 +319,8 @@ class Cluster:
             )
             out.append(
                 (
-                    SimRequest(rid, n, [b.tolist() for b in pb], target),
-                    SimRequest(rid, n, [b.tolist() for b in db]),
+                    SimRequest(rid, n, [b.tolist() for b in pb], target, toks),
+                    SimRequest(rid, n, [b.tolist() for b in db], None, toks),
                 )
             )
         return out
@@ -315,6 +342,9 @@ class Cluster:
         bulk: bool = False,
         mamba_mode: MambaMode = MambaMode.NONE,
         fill: bool = True,
+        verify: bool = True,
+        poll_ms: float = 5.0,
+        bulk_one_signal: bool = False,
     ) -> dict[str, Any]:
         """Expect at D, prefill at P (all ranks at once), wait and verify at D."""
         p, d = self.sides["prefill"], self.sides["decode"]
@@ -326,6 +356,9 @@ class Cluster:
             "num_spec": self.spec.num_spec,
             "bulk": bulk,
             "fill": fill,
+            "verify": verify,
+            "poll_ms": poll_ms,
+            "bulk_one_signal": bulk_one_signal,
             "prefill_tp": p.tp,
         }
         d_reqs = [dr for _, dr in pairs]
@@ -372,4 +405,36 @@ def summarize(
         "gbps": round(nbytes / seconds / 1e9, 4),
         "descriptors": desc,
         "exposed_ms": round(max(0.0, end - last_layer) * 1e3, 3),
+    }
+
+
+def pool_round(cluster: Cluster, prompt_tokens: int, *, seed: int = 0) -> dict[str, Any]:
+    """Request A goes P -> D and is saved to the pool by P; request B = A + a suffix is looked
+    up at D, loaded from the pool and verified there (what ``demo --pool`` shows)."""
+    rng = np.random.default_rng(seed)
+    a = rng.integers(0, 50_000, prompt_tokens).tolist()
+    b = a + rng.integers(0, 50_000, max(16, prompt_tokens // 4)).tolist()
+    align = MambaMode.ALIGN
+    first = cluster.make_requests([len(a)], "pool-a", mamba_mode=align, tokens=[a])
+    moved = summarize(cluster.run(first, mamba_mode=align), first)
+    saved = cluster.call(
+        cluster.sides["prefill"], Command(cmd="pool_save", requests=[first[0][0]]), 120
+    )
+    second = cluster.make_requests(
+        [len(b)], "pool-b", mamba_mode=align, tokens=[b], full_decode_table=True
+    )
+    loaded = cluster.call(
+        cluster.sides["decode"], Command(cmd="pool_load", requests=[second[0][1]]), 120
+    )
+    per_rank = [r["pool-b-0"] for r in loaded["ranks"]]
+    return {
+        "pool_transfer_verified": moved["verified"] == 1,
+        "pool_saved_keys": sum(r["pool-a-0"]["stored"] for r in saved["ranks"]),
+        "pool_backpressure": sum(r["pool-a-0"]["backpressure"] for r in saved["ranks"]),
+        "pool_hit_tokens": min(r["hit_tokens"] for r in per_rank),
+        "pool_loaded_bytes": sum(r["bytes"] for r in per_rank),
+        "pool_verified": all(
+            r["hit_tokens"] > 0 and not r["problems"] and not any(r["failed_blocks"])
+            for r in per_rank
+        ),
     }

@@ -22,10 +22,12 @@ from app.kvcache.specs import SpecKind
 from app.sim.kv_io import (
     state_block_index,
     untouched,
+    verify_prefix,
     verify_request,
     write_state,
     write_tokens,
 )
+from app.transfer.agent import ALL_LAYERS
 from app.transfer.protocol import RemoteTarget, Status
 
 
@@ -34,6 +36,7 @@ class SimRequest(msgspec.Struct):
     prompt_len: int
     blocks: list[list[int]]
     remote: RemoteTarget | None = None
+    tokens: list[int] = []  # token ids, for pool hashing
 
 
 class Command(msgspec.Struct):
@@ -47,6 +50,9 @@ class Command(msgspec.Struct):
     num_spec: int = 0
     bulk: bool = False
     fill: bool = True  # False: skip writing the fill (benchmarks time the transfer, not numpy)
+    verify: bool = True  # False: D skips the byte-exact check (benchmarks without the fill)
+    poll_ms: float = 5.0  # D's get_finished polling interval in ``wait``: its timing resolution
+    bulk_one_signal: bool = False  # bulk: one all-layers signal instead of one per layer
 
 
 def _ids(req: SimRequest) -> tuple[np.ndarray, ...]:
@@ -70,11 +76,19 @@ class SimEngine:
     def forward_layer(
         self, layer: int, slices: list[tuple[SimRequest, int, int]], cmd: Command
     ) -> None:
-        """What attention / the state update writes for ``layer`` in this step."""
+        """What attention / the state update writes for ``layer`` in this step.
+
+        In ``align`` mode a state layer also checkpoints the state after every whole block it
+        passes (vLLM keeps one per block there), which is what the KV pool stores and loads.
+        """
         g = self.layout.group(self.layout.placements[layer].group)
         for req, start, end in slices:
             ids = _ids(req)[g.index]
             if g.kind is SpecKind.MAMBA:
+                if cmd.mamba_mode == "align":
+                    bs = g.block_size
+                    for b in range(start // bs, min(end, req.prompt_len - 1) // bs):
+                        write_state(self.layout, layer, int(ids[b]), (b + 1) * bs)
                 if end >= req.prompt_len:
                     idx = state_block_index(ids.size, cmd.mamba_mode, cmd.num_spec)
                     write_state(self.layout, layer, int(ids[idx]), req.prompt_len - 1)
@@ -103,7 +117,7 @@ class SimEngine:
         self.link.begin_step(self.step, [(r.id, s, e) for r, s, e in slices])
 
     def wait_ids(
-        self, ids: set[str], timeout_s: float, *, sending: bool
+        self, ids: set[str], timeout_s: float, *, sending: bool, poll_s: float = 0.005
     ) -> tuple[list[str], dict[str, Any]]:
         """Poll ``get_finished`` until every id ended (or the driver's deadline)."""
         done: list[str] = []
@@ -119,7 +133,7 @@ class SimEngine:
                         "error": f.error,
                         "blocks": f.block_ids,
                     }
-            time.sleep(0.005)
+            time.sleep(poll_s)
         for rid in ids - set(done) - set(failed):
             failed[rid] = {
                 "status": "HUNG",
@@ -157,6 +171,7 @@ class SimInstance:
         longest = max((r.prompt_len for r in live), default=0)
         chunk = cmd.chunk or longest or 1
         last_layer_at = t0
+        first_layer_at: float | None = None
         for start in range(0, longest, chunk):
             slices = [
                 (r, start, min(start + chunk, r.prompt_len)) for r in live if start < r.prompt_len
@@ -169,6 +184,8 @@ class SimInstance:
                         e.forward_layer(layer, slices, cmd)
                 if cmd.compute_ms:
                     time.sleep(cmd.compute_ms / 1e3)
+                if first_layer_at is None:
+                    first_layer_at = time.monotonic()
                 for e in self.engines:
                     e.link.layer_ready(e.step, layer)
             last_layer_at = time.monotonic()
@@ -177,6 +194,9 @@ class SimInstance:
             whole = [(r, 0, r.prompt_len) for r in live]
             for e in self.engines:
                 e.begin(whole)
+                if cmd.bulk_one_signal:
+                    e.link.layer_ready(e.step, ALL_LAYERS)
+                    continue
                 for layer in e.layers:
                     e.link.layer_ready(e.step, layer)
         ranks = []
@@ -192,7 +212,12 @@ class SimInstance:
             ranks.append(
                 {"done": done, "failed": failed, "bytes": fin.bytes, "descriptors": fin.descriptors}
             )
-        return {"ranks": ranks, "seconds": time.monotonic() - t0, "last_layer_at": last_layer_at}
+        return {
+            "ranks": ranks,
+            "seconds": time.monotonic() - t0,
+            "last_layer_at": last_layer_at,
+            "first_layer_at": first_layer_at or t0,
+        }
 
     def expect(self, cmd: Command) -> dict[str, Any]:
         return {"ranks": [e.expect(cmd) for e in self.engines]}
@@ -201,7 +226,9 @@ class SimInstance:
         ids = {r.id for r in cmd.requests}
         deadline = time.monotonic() + cmd.timeout_s + 5
         results = [
-            e.wait_ids(ids, max(0.0, deadline - time.monotonic()), sending=False)
+            e.wait_ids(
+                ids, max(0.0, deadline - time.monotonic()), sending=False, poll_s=cmd.poll_ms / 1e3
+            )
             for e in self.engines
         ]
         arrived = time.monotonic()
@@ -212,7 +239,7 @@ class SimInstance:
                 rid: verify_request(
                     e.layout, _ids(by_id[rid]), by_id[rid].prompt_len, cmd.mamba_mode, cmd.num_spec
                 )
-                for rid in done
+                for rid in (done if cmd.verify else [])
             }
             ranks.append(
                 {
@@ -220,9 +247,43 @@ class SimInstance:
                     "failed": failed,
                     "problems": {k: v for k, v in problems.items() if v},
                     "verified": [k for k, v in problems.items() if not v],
+                    "unverified": [] if cmd.verify else done,
                 }
             )
         return {"ranks": ranks, "arrived_at": arrived}
+
+    def pool_save(self, cmd: Command) -> dict[str, Any]:
+        """After prefill: store each request's fully computed blocks (``prompt_len - 1``
+        tokens, the state convention) in the pool; every rank its own shard."""
+        return {
+            "ranks": [
+                {
+                    r.id: e.link.pool_save(r.id, r.tokens, _ids(r), r.prompt_len - 1)
+                    for r in cmd.requests
+                }
+                for e in self.engines
+            ]
+        }
+
+    def pool_load(self, cmd: Command) -> dict[str, Any]:
+        """Before decode: look each request up, load the hit, verify what was loaded."""
+        ranks = []
+        for e in self.engines:
+            out = {}
+            for r in cmd.requests:
+                hit = e.link.pool_lookup(r.id, r.tokens)
+                loaded = e.link.pool_load(r.id, r.tokens, _ids(r), hit)
+                failed = [b for ids in loaded.failed_blocks for b in ids]
+                problems = [] if failed else verify_prefix(e.layout, _ids(r), hit)
+                out[r.id] = {
+                    "hit_tokens": hit,
+                    "loaded": loaded.loaded,
+                    "bytes": loaded.bytes,
+                    "failed_blocks": loaded.failed_blocks,
+                    "problems": problems,
+                }
+            ranks.append(out)
+        return {"ranks": ranks}
 
     def untouched(self, cmd: Command) -> dict[str, Any]:
         used = {b for r in cmd.requests for ids in r.blocks for b in ids}
@@ -255,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
             "expect": sim.expect,
             "wait": sim.wait,
             "untouched": sim.untouched,
+            "pool_save": sim.pool_save,
+            "pool_load": sim.pool_load,
         }
         while True:
             cmd = msgspec.json.decode(sock.recv(), type=Command)

@@ -123,3 +123,27 @@ def untouched(layout: RankLayout, used: set[int]) -> list[str]:
         if bool(rows.any()):
             out.append(f"rank {layout.rank} buffer {i}: bytes written outside the request blocks")
     return out
+
+
+def verify_prefix(layout: RankLayout, blocks: Sequence[np.ndarray], hit_tokens: int) -> list[str]:
+    """What a pool hit of ``hit_tokens`` must have put in place, compared with the fill:
+    attention tokens below the hit (a sliding window only its last ``window - 1``), and the
+    Mamba-style state after exactly ``hit_tokens`` tokens (align mode: block ``hit/bs - 1``)."""
+    problems = []
+    for g in layout.config.groups:
+        ids = blocks[g.index]
+        for c in g.layers:
+            if g.kind is SpecKind.MAMBA:
+                if hit_tokens == 0:
+                    continue
+                bad = check_state(
+                    layout, c.index, int(ids[hit_tokens // g.block_size - 1]), hit_tokens
+                )
+            else:
+                lo = 0
+                if g.kind is SpecKind.SLIDING and g.sliding_window:
+                    lo = max(0, hit_tokens - (g.sliding_window - 1))
+                bad = check_tokens(layout, c.index, ids, np.arange(lo, hit_tokens))
+            if bad:
+                problems.append(f"rank {layout.rank} layer {c.index} ({c.name}): {bad} wrong")
+    return problems

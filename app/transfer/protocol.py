@@ -254,6 +254,39 @@ class AbortRequest(Msg, tag="abort_request"):
     reason: str
 
 
+class PoolLookup(Msg, tag="pool_lookup"):
+    rank: int
+    request: str
+    token_ids: list[int]
+    extra_keys: list[str] = []
+
+
+class PoolSave(Msg, tag="pool_save"):
+    """Store a request's fully computed blocks; the engine keeps them until the reply."""
+
+    rank: int
+    request: str
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    num_computed: int
+    extra_keys: list[str] = []
+
+
+class PoolLoad(Msg, tag="pool_load"):
+    rank: int
+    request: str
+    token_ids: list[int]
+    block_ids: list[list[int]]
+    hit_tokens: int
+    extra_keys: list[str] = []
+
+
+class PoolLoaded(Msg, tag="pool_loaded"):
+    loaded: int
+    bytes: int
+    failed_blocks: list[list[int]]
+
+
 class Reply(Msg, tag="reply"):
     ok: bool = True
     error: str | None = None
@@ -277,6 +310,10 @@ AnyMsg = (
     | Finished
     | AbortRequest
     | Reply
+    | PoolLookup
+    | PoolSave
+    | PoolLoad
+    | PoolLoaded
 )
 
 _encoder = msgspec.msgpack.Encoder()

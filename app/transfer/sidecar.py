@@ -33,7 +33,10 @@ from app.kvcache.desc import LayoutDesc, describe
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, allocate
 from app.kvcache.presets import load_preset
+from app.store.pool import PoolConfig
+from app.store.service import PoolService
 from app.transfer.agent import (
+    ALL_LAYERS,
     Agent,
     GroupProgress,
     LayerResult,
@@ -62,6 +65,10 @@ from app.transfer.protocol import (
     Hello,
     LayerReady,
     Msg,
+    PoolLoad,
+    PoolLoaded,
+    PoolLookup,
+    PoolSave,
     RegisterCaches,
     Rejected,
     Reply,
@@ -107,6 +114,7 @@ class Sidecar:
         self.started = time.time()
         self.ctx = zmq.asyncio.Context()
         self.engine: MooncakeEngine | None = None
+        self.pool: PoolService | None = None
         self.agents: dict[int, Agent] = {}
         self.peers: dict[str, Peer] = {}
         self.control: ControlServer | None = None
@@ -136,6 +144,19 @@ class Sidecar:
                 spin_threads=s.spin_threads,
             ),
         )
+        if s.pool.enabled:
+            self.pool = PoolService(
+                PoolConfig(
+                    master_address=s.pool.master_address,
+                    local_hostname=s.resolved_advertise_host(),
+                    metadata_server=s.pool.metadata_server,
+                    global_segment_size=s.pool.global_segment_bytes,
+                    local_buffer_size=s.pool.local_buffer_bytes,
+                    protocol=s.transport,
+                    rdma_devices=s.device_name,
+                )
+            )
+            await self.pool.start()
         faults = int(os.environ.get(FAULT_ENV, "0") or 0)
         if faults:
             self.engine.inject_failures(faults)
@@ -198,6 +219,8 @@ class Sidecar:
                 await server.stop()
         for p in self.peers.values():
             await p.client.close()
+        if self.pool is not None:
+            await self.pool.stop()
         if self.engine:
             await asyncio.to_thread(self.engine.close)
         self.ctx.term()
@@ -234,9 +257,41 @@ class Sidecar:
             if isinstance(msg, AbortRequest):
                 await self._abort(msg.rank, msg.request, msg.reason, notify=True)
                 return Reply()
+            if isinstance(msg, PoolLookup | PoolSave | PoolLoad):
+                return await self._pool_call(msg)
         except KVSidecarError as e:
             return Reply(ok=False, error=str(e))
         return Error(reason=f"unexpected message {type(msg).__name__} on the engine link")
+
+    async def _pool_call(self, msg: PoolLookup | PoolSave | PoolLoad) -> Msg:
+        if self.pool is None:
+            return Reply(
+                ok=False,
+                error="the KV pool is not enabled on this sidecar; set "
+                "KVSIDECAR_POOL__ENABLED=true and the master address",
+            )
+        if isinstance(msg, PoolLookup):
+            hit = await self.pool.lookup(msg.rank, msg.token_ids, msg.extra_keys)
+            return Reply(data={"hit_tokens": hit.hit_tokens})
+        if isinstance(msg, PoolSave):
+            saved = await self.pool.save(
+                msg.rank, msg.token_ids, _blocks(msg.block_ids), msg.num_computed, msg.extra_keys
+            )
+            return Reply(
+                data={
+                    "stored": saved.stored,
+                    "skipped": saved.skipped,
+                    "backpressure": saved.backpressure,
+                    "failed": saved.failed,
+                    "bytes": saved.bytes,
+                }
+            )
+        loaded = await self.pool.load(
+            msg.rank, msg.token_ids, _blocks(msg.block_ids), msg.hit_tokens, msg.extra_keys
+        )
+        return PoolLoaded(
+            loaded=loaded.loaded, bytes=loaded.bytes, failed_blocks=loaded.failed_blocks
+        )
 
     def _agent(self, rank: int) -> Agent:
         agent = self.agents.get(rank)
@@ -261,6 +316,8 @@ class Sidecar:
         )
         assert self.engine is not None
         await asyncio.to_thread(self.engine.register_many, layout.spans())
+        if self.pool is not None:
+            await self.pool.register(layout)
         agent = Agent(layout, describe(layout), msg.engine_id)
         loop = self._loop
         assert loop is not None
@@ -345,6 +402,8 @@ class Sidecar:
         peer.last_handshake = time.time()
         self.counters["handshakes"] += 1
         self.handshake_latency = time.monotonic() - t0
+        for observe in getattr(self, "handshake_latency_observers", ()):  # admin API histogram
+            observe(self.handshake_latency)
 
     async def _add_send(self, msg: AddSend) -> Msg:
         agent = self._agent(msg.rank)
@@ -419,12 +478,14 @@ class Sidecar:
             agent.stream.queue.put_nowait(task)
         except Exception:  # full: back-pressure the engine link without blocking the loop
             await asyncio.to_thread(agent.stream.put, task, self.settings.send_timeout_s)
-        if msg.layer == agent.desc.placements[-1].layer:
+        if msg.layer in (agent.desc.placements[-1].layer, ALL_LAYERS):
             agent.steps.pop(msg.step, None)
 
     def _layer_done(self, agent: Agent, res: LayerResult) -> None:
         self.layer_latency.append(res.latency_s)
         del self.layer_latency[:-4096]
+        for observe in getattr(self, "layer_latency_observers", ()):  # admin API histogram
+            observe(res.latency_s)
         stats = agent.groups[res.group]
         stats.bytes += res.bytes
         stats.descriptors += res.descriptors

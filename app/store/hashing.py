@@ -1,0 +1,178 @@
+"""Chained block hashes for the KV pool.
+
+A block hash names the KV of one *full* block of tokens together with everything before it:
+``hash_i = sha256(tag, parent = hash_{i-1}, token_ids of block i, extra_keys)``, with the first
+block's parent a root derived from a fixed tag and an optional seed. Partial blocks are never
+hashed (their KV is not final and no other request can reuse it).
+
+Stability: the input is a canonical byte string -- a fixed domain tag, the 32-byte parent, the
+token count and token ids as little-endian int64, and the extra keys encoded with msgpack (which
+encodes equal str / int / bytes / tuples to equal bytes). No ``hash()``, no pickle, no
+``PYTHONHASHSEED``: the same tokens give the same hash in every process, on every machine and
+after restarts, which is what a shared pool needs.
+
+Extra keys are whatever else decides the KV of a block besides its tokens: a LoRA name, a cache
+salt, multimodal input hashes. ``hash_blocks`` puts request-wide keys (e.g. the LoRA name) into
+every block, as vLLM does, and the cache salt into the first block only -- the chain carries it
+into every later block.
+
+Hybrid models have groups with different block sizes. Hashes are computed once, at the *hash
+block size* = gcd of the group block sizes, and a group with a larger block size (a multiple of
+it) gets *coarse* hashes:
+
+    coarse_j = sha256(coarse tag, block_size, fine_{(j + 1) * r - 1}),   r = block_size / hash_bs
+
+i.e. a coarse block is named by the hash of its last fine block, wrapped with its own block size.
+Why this construction:
+
+* the last fine hash is chained, so it already commits to every token of the coarse block and to
+  the whole prefix before it: nothing is lost by not concatenating the ``r`` fine hashes
+  (vLLM concatenates them, which makes names ``r * 32`` bytes long);
+* the result stays 32 bytes whatever ``r`` is, so pool keys stay short and bounded;
+* wrapping with the block size keeps a coarse block of one deployment from ever sharing a name
+  with a block of another size (e.g. the fine block that ends at the same token in a deployment
+  whose group uses the hash block size directly): equal names must mean equal bytes.
+
+Groups whose block size equals the hash block size use the fine hashes unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Iterable, Sequence
+from functools import reduce
+
+import msgspec
+import numpy as np
+
+BlockHash = bytes
+"""A 32-byte sha256 digest naming one full block and its whole prefix."""
+
+ExtraKey = str | int | bytes | tuple["ExtraKey", ...]
+"""One extra key: anything msgpack encodes canonically (no floats, no dicts)."""
+
+HASH_LEN = 32
+
+_ROOT_TAG = b"kv-sidecar/block-hash/root/v1\x00"
+_BLOCK_TAG = b"kv-sidecar/block-hash/block/v1\x00"
+_COARSE_TAG = b"kv-sidecar/block-hash/coarse/v1\x00"
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _as_bytes(seed: str | bytes) -> bytes:
+    return seed.encode() if isinstance(seed, str) else bytes(seed)
+
+
+def _check_extra(key: object) -> None:
+    # Floats and dicts have no single canonical encoding; refuse them up front rather than hash
+    # something that may differ between producers.
+    if isinstance(key, bool) or not isinstance(key, str | int | bytes | tuple):
+        raise TypeError(f"extra key {key!r} must be str, int, bytes or a tuple of those")
+    if isinstance(key, tuple):
+        for k in key:
+            _check_extra(k)
+
+
+def root_hash(seed: str | bytes = b"") -> BlockHash:
+    """The parent hash of a request's first block; a seed namespaces a whole deployment."""
+    return hashlib.sha256(_ROOT_TAG + _as_bytes(seed)).digest()
+
+
+def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError("token_ids must be one-dimensional")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
+    return arr.astype("<i8", copy=False).tobytes()
+
+
+def hash_block(
+    parent: BlockHash,
+    token_ids: Sequence[int] | np.ndarray,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> BlockHash:
+    """Hash one block: its parent's hash, its token ids and its extra keys."""
+    if len(parent) != HASH_LEN:
+        raise ValueError(f"parent hash must be {HASH_LEN} bytes, got {len(parent)}")
+    extra = tuple(extra_keys)
+    for key in extra:
+        _check_extra(key)
+    tokens = _token_bytes(token_ids)
+    h = hashlib.sha256(_BLOCK_TAG)
+    h.update(parent)
+    # Length prefixes keep (tokens, extra) boundaries unambiguous.
+    h.update(struct.pack("<Q", len(tokens) // 8))
+    h.update(tokens)
+    encoded_extra = _encoder.encode(extra)
+    h.update(struct.pack("<Q", len(encoded_extra)))
+    h.update(encoded_extra)
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    *,
+    extra_keys: Sequence[ExtraKey] = (),
+    cache_salt: str | None = None,
+    seed: str | bytes = b"",
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of ``token_ids`` (a trailing partial block is skipped).
+
+    ``extra_keys`` go into every block; ``cache_salt`` into the first block of the request only
+    (ignored when ``parent`` continues an earlier chain).
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    tokens = np.asarray(token_ids)
+    num_full = len(tokens) // block_size
+    prev = root_hash(seed) if parent is None else parent
+    base_extra = tuple(extra_keys)
+    out: list[BlockHash] = []
+    for i in range(num_full):
+        extra = base_extra
+        if i == 0 and parent is None and cache_salt is not None:
+            extra = (("cache_salt", cache_salt), *base_extra)
+        prev = hash_block(prev, tokens[i * block_size : (i + 1) * block_size], extra)
+        out.append(prev)
+    return out
+
+
+def hash_block_size(block_sizes: Iterable[int]) -> int:
+    """The block size hashes are computed at: the gcd of the group block sizes."""
+    sizes = list(block_sizes)
+    if not sizes or any(s <= 0 for s in sizes):
+        raise ValueError(f"block sizes must be a non-empty list of positive ints, got {sizes}")
+    return reduce(math.gcd, sizes)
+
+
+def coarse_hash(block_size: int, last_fine_hash: BlockHash) -> BlockHash:
+    """Name of a coarse block of ``block_size`` tokens whose last fine block has this hash."""
+    if len(last_fine_hash) != HASH_LEN:
+        raise ValueError(f"fine hash must be {HASH_LEN} bytes")
+    return hashlib.sha256(_COARSE_TAG + struct.pack("<Q", block_size) + last_fine_hash).digest()
+
+
+def coarse_block_hashes(
+    fine_hashes: Sequence[BlockHash], hash_bs: int, block_size: int
+) -> list[BlockHash]:
+    """Hashes of the full ``block_size`` blocks covered by fine hashes at ``hash_bs``."""
+    if block_size % hash_bs != 0:
+        raise ValueError(f"block size {block_size} is not a multiple of hash block {hash_bs}")
+    ratio = block_size // hash_bs
+    if ratio == 1:
+        return list(fine_hashes)
+    num_full = len(fine_hashes) // ratio
+    return [coarse_hash(block_size, fine_hashes[(j + 1) * ratio - 1]) for j in range(num_full)]
+
+
+def group_block_hashes(
+    fine_hashes: Sequence[BlockHash], hash_bs: int, block_sizes: Sequence[int]
+) -> list[list[BlockHash]]:
+    """Per-group block hashes (one list per group block size) from one fine chain."""
+    return [coarse_block_hashes(fine_hashes, hash_bs, bs) for bs in block_sizes]

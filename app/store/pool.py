@@ -1,0 +1,793 @@
+"""KV pool client over the real Mooncake Store, with bounded waits and counters.
+
+Mooncake Store facts (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback TCP, measured):
+
+* ``setup(local_hostname, "P2PHANDSHAKE", global_segment_size, local_buffer_size, "tcp", "",
+  "host:port")`` returns 0 in about 50 ms against a live master. The global segment is memory this
+  client *contributes* to the pool (the objects live there; 0 contributes nothing); from 1 byte
+  to 16 MiB setup fails with -600. With no master it retries for about 90 s (20 x 4.5 s) before
+  returning -1 -- *holding the GIL* all along, so no thread-based timeout can interrupt it. The
+  client therefore first checks that the master's port accepts a TCP connection and only then
+  calls setup; a master dying in the ~50 ms between the two is the one wait this cannot bound.
+* ``batch_is_exist`` gives 1 / 0 per key, a negative code on error. ``batch_put_from`` gives 0 per
+  stored key (also for a key that already exists: the first object is kept), ``-200``
+  (NO_AVAILABLE_HANDLE) for each key that found no room -- at once, nothing written for it.
+  ``batch_get_into`` gives the object size per key, ``-704`` for a missing key, ``-600`` for a
+  buffer too small, ``-707`` when the lease ran out after the bytes landed (asking again works).
+  Empty batches return ``[]``. A small batch's round trip takes well under 1 ms here.
+* A killed master: the next call fails at once with ``-900`` (RPC_FAIL) per key; later calls
+  each block about 4.5 s (reconnect) and then give ``-900``. ``health_check`` still says 0 right
+  after the kill (2, unreachable, a few seconds later). These data-path calls release the GIL,
+  so the timeouts below do fire.
+* ``close`` (and the store's destructor) *hold the GIL*: 1-2 s with a live master, 7-17 s of
+  unmount retries with a dead one (mostly with the GIL released). ``close`` while another call on
+  the same store is still running deadlocked the process (close waits for the call with the GIL
+  held; the call needs the GIL to return), and two stores closing at once stalled every Python
+  thread for seconds. Hence ``close`` here waits for the store to be idle and closes one store at
+  a time, on a daemon thread.
+* Exiting the interpreter while a Mooncake call still runs on a daemon thread crashed it
+  (SIGSEGV / SIGABRT); after a master died, exit itself took 6-21 s (the store's teardown retries
+  the dead master). ``quiesce`` before exit; ``os._exit`` is the way out when it returns False.
+* Over TCP the buffers need not be registered (data is copied); registering keeps the zero-copy
+  path for RDMA and costs nothing here.
+
+So every blocking call runs on a small bounded pool of *daemon* threads and is waited for with a
+timeout: a call that runs past it is reported (counted, keys failed) and left to finish in the
+background (``quiesce`` waits for it). Outcomes, not exceptions, report pool trouble on the data
+path: a full pool is back-pressure (counted, the rest of that request's puts not sent, nothing
+raised); ``exists`` errors read as misses; a failed or timed-out ``get_into`` names the blocks to
+recompute. ``PoolError`` is raised for set-up, registration and use of a client not started.
+Counters count keys, except ``bytes_*`` (bytes) and ``timeouts`` (calls).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from app.errors import PoolError
+
+T = TypeVar("T")
+
+OK = 0
+MIN_GLOBAL_SEGMENT = 16 << 20
+"""Smallest global segment Mooncake accepts (setup answers -600 below it)."""
+NO_AVAILABLE_HANDLE = -200
+"""Put: the pool has no room for the object (nothing written): back-pressure."""
+INVALID_PARAMS = -600
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+LEASE_EXPIRED = -707
+"""Get: the lease ran out after the bytes were written; a second get succeeds."""
+RPC_FAIL = -900
+"""Any call: the master did not answer (killed, unreachable)."""
+
+_CLOSE_LOCK = threading.Lock()
+"""One Mooncake store closes at a time in a process (see ``PoolClient._reap``)."""
+
+
+class StoreLike(Protocol):
+    """The part of ``MooncakeDistributedStore`` the client uses."""
+
+    def setup(
+        self,
+        local_hostname: str,
+        metadata_server: str,
+        global_segment_size: int,
+        local_buffer_size: int,
+        protocol: str,
+        rdma_devices: str,
+        master_server_addr: str,
+    ) -> int: ...
+
+    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
+
+    def batch_put_from(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]: ...
+
+    def batch_get_into(
+        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
+    ) -> list[int]: ...
+
+    def close(self) -> int: ...
+
+
+def mooncake_store_factory() -> StoreLike:
+    """A new ``MooncakeDistributedStore``; the Mooncake wheel is imported only here."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as exc:
+        raise PoolError(
+            "the KV pool needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
+            "(CPU) or mooncake-transfer-engine (CUDA); on Debian it also needs "
+            f"libibverbs1 librdmacm1 libnuma1 ({exc})"
+        ) from exc
+    store: StoreLike = MooncakeDistributedStore()
+    return store
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Where the pool's master is and how this client joins it."""
+
+    master_address: str
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = "P2PHANDSHAKE"
+    global_segment_size: int = 64 << 20
+    local_buffer_size: int = 16 << 20
+    protocol: str = "tcp"
+    rdma_devices: str = ""
+    timeout_s: float = 5.0
+    setup_timeout_s: float = 15.0
+    close_timeout_s: float = 5.0
+    max_workers: int = 2
+    max_batch_keys: int = 512
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.master_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise PoolError(f"master_address must be host:port, got {self.master_address!r}")
+        if self.protocol not in ("tcp", "rdma"):
+            raise PoolError(f"protocol must be tcp or rdma, got {self.protocol!r}")
+        if self.local_buffer_size < 0 or not (
+            self.global_segment_size == 0 or self.global_segment_size >= MIN_GLOBAL_SEGMENT
+        ):
+            raise PoolError(
+                "global_segment_size must be 0 (contribute nothing) or at least 16 MiB "
+                f"(Mooncake's minimum), and local_buffer_size non-negative; got "
+                f"{self.global_segment_size} and {self.local_buffer_size}"
+            )
+        for name in ("timeout_s", "setup_timeout_s", "close_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise PoolError(f"{name} must be positive")
+        if self.max_workers < 1 or self.max_batch_keys < 1:
+            raise PoolError("max_workers and max_batch_keys must be at least 1")
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    """A snapshot of the client's counters (keys unless named bytes / calls)."""
+
+    hits: int = 0
+    misses: int = 0
+    keys_put: int = 0
+    keys_skipped: int = 0
+    keys_got: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+    backpressure: int = 0
+    failures: int = 0
+    timeouts: int = 0
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What a put did, by index into the request's keys.
+
+    After a timeout every key is reported failed, though some may still land in the pool.
+    """
+
+    stored: tuple[int, ...] = ()
+    skipped: tuple[int, ...] = ()
+    backpressure: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    bytes_put: int = 0
+    timed_out: bool = False
+
+    @property
+    def complete(self) -> bool:
+        """Every key is in the pool now (stored or already there)."""
+        return not self.backpressure and not self.failed
+
+
+@dataclass(frozen=True)
+class GetResult:
+    """What a get loaded, by index; ``failed`` blocks must be recomputed by the caller.
+
+    After a timeout the transfer may still land in the buffers later: do not reuse them for
+    other data until ``PoolClient.quiesce`` returns True.
+    """
+
+    loaded: tuple[int, ...] = ()
+    failed: tuple[int, ...] = ()
+    codes: tuple[int, ...] = ()
+    bytes_got: int = 0
+    timed_out: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """Every requested block was loaded."""
+        return not self.failed
+
+
+@dataclass
+class _Counters:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    values: dict[str, int] = field(default_factory=dict)
+
+    def add(self, **deltas: int) -> None:
+        with self.lock:
+            for name, delta in deltas.items():
+                self.values[name] = self.values.get(name, 0) + delta
+
+    def snapshot(self) -> PoolCounters:
+        with self.lock:
+            return PoolCounters(**self.values)
+
+
+class _DaemonExecutor:
+    """A fixed number of daemon threads draining one queue of blocking calls."""
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._idle = threading.Condition(self._lock)
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(max_workers)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            self._pending += 1
+        self._queue.put((fut, fn))
+        return fut
+
+    def _done(self) -> None:
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            self._run(*item)
+            # Drop the job now: an idle worker must not keep a closed store alive.
+            del item
+
+    def _run(self, fut: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
+        try:
+            if not fut.set_running_or_notify_cancel():
+                return
+            try:
+                result = fn()
+            except BaseException as exc:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(result)
+        finally:
+            self._done()
+
+    def wait_idle(self, timeout_s: float | None) -> bool:
+        with self._lock:
+            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        # No join: a worker stuck in a dead master's call must not block the caller.
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+class _CallTimeout(Exception):
+    pass
+
+
+def _check_batch(keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
+    if not len(keys) == len(ptrs) == len(sizes):
+        raise ValueError(
+            f"keys, ptrs and sizes differ in length ({len(keys)}, {len(ptrs)}, {len(sizes)})"
+        )
+    if any(s <= 0 for s in sizes):
+        raise ValueError("every size must be positive")
+
+
+class PoolClient:
+    """Batched exists / put / get against a Mooncake Store pool, every call under a timeout."""
+
+    def __init__(
+        self, config: PoolConfig, *, store_factory: Callable[[], StoreLike] | None = None
+    ) -> None:
+        self.config = config
+        self._factory = store_factory or mooncake_store_factory
+        self._store: StoreLike | None = None
+        self._executor: _DaemonExecutor | None = None
+        self._last_executor: _DaemonExecutor | None = None
+        self._closed: threading.Event | None = None
+        self._counters = _Counters()
+        self._state_lock = threading.Lock()
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def started(self) -> bool:
+        """Whether ``start`` succeeded and ``close`` has not been called."""
+        return self._store is not None
+
+    def _setup_job(self) -> Callable[[], StoreLike]:
+        cfg = self.config
+        factory = self._factory
+
+        def job() -> StoreLike:
+            store = factory()
+            rc = store.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.global_segment_size,
+                cfg.local_buffer_size,
+                cfg.protocol,
+                cfg.rdma_devices,
+                cfg.master_address,
+            )
+            if rc != OK:
+                hint = (
+                    "invalid parameters (sizes, protocol, local_hostname)"
+                    if rc == INVALID_PARAMS
+                    else "is mooncake_master running there?"
+                )
+                raise PoolError(
+                    f"Mooncake Store setup against master {cfg.master_address} failed "
+                    f"(rc={rc}): {hint}"
+                )
+            return store
+
+        return job
+
+    def _probe_master(self) -> None:
+        # setup() holds the GIL while it retries a missing master for ~90 s: fail fast instead.
+        host, _, port = self.config.master_address.rpartition(":")
+        try:
+            with socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=min(self.config.setup_timeout_s, 3.0)
+            ):
+                pass
+        except OSError as exc:
+            raise PoolError(
+                f"no Mooncake master reachable at {self.config.master_address} ({exc}); "
+                "start mooncake_master there or fix master_address"
+            ) from exc
+
+    def _prepare_start(self) -> tuple[_DaemonExecutor, concurrent.futures.Future[StoreLike]]:
+        if self.config.protocol == "tcp":
+            # The transfer engine picks RDMA whenever it finds an HCA; TCP was asked for.
+            os.environ.setdefault("MC_FORCE_TCP", "1")
+        executor = _DaemonExecutor(self.config.max_workers, "kv-pool")
+        return executor, executor.submit(self._setup_job())
+
+    def _finish_start(self, executor: _DaemonExecutor, store: StoreLike) -> None:
+        with self._state_lock:
+            self._executor = executor
+            self._last_executor = executor
+            self._store = store
+
+    def _setup_timed_out(self, executor: _DaemonExecutor) -> PoolError:
+        executor.shutdown()
+        return PoolError(
+            f"Mooncake Store setup against master {self.config.master_address} did not finish "
+            f"within {self.config.setup_timeout_s:.1f}s; is mooncake_master running there?"
+        )
+
+    def start(self) -> None:
+        """Join the pool (blocking, at most ``setup_timeout_s``)."""
+        if self.started:
+            return
+        self._probe_master()
+        executor, fut = self._prepare_start()
+        try:
+            store = fut.result(timeout=self.config.setup_timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise self._setup_timed_out(executor) from None
+        except PoolError:
+            executor.shutdown()
+            raise
+        except Exception as exc:
+            executor.shutdown()
+            raise PoolError(f"Mooncake Store setup failed: {exc}") from exc
+        self._finish_start(executor, store)
+
+    async def start_async(self) -> None:
+        """``start`` without blocking the event loop."""
+        if self.started:
+            return
+        await asyncio.to_thread(self._probe_master)
+        executor, fut = self._prepare_start()
+        try:
+            store = await asyncio.wait_for(
+                asyncio.wrap_future(fut), timeout=self.config.setup_timeout_s
+            )
+        except TimeoutError:
+            raise self._setup_timed_out(executor) from None
+        except PoolError:
+            executor.shutdown()
+            raise
+        except Exception as exc:
+            executor.shutdown()
+            raise PoolError(f"Mooncake Store setup failed: {exc}") from exc
+        self._finish_start(executor, store)
+
+    def _detach(self) -> tuple[StoreLike, _DaemonExecutor] | None:
+        with self._state_lock:
+            store, executor = self._store, self._executor
+            self._store = None
+            self._executor = None
+        if store is None or executor is None:
+            return None
+        return store, executor
+
+    @staticmethod
+    def _reap(detached: tuple[StoreLike, _DaemonExecutor]) -> threading.Event:
+        """Close the store on a daemon thread once no call on it runs; the event says done.
+
+        Mooncake's ``close`` holds the GIL while it waits for calls still in flight on the same
+        store, and those need the GIL to return: overlapping them deadlocked the process. Two
+        stores closing at once stalled every Python thread for seconds. So: wait until the
+        store is idle, close one store at a time process-wide, never on the caller's thread.
+        """
+        done = threading.Event()
+        holder = [detached]
+
+        def run() -> None:
+            store, executor = holder.pop()
+            try:
+                executor.wait_idle(None)
+                with _CLOSE_LOCK:
+                    store.close()
+                    del store  # the destructor runs here too, still one at a time
+            except Exception:
+                pass  # nothing left to report to: the client is gone
+            finally:
+                executor.shutdown()
+                done.set()
+
+        threading.Thread(target=run, name="kv-pool-close", daemon=True).start()
+        return done
+
+    def close(self) -> None:
+        """Leave the pool; waits at most ``close_timeout_s`` (a dead master makes close slow)."""
+        detached = self._detach()
+        if detached is None:
+            return
+        done = self._closed = self._reap(detached)
+        del detached  # the reaper holds the last reference: the store dies on its thread
+        if not done.wait(self.config.close_timeout_s):
+            self._counters.add(timeouts=1)
+
+    async def close_async(self) -> None:
+        """``close`` without blocking the event loop."""
+        detached = self._detach()
+        if detached is None:
+            return
+        done = self._closed = self._reap(detached)
+        del detached
+        deadline = time.monotonic() + self.config.close_timeout_s
+        while not done.is_set():
+            if time.monotonic() >= deadline:
+                self._counters.add(timeouts=1)
+                return
+            await asyncio.sleep(0.01)
+
+    def __enter__(self) -> PoolClient:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def counters(self) -> PoolCounters:
+        """A snapshot of the counters."""
+        return self._counters.snapshot()
+
+    def quiesce(self, timeout_s: float) -> bool:
+        """Wait until no call -- not a timed-out one, not the close -- still runs; True if so.
+
+        Call it before reusing buffers a timed-out get may still write, and before the process
+        exits: a Mooncake call still running while the interpreter shuts down can crash it.
+        """
+        deadline = time.monotonic() + timeout_s
+        executor = self._last_executor
+        if executor is not None and not executor.wait_idle(timeout_s):
+            return False
+        closed = self._closed
+        return closed is None or closed.wait(max(0.0, deadline - time.monotonic()))
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _live(self) -> StoreLike:
+        store = self._store
+        if store is None:
+            raise PoolError("the pool client is not started (call start() first) or was closed")
+        return store
+
+    def _submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
+        # Under the state lock: once close() has detached the store, nothing new may reach it.
+        with self._state_lock:
+            if self._executor is None:
+                raise PoolError("the pool client was closed")
+            return self._executor.submit(job)
+
+    def _call(self, job: Callable[[], T], timeout_s: float) -> T:
+        fut = self._submit(job)
+        try:
+            return fut.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise _CallTimeout from None
+
+    async def _call_async(self, job: Callable[[], T], timeout_s: float) -> T:
+        fut = self._submit(job)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout=timeout_s)
+        except TimeoutError:
+            fut.cancel()
+            raise _CallTimeout from None
+
+    # ---------------------------------------------------------------- register
+
+    def _register_job(self, store: StoreLike, ptr: int, length: int) -> Callable[[], int]:
+        return lambda: store.register_buffer(ptr, length)
+
+    def _register_done(self, rc: int, ptr: int, length: int) -> None:
+        if rc != OK:
+            raise PoolError(f"register_buffer({ptr:#x}, {length}) failed (rc={rc})")
+
+    def register(self, ptr: int, length: int) -> None:
+        """Register a buffer that puts read from and gets write into."""
+        if ptr <= 0 or length <= 0:
+            raise ValueError("ptr and length must be positive")
+        store = self._live()
+        try:
+            rc = self._call(self._register_job(store, ptr, length), self.config.timeout_s)
+        except _CallTimeout:
+            self._counters.add(timeouts=1, failures=1)
+            raise PoolError(
+                f"register_buffer timed out after {self.config.timeout_s:.1f}s"
+            ) from None
+        self._register_done(rc, ptr, length)
+
+    async def register_async(self, ptr: int, length: int) -> None:
+        """``register`` without blocking the event loop."""
+        if ptr <= 0 or length <= 0:
+            raise ValueError("ptr and length must be positive")
+        store = self._live()
+        try:
+            rc = await self._call_async(
+                self._register_job(store, ptr, length), self.config.timeout_s
+            )
+        except _CallTimeout:
+            self._counters.add(timeouts=1, failures=1)
+            raise PoolError(
+                f"register_buffer timed out after {self.config.timeout_s:.1f}s"
+            ) from None
+        self._register_done(rc, ptr, length)
+
+    # ---------------------------------------------------------------- exists
+
+    def _exists_done(self, codes: Sequence[int] | None, n: int) -> list[bool]:
+        if codes is None or len(codes) != n:
+            self._counters.add(failures=n)
+            return [False] * n
+        present = [c == 1 for c in codes]
+        errors = sum(1 for c in codes if c < 0)
+        hits = sum(present)
+        self._counters.add(hits=hits, misses=n - hits - errors, failures=errors)
+        return present
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys the pool holds, in one batched call; errors and timeouts read as absent."""
+        if not keys:
+            return []
+        store = self._live()
+        key_list = list(keys)
+        try:
+            codes = self._call(lambda: store.batch_is_exist(key_list), self.config.timeout_s)
+        except _CallTimeout:
+            self._counters.add(timeouts=1)
+            codes = None
+        except Exception:
+            codes = None
+        return self._exists_done(codes, len(key_list))
+
+    async def exists_async(self, keys: Sequence[str]) -> list[bool]:
+        """``exists`` without blocking the event loop."""
+        if not keys:
+            return []
+        store = self._live()
+        key_list = list(keys)
+        try:
+            codes = await self._call_async(
+                lambda: store.batch_is_exist(key_list), self.config.timeout_s
+            )
+        except _CallTimeout:
+            self._counters.add(timeouts=1)
+            codes = None
+        except Exception:
+            codes = None
+        return self._exists_done(codes, len(key_list))
+
+    # ---------------------------------------------------------------- put
+
+    def _put_job(
+        self, store: StoreLike, keys: list[str], ptrs: list[int], sizes: list[int], deadline: float
+    ) -> Callable[[], PutResult]:
+        max_batch = self.config.max_batch_keys
+
+        def job() -> PutResult:
+            n = len(keys)
+            codes = store.batch_is_exist(keys)
+            if len(codes) != n:
+                codes = [0] * n
+            # An exists error (negative) says nothing either way: try the put.
+            skipped = [i for i in range(n) if codes[i] == 1]
+            todo = [i for i in range(n) if codes[i] != 1]
+            stored: list[int] = []
+            backpressure: list[int] = []
+            failed: list[int] = []
+            full = False
+            for start in range(0, len(todo), max_batch):
+                chunk = todo[start : start + max_batch]
+                if full or time.monotonic() > deadline:
+                    # Pool full (or the caller gave up): the rest of this request is not sent.
+                    (backpressure if full else failed).extend(chunk)
+                    continue
+                rcs = store.batch_put_from(
+                    [keys[i] for i in chunk], [ptrs[i] for i in chunk], [sizes[i] for i in chunk]
+                )
+                if len(rcs) != len(chunk):
+                    failed.extend(chunk)
+                    continue
+                for i, rc in zip(chunk, rcs, strict=True):
+                    if rc == OK:
+                        stored.append(i)
+                    elif rc == OBJECT_ALREADY_EXISTS:
+                        skipped.append(i)
+                    elif rc == NO_AVAILABLE_HANDLE:
+                        backpressure.append(i)
+                        full = True
+                    else:
+                        failed.append(i)
+            return PutResult(
+                stored=tuple(stored),
+                skipped=tuple(sorted(skipped)),
+                backpressure=tuple(backpressure),
+                failed=tuple(failed),
+                bytes_put=sum(sizes[i] for i in stored),
+            )
+
+        return job
+
+    def _put_done(self, result: PutResult | None, n: int, timed_out: bool) -> PutResult:
+        if result is None:
+            result = PutResult(failed=tuple(range(n)), timed_out=timed_out)
+        self._counters.add(
+            keys_put=len(result.stored),
+            keys_skipped=len(result.skipped),
+            bytes_put=result.bytes_put,
+            backpressure=len(result.backpressure),
+            failures=len(result.failed),
+            timeouts=1 if timed_out else 0,
+        )
+        return result
+
+    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> PutResult:
+        """Store blocks from memory; keys already pooled are skipped, a full pool is reported."""
+        _check_batch(keys, ptrs, sizes)
+        if not keys:
+            return PutResult()
+        store = self._live()
+        timeout = self.config.timeout_s
+        job = self._put_job(store, list(keys), list(ptrs), list(sizes), time.monotonic() + timeout)
+        try:
+            return self._put_done(self._call(job, timeout), len(keys), False)
+        except _CallTimeout:
+            return self._put_done(None, len(keys), True)
+        except Exception:
+            return self._put_done(None, len(keys), False)
+
+    async def put_from_async(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> PutResult:
+        """``put_from`` without blocking the event loop."""
+        _check_batch(keys, ptrs, sizes)
+        if not keys:
+            return PutResult()
+        store = self._live()
+        timeout = self.config.timeout_s
+        job = self._put_job(store, list(keys), list(ptrs), list(sizes), time.monotonic() + timeout)
+        try:
+            result = await self._call_async(job, timeout)
+        except _CallTimeout:
+            return self._put_done(None, len(keys), True)
+        except Exception:
+            return self._put_done(None, len(keys), False)
+        return self._put_done(result, len(keys), False)
+
+    # ---------------------------------------------------------------- get
+
+    def _get_job(
+        self, store: StoreLike, keys: list[str], ptrs: list[int], sizes: list[int]
+    ) -> Callable[[], list[int]]:
+        def job() -> list[int]:
+            codes = list(store.batch_get_into(keys, ptrs, sizes))
+            retry = [i for i, c in enumerate(codes) if c == LEASE_EXPIRED]
+            if retry and len(codes) == len(keys):
+                # The bytes landed but the lease check failed; a second get takes a new lease.
+                again = store.batch_get_into(
+                    [keys[i] for i in retry], [ptrs[i] for i in retry], [sizes[i] for i in retry]
+                )
+                for i, c in zip(retry, again, strict=False):
+                    codes[i] = c
+            return codes
+
+        return job
+
+    def _get_done(
+        self, codes: Sequence[int] | None, sizes: Sequence[int], timed_out: bool
+    ) -> GetResult:
+        n = len(sizes)
+        if codes is None or len(codes) != n:
+            self._counters.add(failures=n, timeouts=1 if timed_out else 0)
+            return GetResult(failed=tuple(range(n)), timed_out=timed_out)
+        # A short read is as useless as none: the block must be recomputed.
+        loaded = tuple(i for i, c in enumerate(codes) if c == sizes[i])
+        failed = tuple(i for i, c in enumerate(codes) if c != sizes[i])
+        not_found = sum(1 for c in codes if c == OBJECT_NOT_FOUND)
+        got = sum(sizes[i] for i in loaded)
+        self._counters.add(
+            keys_got=len(loaded),
+            bytes_got=got,
+            misses=not_found,
+            failures=len(failed) - not_found,
+        )
+        return GetResult(loaded=loaded, failed=failed, codes=tuple(codes), bytes_got=got)
+
+    def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> GetResult:
+        """Load blocks into memory; failed ones are reported by index for recompute."""
+        _check_batch(keys, ptrs, sizes)
+        if not keys:
+            return GetResult()
+        store = self._live()
+        job = self._get_job(store, list(keys), list(ptrs), list(sizes))
+        try:
+            codes = self._call(job, self.config.timeout_s)
+        except _CallTimeout:
+            return self._get_done(None, sizes, True)
+        except Exception:
+            return self._get_done(None, sizes, False)
+        return self._get_done(codes, sizes, False)
+
+    async def get_into_async(
+        self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
+    ) -> GetResult:
+        """``get_into`` without blocking the event loop."""
+        _check_batch(keys, ptrs, sizes)
+        if not keys:
+            return GetResult()
+        store = self._live()
+        job = self._get_job(store, list(keys), list(ptrs), list(sizes))
+        try:
+            codes = await self._call_async(job, self.config.timeout_s)
+        except _CallTimeout:
+            return self._get_done(None, sizes, True)
+        except Exception:
+            return self._get_done(None, sizes, False)
+        return self._get_done(codes, sizes, False)

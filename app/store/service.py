@@ -1,0 +1,211 @@
+"""The KV pool as the sidecar serves it to its engines: lookup, save after prefill, load.
+
+A pool object is one layer's page of one block, keyed by (model identity, dtype, layout, TP
+namespace, layer, block hash): pages of different layers live in different tensors, and a
+Mooncake Store object is one contiguous span. Every rank stores its own shard under a namespace
+that ranks holding identical bytes share (see ``keys.tp_namespace``), so a pool written at one TP
+size is read back at the same TP size; a different TP size simply misses.
+
+Mamba-style state pages are keyed like attention pages (the state block at a block boundary);
+the coordinator decides which of them a hit needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from app.errors import ConfigError
+from app.kvcache.layout import RankLayout
+from app.kvcache.specs import AttentionSpec, RegionKind
+from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
+from app.store.hashing import group_block_hashes, hash_blocks
+from app.store.keys import KeyPrefix, block_keys, tp_namespace
+from app.store.pool import PoolClient, PoolConfig
+
+
+@dataclass(frozen=True)
+class SaveOutcome:
+    stored: int
+    skipped: int
+    backpressure: int
+    failed: int
+    bytes: int
+
+
+@dataclass(frozen=True)
+class LoadOutcome:
+    loaded: int
+    bytes: int
+    failed_blocks: list[list[int]]  # per group: block ids the engine must recompute
+
+
+_NS_KIND: dict[RegionKind, Literal["split", "replicate", "state"]] = {
+    RegionKind.SPLIT: "split",
+    RegionKind.REPLICATE: "replicate",
+    RegionKind.STATE: "state",
+}
+
+
+class RankPool:
+    """Keys, coordinator and addresses of one engine rank's cache."""
+
+    def __init__(self, layout: RankLayout) -> None:
+        if layout.heads_major:
+            raise ConfigError(
+                "the KV pool needs a layer's page contiguous: heads-major "
+                "cross-layer blocks are not supported; use per_layer or cross_layer"
+            )
+        self.layout = layout
+        cfg = layout.config
+        self.coordinator = PoolCoordinator(
+            [
+                PoolGroup(
+                    g.kind.value if g.kind.value != "mla" else "mla",
+                    g.block_size,
+                    sliding_window=g.sliding_window,
+                )
+                for g in cfg.groups
+            ]
+        )
+        model = cfg.model
+        layout_name = f"{layout.mode.value}.{layout.kv_layout.value}.bs{cfg.block_size}"
+        self.prefixes: dict[int, KeyPrefix] = {}
+        for c in model.layers:
+            spec = c.spec
+            heads = spec.num_kv_heads if isinstance(spec, AttentionSpec) else None
+            ns = tp_namespace(
+                _NS_KIND[spec.region_kind],
+                tp_size=cfg.tp,
+                rank=layout.rank,
+                num_kv_heads=heads,
+            )
+            self.prefixes[c.index] = KeyPrefix(
+                f"{model.name}.{model.compat_hash()[:8]}", model.dtype, layout_name, ns
+            )
+
+    def group_hashes(
+        self, token_ids: Sequence[int], extra_keys: Sequence[str]
+    ) -> list[list[bytes]]:
+        bs = self.coordinator.hash_block_size
+        fine = hash_blocks(list(token_ids), bs, extra_keys=tuple(extra_keys))
+        return group_block_hashes(fine, bs, [g.block_size for g in self.layout.config.groups])
+
+    def keys(
+        self, hashes: list[list[bytes]], group: int, blocks: Sequence[int]
+    ) -> list[tuple[int, int, str]]:
+        """(layer, block index, key) for ``blocks`` of ``group`` in every layer of it."""
+        g = self.layout.config.groups[group]
+        out: list[tuple[int, int, str]] = []
+        for c in g.layers:
+            keys = block_keys(self.prefixes[c.index], c.index, [hashes[group][b] for b in blocks])
+            out.extend((c.index, b, k) for b, k in zip(blocks, keys, strict=True))
+        return out
+
+    def page(self, layer: int, block_id: int) -> tuple[int, int]:
+        """(address, bytes) of one layer's page of a manager block."""
+        pl = self.layout.placements[layer]
+        return (pl.base + block_id * pl.block_stride, self.layout.config.slot_of(layer).page_bytes)
+
+
+class PoolService:
+    """One Mooncake Store client for the sidecar; one ``RankPool`` per registered rank."""
+
+    def __init__(self, config: PoolConfig) -> None:
+        self.client = PoolClient(config)
+        self.ranks: dict[int, RankPool] = {}
+        self.lookups = 0
+        self.hit_tokens = 0
+
+    async def start(self) -> None:
+        await self.client.start_async()
+
+    async def stop(self) -> None:
+        await self.client.close_async()
+
+    async def register(self, layout: RankLayout) -> None:
+        self.ranks[layout.rank] = RankPool(layout)
+        for ptr, length in layout.spans():
+            await self.client.register_async(ptr, length)
+
+    def _rank(self, rank: int) -> RankPool:
+        rp = self.ranks.get(rank)
+        if rp is None:
+            raise ConfigError(f"rank {rank} has not registered its KV caches for the pool")
+        return rp
+
+    async def lookup(
+        self, rank: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+    ) -> CacheHit:
+        """The longest prefix the pool can serve, as vLLM's hybrid coordinator computes it."""
+        rp = self._rank(rank)
+        hashes = rp.group_hashes(token_ids, extra_keys)
+        entries = [
+            (g, e) for g in range(len(hashes)) for e in rp.keys(hashes, g, range(len(hashes[g])))
+        ]
+        found = await self.client.exists_async([k for _, (_, _, k) in entries]) if entries else []
+        masks = [np.ones(len(h), dtype=bool) for h in hashes]
+        for (g, (_, b, _)), ok in zip(entries, found, strict=True):
+            masks[g][b] &= ok
+        hit = rp.coordinator.find_longest_cache_hit([m.tolist() for m in masks], len(token_ids))
+        self.lookups += 1
+        self.hit_tokens += hit.hit_tokens
+        return hit
+
+    async def save(
+        self,
+        rank: int,
+        token_ids: Sequence[int],
+        block_ids: Sequence[np.ndarray],
+        num_computed: int,
+        extra_keys: Sequence[str] = (),
+    ) -> SaveOutcome:
+        """Store the fully computed blocks the coordinator's store masks name (the caller
+        keeps them pinned until this returns)."""
+        rp = self._rank(rank)
+        hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
+        keys, ptrs, sizes = [], [], []
+        for g, mask in enumerate(rp.coordinator.store_masks(num_computed)):
+            blocks = [
+                i for i, m in enumerate(mask) if m and i < len(hashes[g]) and i < len(block_ids[g])
+            ]
+            for layer, b, key in rp.keys(hashes, g, blocks):
+                ptr, size = rp.page(layer, int(block_ids[g][b]))
+                keys.append(key)
+                ptrs.append(ptr)
+                sizes.append(size)
+        res = await self.client.put_from_async(keys, ptrs, sizes)
+        return SaveOutcome(
+            len(res.stored), len(res.skipped), len(res.backpressure), len(res.failed), res.bytes_put
+        )
+
+    async def load(
+        self,
+        rank: int,
+        token_ids: Sequence[int],
+        block_ids: Sequence[np.ndarray],
+        hit_tokens: int,
+        extra_keys: Sequence[str] = (),
+    ) -> LoadOutcome:
+        """Load what a hit of ``hit_tokens`` needs into ``block_ids``; failed blocks by id."""
+        rp = self._rank(rank)
+        hashes = rp.group_hashes(token_ids, extra_keys)
+        entries: list[tuple[int, int]] = []
+        keys, ptrs, sizes = [], [], []
+        for g, mask in enumerate(rp.coordinator.load_masks(hit_tokens)):
+            blocks = [i for i, m in enumerate(mask) if m and i < len(block_ids[g])]
+            for layer, b, key in rp.keys(hashes, g, blocks):
+                ptr, size = rp.page(layer, int(block_ids[g][b]))
+                entries.append((g, int(block_ids[g][b])))
+                keys.append(key)
+                ptrs.append(ptr)
+                sizes.append(size)
+        res = await self.client.get_into_async(keys, ptrs, sizes)
+        failed: list[set[int]] = [set() for _ in block_ids]
+        for i in res.failed:
+            g, block = entries[i]
+            failed[g].add(block)
+        return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])
