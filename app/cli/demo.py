@@ -3,14 +3,32 @@
 from __future__ import annotations
 
 import json
+import signal
+import sys
+import threading
+import time
+from types import FrameType
 from typing import Annotated, Any
 
+import httpx
 import typer
 from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    SpinnerColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.table import Table
 
+from app.errors import DeadlineExceeded
 from app.kvcache.layout import KVLayout, LayoutMode
-from app.sim.cluster import Cluster, ClusterSpec, summarize
+from app.sim.cluster import Cluster, ClusterSpec, pool_round, summarize
+from app.sim.engine import SimRequest
+
+_READY_TIMEOUT_S = 60.0
 
 
 def demo_command(
@@ -24,7 +42,28 @@ def demo_command(
     kv_layout: Annotated[KVLayout, typer.Option(help="Attention block layout.")] = KVLayout.HND,
     chunk: Annotated[int | None, typer.Option(help="Chunked-prefill size in tokens.")] = 512,
     compute_ms: Annotated[float, typer.Option(help="Simulated compute per layer.")] = 2.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    pool: Annotated[
+        bool,
+        typer.Option(
+            "--pool",
+            help="Also start a mooncake_master: save a request to the KV pool at prefill, then "
+            "load a second request sharing its prefix from the pool at decode and verify it.",
+        ),
+    ] = False,
+    keep_alive: Annotated[
+        bool,
+        typer.Option(
+            "--keep-alive",
+            help="After the run, keep both sidecars up (curl their admin APIs) until Ctrl-C.",
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON object (with --keep-alive: first the admin URLs, then it).",
+        ),
+    ] = False,
 ) -> None:
     """Start a P and a D sidecar with simulated engines, transfer, verify, summarize."""
     spec = ClusterSpec(
@@ -34,49 +73,193 @@ def demo_command(
         decode_tp=decode_tp,
         layout=layout.value,
         kv_layout=kv_layout.value,
-        max_requests=requests,
-        max_prompt=prompt_tokens,
+        max_requests=requests + (2 if pool else 0),
+        max_prompt=prompt_tokens + (prompt_tokens // 4 + 16 if pool else 0),
+        pool=pool,
     )
-    with Cluster(spec) as cluster:
-        pairs = cluster.make_requests([prompt_tokens] * requests)
-        result = cluster.run(pairs, chunk=chunk, compute_ms=compute_ms)
-        summary = summarize(result, pairs)
-        summary.update(
-            {
-                "model": model,
-                "prefill_tp": prefill_tp,
-                "decode_tp": decode_tp,
-                "layers": layers,
-                "prompt_tokens": prompt_tokens,
-                "layout": layout.value,
+    console = Console(stderr=as_json)
+    # SIGTERM ends the demo like Ctrl-C does, so the sidecars and engines are stopped too; SIGINT
+    # is set explicitly because a shell starts background jobs with it ignored.
+    previous = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
+    summary: dict[str, Any] | None = None
+    try:
+        with Cluster(spec) as cluster:
+            urls = {
                 "prefill_admin": cluster.sides["prefill"].admin_url,
                 "decode_admin": cluster.sides["decode"].admin_url,
             }
-        )
-    if as_json:
-        print(json.dumps(summary))
-    else:
-        _print(summary)
-    if summary["failed"] or summary["verified"] != summary["requests"]:
+            if keep_alive:
+                _wait_ready(list(urls.values()))
+                if as_json:
+                    print(json.dumps(urls), flush=True)
+            pairs = cluster.make_requests([prompt_tokens] * requests)
+            result = _run(cluster, pairs, chunk, compute_ms, console if not as_json else None)
+            summary = summarize(result, pairs)
+            summary.update(
+                {
+                    "model": model,
+                    "prefill_tp": prefill_tp,
+                    "decode_tp": decode_tp,
+                    "layers": layers,
+                    "prompt_tokens": prompt_tokens,
+                    "layout": layout.value,
+                    **urls,
+                }
+            )
+            if pool:
+                summary.update(pool_round(cluster, prompt_tokens))
+            if as_json:
+                print(json.dumps(summary), flush=True)
+            else:
+                _print(console, summary)
+            if keep_alive:
+                if not as_json:
+                    console.print("Sidecars keep running for curl; press Ctrl-C to stop them.")
+                _wait_for_stop()
+    except KeyboardInterrupt:
+        # With --keep-alive, Ctrl-C after the summary is the normal way out.
+        if summary is None or not keep_alive:
+            raise typer.Exit(130) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if (
+        summary["failed"]
+        or summary["verified"] != summary["requests"]
+        or (pool and not summary["pool_verified"])
+    ):
         raise typer.Exit(1)
 
 
-def _print(s: dict[str, Any]) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _wait_for_stop() -> None:
+    """Block until SIGINT or SIGTERM (both raise KeyboardInterrupt here)."""
+    stop = threading.Event()
+    while not stop.wait(1.0):
+        pass
+
+
+def _wait_ready(urls: list[str]) -> None:
+    """Until every admin API answers ``/readyz`` with 200."""
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    with httpx.Client(timeout=2) as http:
+        for url in urls:
+            while True:
+                try:
+                    if http.get(f"{url}/readyz").status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise DeadlineExceeded(
+                        f"the sidecar at {url} was not ready within {_READY_TIMEOUT_S:.0f}s"
+                    )
+                time.sleep(0.1)
+
+
+def _run(
+    cluster: Cluster,
+    pairs: list[tuple[SimRequest, SimRequest]],
+    chunk: int | None,
+    compute_ms: float,
+    console: Console | None,
+) -> dict[str, Any]:
+    """``cluster.run``, with a progress bar fed by both admin APIs when there is a console."""
+    if console is None:
+        return cluster.run(pairs, chunk=chunk, compute_ms=compute_ms)
+    out: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            out["result"] = cluster.run(pairs, chunk=chunk, compute_ms=compute_ms)
+        except BaseException as e:  # handed to the main thread
+            out["error"] = e
+
+    d_url = cluster.sides["decode"].admin_url
+    p_url = cluster.sides["prefill"].admin_url
+    with httpx.Client(timeout=1) as http:
+        base_done = _requests_ended(http, d_url) or 0
+        base_bytes = _bytes_sent(http, p_url) or 0
+        # A daemon thread: Ctrl-C must not wait for a run that the cluster's exit will cut short.
+        runner = threading.Thread(target=work, name="demo-run", daemon=True)
+        columns = (
+            SpinnerColumn(),
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("requests · {task.fields[sent]}"),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=True) as progress:
+            task = progress.add_task("transferring", total=len(pairs), sent="0.0 MB sent")
+            runner.start()
+            while runner.is_alive():
+                runner.join(0.2)
+                done = _requests_ended(http, d_url)
+                sent = _bytes_sent(http, p_url)
+                if done is not None:
+                    progress.update(task, completed=min(len(pairs), done - base_done))
+                if sent is not None:
+                    progress.update(task, sent=f"{(sent - base_bytes) / 1e6:.1f} MB sent")
+    if "error" in out:
+        raise out["error"]
+    result: dict[str, Any] = out["result"]
+    return result
+
+
+def _requests_ended(http: httpx.Client, url: str) -> int | None:
+    """Requests every decode rank has finished (any final state); None if it did not answer."""
+    try:
+        ranks = http.get(f"{url}/v1/status").json()["ranks"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return min((int(r["recvs_ended"]) for r in ranks), default=0)
+
+
+def _bytes_sent(http: httpx.Client, url: str) -> int | None:
+    try:
+        mooncake = http.get(f"{url}/v1/status").json()["mooncake"]
+    except (httpx.HTTPError, ValueError, KeyError):
+        return None
+    return int(mooncake["bytes"]) if mooncake else None
+
+
+def _print(console: Console, s: dict[str, Any]) -> None:
     t = Table(
         title=f"{s['model']} ({s['layers']} layers) prefill TP {s['prefill_tp']} -> "
         f"decode TP {s['decode_tp']}, {s['layout']}"
     )
-    for col in ("requests", "verified", "failed", "bytes", "GB/s", "exposed ms", "descriptors"):
+    for col in (
+        "requests",
+        "verified",
+        "failed",
+        "bytes",
+        "GB/s",
+        "exposed transfer ms",
+        "descriptors",
+    ):
         t.add_column(col, justify="right")
     t.add_row(
         str(s["requests"]),
         str(s["verified"]),
-        str(s["failed"]),
+        f"[red]{s['failed']}[/]" if s["failed"] else "0",
         f"{s['bytes']:,}",
         f"{s['gbps']:.3f}",
         f"{s['exposed_ms']:.1f}",
         f"{s['descriptors']:,}",
     )
-    Console().print(t)
+    console.print(t)
     for rid, f in s["failures"].items():
-        Console().print(f"[red]{rid}: {f['status']}[/] {f['error']}")
+        console.print(f"[red]{rid}: {f['status']}[/] {f['error']}")
+    if "pool_verified" in s:
+        ok = "[green]verified[/]" if s["pool_verified"] else "[red]NOT verified[/]"
+        console.print(
+            f"KV pool: {s['pool_saved_keys']} keys saved at prefill; the request sharing the "
+            f"prefix hit {s['pool_hit_tokens']} tokens at decode, loaded "
+            f"{s['pool_loaded_bytes']:,} bytes, {ok}"
+        )
+    console.print(f"prefill admin: {s['prefill_admin']}   decode admin: {s['decode_admin']}")
+    sys.stdout.flush()

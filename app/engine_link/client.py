@@ -74,13 +74,19 @@ class EngineLink:
     """One engine rank's connection to its sidecar."""
 
     def __init__(
-        self, endpoint: str, engine_id: str, rank: int, *, timeout_s: float = 10.0
+        self,
+        endpoint: str,
+        engine_id: str,
+        rank: int,
+        *,
+        timeout_s: float = 10.0,
+        shm_prefix: str | None = None,
     ) -> None:
         self.client = SyncClient(endpoint)
         self.engine_id = engine_id
         self.rank = rank
         self.timeout_s = timeout_s
-        self.arena = ShmArena()
+        self.arena = ShmArena(shm_prefix) if shm_prefix else ShmArena()
         self.epoch = ""
         self.control_port = 0
 

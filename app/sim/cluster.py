@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -116,7 +117,8 @@ class Cluster:
                 build_cache_config(model, tp, bs, num_blocks=nb), seed=1 if role == "decode" else 0
             )
             self.sides[role] = side
-        self.log_dir = Path(spec.log_dir or self.tmp)
+        # Sockets live in /dev/shm and go at close; logs go to disk and stay for a post-mortem.
+        self.log_dir = Path(spec.log_dir or tempfile.mkdtemp(prefix="kvs-logs-"))
         self.master: MasterProcess | None = None
 
     # ---- processes -------------------------------------------------------------------------
@@ -193,6 +195,8 @@ class Cluster:
                     ",".join(map(str, range(side.tp))),
                     "--params",
                     msgspec.json.encode(side.params).decode(),
+                    "--shm-prefix",
+                    self.shm_prefix(side),
                 ],
                 env=env,
                 stdout=elog,
@@ -200,6 +204,14 @@ class Cluster:
             )
         ]
         side.endpoints, side.sockets = [endpoint], []
+
+    def shm_prefix(self, side: Side) -> str:
+        return f"{Path(self.tmp).name}-{side.role}"
+
+    def unlink_shm(self, side: Side) -> None:
+        """Remove a stopped instance's KV segments (a killed engine cannot)."""
+        for f in Path("/dev/shm").glob(f"{self.shm_prefix(side)}-*"):
+            f.unlink(missing_ok=True)
 
     def _socket(self, side: Side) -> zmq.Socket[bytes]:
         if not side.sockets:
@@ -254,6 +266,7 @@ class Cluster:
         for s in side.sockets:
             s.close(0)
         side.sockets = []
+        self.unlink_shm(side)
 
     def close(self) -> None:
         for side in self.sides.values():
@@ -278,8 +291,9 @@ class Cluster:
         if self.master is not None:
             stop_master(self.master)
             self.master = None
-        for f in Path(self.tmp).glob("*.sock"):
-            f.unlink(missing_ok=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        for side in self.sides.values():
+            self.unlink_shm(side)
 
     # ---- requests --------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ signal the layer); D ranks expect requests, wait for them and verify them byte-e
 from __future__ import annotations
 
 import argparse
+import signal
+import sys
 import time
 from typing import Any
 
@@ -297,9 +299,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--ranks", default="0", help="TP ranks hosted here, e.g. 0,1")
     ap.add_argument("--params", required=True, help="CacheParams as JSON")
+    ap.add_argument("--shm-prefix", default=None, help="name prefix of the KV segments")
     args = ap.parse_args(argv)
     params = msgspec.json.decode(args.params, type=CacheParams)
-    links = [EngineLink(args.sidecar, args.engine_id, int(r)) for r in args.ranks.split(",")]
+    # SIGTERM unwinds through the finally below, so the shared-memory names are removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    links = [
+        EngineLink(
+            args.sidecar,
+            args.engine_id,
+            int(r),
+            shm_prefix=f"{args.shm_prefix}-r{r}" if args.shm_prefix else None,
+        )
+        for r in args.ranks.split(",")
+    ]
     try:
         layouts = [link.allocate_kv_caches(params) for link in links]
         for link in links:

@@ -538,6 +538,9 @@ class Sidecar:
             if not isinstance(ack, Ack) or not ack.ok:
                 reason = ack.error if isinstance(ack, Ack) else getattr(ack, "reason", "")
                 errors.append(f"decode rank {d_rank} refused Done: {reason}")
+        if not errors and status is Status.DONE:
+            for g in {g for groups in req.d_ranks.values() for g in groups}:
+                self.agents[req.rank].groups[g].done += 1
         if errors:
             peer.failures += 1
             req.finish(
@@ -644,8 +647,9 @@ class Sidecar:
             return Ack(request=msg.request)
         req.delivered[msg.sender_rank] = Status.DONE
         req.state = Status.TRANSFERRING
-        if set(req.delivered) >= set(req.manifest):
-            req.finish(Status.DONE)
+        if set(req.delivered) >= set(req.manifest) and req.finish(Status.DONE):
+            for g in {g for groups in req.manifest.values() for g in groups}:
+                agent.groups[g].done += 1
         return Ack(request=msg.request)
 
     # ---- both ------------------------------------------------------------------------------

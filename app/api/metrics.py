@@ -1,0 +1,292 @@
+"""Prometheus metrics of one sidecar, in a registry of their own (one per admin app).
+
+Counters and gauges are read from the sidecar's state at scrape time by a custom collector, so
+the transfer path pays nothing for them. The two histograms need every observation; the sidecar
+calls the observers it finds in ``layer_latency_observers`` / ``handshake_latency_observers``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from app.api.views import queue_depth, readiness, versions
+from app.transfer.protocol import Status
+from app.transfer.sidecar import Sidecar
+
+Observer = Callable[[float], None]
+
+LAYER_OBSERVERS = "layer_latency_observers"
+HANDSHAKE_OBSERVERS = "handshake_latency_observers"
+
+# Loopback TCP moves a layer of a few MB in ~1-10 ms; RDMA in well under 1 ms.
+LAYER_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class SidecarCollector(Collector):
+    """Everything that is already counted somewhere in the sidecar, read when scraped."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+
+    def collect(self) -> Iterator[Metric]:
+        sc = self.sidecar
+        s = sc.settings
+        ready, _ = readiness(sc)
+
+        info = GaugeMetricFamily(
+            "kvsidecar_info",
+            "Identity of this sidecar (value is always 1).",
+            labels=["engine_id", "role", "epoch", "version", "protocol"],
+        )
+        v = versions()
+        info.add_metric([s.engine_id, s.role, sc.epoch, v.kv_sidecar, str(v.protocol)], 1)
+        yield info
+        yield GaugeMetricFamily(
+            "kvsidecar_ready", "1 when ready to transfer (GET /readyz is 200).", value=int(ready)
+        )
+        yield GaugeMetricFamily(
+            "kvsidecar_start_time_seconds", "Start of this sidecar, Unix time.", value=sc.started
+        )
+
+        yield from self._groups()
+        yield from self._requests()
+
+        expired = CounterMetricFamily(
+            "kvsidecar_deadline_expirations",
+            "Requests ended EXPIRED because their deadline passed.",
+            value=sc.counters.get("expired", 0),
+        )
+        yield expired
+        yield CounterMetricFamily(
+            "kvsidecar_handshakes",
+            "Successful handshakes with decode peers.",
+            value=sc.counters.get("handshakes", 0),
+        )
+        yield from self._sockets()
+        yield from self._mooncake()
+        yield from self._peers()
+        yield from self._pool()
+
+    def _groups(self) -> Iterator[Metric]:
+        labels = ["group", "spec"]
+        nbytes = CounterMetricFamily(
+            "kvsidecar_group_bytes", "Bytes written, per KV cache group.", labels=labels
+        )
+        descs = CounterMetricFamily(
+            "kvsidecar_group_descriptors",
+            "Transfer descriptors written, per KV cache group.",
+            labels=labels,
+        )
+        layers = CounterMetricFamily(
+            "kvsidecar_group_layers_sent",
+            "Layer writes that moved at least one descriptor, per KV cache group.",
+            labels=labels,
+        )
+        transfers = CounterMetricFamily(
+            "kvsidecar_group_transfers",
+            "Per-layer batch submits by outcome, per KV cache group.",
+            labels=[*labels, "status"],
+        )
+        sums: dict[tuple[str, str], list[int]] = {}
+        for agent in list(self.sidecar.agents.values()):
+            kinds = {g.index: g.kind.value for g in agent.desc.groups}
+            for index, st in list(agent.groups.items()):
+                key = (str(index), kinds.get(index, "unknown"))
+                acc = sums.setdefault(key, [0, 0, 0, 0, 0])
+                acc[0] += st.bytes
+                acc[1] += st.descriptors
+                acc[2] += st.layers_sent
+                acc[3] += st.transfers_ok
+                acc[4] += st.transfers_failed
+        for key, (b, d, n, ok, failed) in sorted(sums.items()):
+            nbytes.add_metric(list(key), b)
+            descs.add_metric(list(key), d)
+            layers.add_metric(list(key), n)
+            transfers.add_metric([*key, "ok"], ok)
+            transfers.add_metric([*key, "failed"], failed)
+        yield from (nbytes, descs, layers, transfers)
+
+    def _requests(self) -> Iterator[Metric]:
+        total = CounterMetricFamily(
+            "kvsidecar_requests",
+            "Requests reported to the engine in a final state.",
+            labels=["side", "state"],
+        )
+        inflight = GaugeMetricFamily(
+            "kvsidecar_requests_in_flight",
+            "Requests admitted and not yet in a final state.",
+            labels=["side", "state"],
+        )
+        queue = GaugeMetricFamily(
+            "kvsidecar_stream_queue_depth",
+            "Layer tasks waiting for the stream thread (full = back-pressure).",
+            labels=["rank"],
+        )
+        capacity = GaugeMetricFamily(
+            "kvsidecar_stream_queue_capacity", "Bound of the stream queue.", labels=["rank"]
+        )
+        ended: dict[tuple[str, str], int] = {}
+        live: dict[tuple[str, str], int] = {
+            (side, st.name): 0 for side in ("send", "recv") for st in Status if not st.terminal
+        }
+        for rank, agent in sorted(self.sidecar.agents.items()):
+            for (side, state), n in list(agent.terminal.items()):
+                ended[(side, state.name)] = ended.get((side, state.name), 0) + n
+            for side, table in (("send", agent.sends), ("recv", agent.recvs)):
+                for req in list(table.values()):
+                    if not req.state.terminal:
+                        live[(side, req.state.name)] += 1
+            if agent.stream is not None:
+                queue.add_metric([str(rank)], queue_depth(agent.stream.queue))
+                capacity.add_metric([str(rank)], agent.stream.queue.maxsize)
+        for key, n in sorted(ended.items()):
+            total.add_metric(list(key), n)
+        for key, n in sorted(live.items()):
+            inflight.add_metric(list(key), n)
+        yield from (total, inflight, queue, capacity)
+
+    def _sockets(self) -> Iterator[Metric]:
+        frames = CounterMetricFamily(
+            "kvsidecar_frames", "Frames received on a ZMQ socket.", labels=["socket"]
+        )
+        rejected = CounterMetricFamily(
+            "kvsidecar_rejected_frames",
+            "Frames that did not decode or had an unknown protocol version.",
+            labels=["socket"],
+        )
+        errors = CounterMetricFamily(
+            "kvsidecar_handler_errors",
+            "Messages whose handler raised (answered with an error).",
+            labels=["socket"],
+        )
+        for name, server in (
+            ("control", self.sidecar.control),
+            ("engine", self.sidecar.engine_server),
+        ):
+            if server is None:
+                continue
+            c = server.counters()
+            frames.add_metric([name], c.get("frames", 0))
+            rejected.add_metric([name], c.get("rejected", 0))
+            errors.add_metric([name], c.get("handler_errors", 0))
+        yield from (frames, rejected, errors)
+
+    def _mooncake(self) -> Iterator[Metric]:
+        engine = self.sidecar.engine
+        if engine is None:
+            return
+        c = engine.counters()
+        for key, doc in (
+            ("submits", "Mooncake batch write calls, failed ones included."),
+            ("descriptors", "Descriptors Mooncake confirmed written."),
+            ("bytes", "Bytes Mooncake confirmed written."),
+            ("failures", "Mooncake write calls that raised."),
+            ("reopens", "Local Mooncake engines replaced after a failed submit."),
+        ):
+            yield CounterMetricFamily(f"kvsidecar_mooncake_{key}", doc, value=c.get(key, 0))
+
+    def _pool(self) -> Iterator[Metric]:
+        svc = self.sidecar.pool
+        if svc is None:
+            return
+        c = svc.client.counters()
+        yield CounterMetricFamily(
+            "kvsidecar_pool_lookups", "Pool lookups served.", value=svc.lookups
+        )
+        yield CounterMetricFamily(
+            "kvsidecar_pool_hit_tokens", "Tokens served by pool hits.", value=svc.hit_tokens
+        )
+        keys = CounterMetricFamily(
+            "kvsidecar_pool_keys", "Pool keys by outcome.", labels=["outcome"]
+        )
+        for outcome, value in (
+            ("hit", c.hits),
+            ("miss", c.misses),
+            ("put", c.keys_put),
+            ("skipped", c.keys_skipped),
+            ("got", c.keys_got),
+            ("backpressure", c.backpressure),
+            ("failed", c.failures),
+            ("timeout", c.timeouts),
+        ):
+            keys.add_metric([outcome], value)
+        yield keys
+        nbytes = CounterMetricFamily(
+            "kvsidecar_pool_bytes", "Bytes moved to and from the pool.", labels=["direction"]
+        )
+        nbytes.add_metric(["put"], c.bytes_put)
+        nbytes.add_metric(["get"], c.bytes_got)
+        yield nbytes
+
+    def _peers(self) -> Iterator[Metric]:
+        failures = CounterMetricFamily(
+            "kvsidecar_peer_failures",
+            "Failed handshakes and unanswered control messages, per decode peer.",
+            labels=["peer"],
+        )
+        for p in list(self.sidecar.peers.values()):
+            failures.add_metric([p.endpoint], p.failures)
+        yield failures
+
+
+class SidecarMetrics:
+    """The registry of one admin app: the collector plus the two latency histograms."""
+
+    def __init__(self, sidecar: Sidecar) -> None:
+        self.sidecar = sidecar
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(SidecarCollector(sidecar))
+        self.layer_seconds = Histogram(
+            "kvsidecar_layer_transfer_seconds",
+            "Per layer and peer: planning and Mooncake submit until the writes completed.",
+            buckets=LAYER_BUCKETS,
+            registry=self.registry,
+        )
+        self.handshake_seconds = Histogram(
+            "kvsidecar_handshake_seconds",
+            "Successful handshakes with a decode peer, Hello to validated metadata.",
+            buckets=HANDSHAKE_BUCKETS,
+            registry=self.registry,
+        )
+        self._hooks: list[tuple[str, Observer]] = [
+            (LAYER_OBSERVERS, self.layer_seconds.observe),
+            (HANDSHAKE_OBSERVERS, self.handshake_seconds.observe),
+        ]
+        for attr, observe in self._hooks:
+            _observers(sidecar, attr).append(observe)
+
+    def close(self) -> None:
+        """Detach the histograms from the sidecar (a later app brings its own)."""
+        for attr, observe in self._hooks:
+            obs = _observers(self.sidecar, attr)
+            if observe in obs:
+                obs.remove(observe)
+
+
+def _observers(sidecar: Sidecar, attr: str) -> list[Observer]:
+    obs: list[Observer] | None = getattr(sidecar, attr, None)
+    if obs is None:
+        obs = []
+        setattr(sidecar, attr, obs)
+    return obs

@@ -1,0 +1,266 @@
+"""Response models of the admin API (pydantic, JSON), separate from the msgspec wire messages.
+
+The wire messages (``app.transfer.protocol``) are what sidecars and engines exchange and are
+versioned with the protocol; these models are what operators and scrapers read, and evolve with
+the HTTP API. Byte counts are bytes, durations seconds, times ISO 8601 UTC.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from app.kvcache.specs import RegionKind, SpecKind
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RequestState(StrEnum):
+    """``protocol.Status`` by name; the last four are terminal."""
+
+    PENDING = "PENDING"
+    TRANSFERRING = "TRANSFERRING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+    ABORTED = "ABORTED"
+    EXPIRED = "EXPIRED"
+
+
+class ErrorResponse(_Model):
+    """Every 4xx/5xx answer this API produces itself (FastAPI's 422 keeps its own shape)."""
+
+    detail: str = Field(description="One sentence saying what went wrong and what to do.")
+
+
+class Liveness(_Model):
+    status: Literal["ok"] = "ok"
+
+
+class Readiness(_Model):
+    ready: bool
+    reason: str = Field(description="'ready', or why not (e.g. which ranks have not registered).")
+
+
+# ---- /v1/status ------------------------------------------------------------------------------
+
+
+class Versions(_Model):
+    kv_sidecar: str
+    torch: str | None = Field(description="Installed torch distribution; null when absent.")
+    mooncake: str | None = Field(description="Installed Mooncake wheel; null when absent.")
+    python: str
+    protocol: int = Field(description="Wire protocol version spoken with peers and engines.")
+
+
+class MooncakeStatus(_Model):
+    session: str = Field(description="host:rpc_port of the local transfer engine.")
+    transport: str
+    submits: int = Field(description="Batch write calls made, failed ones included.")
+    descriptors: int = Field(description="Descriptors confirmed written.")
+    bytes: int = Field(description="Bytes confirmed written.")
+    failures: int = Field(description="Write calls that raised.")
+    reopens: int = Field(description="Times the local engine was replaced after a failure.")
+
+
+class RankStatus(_Model):
+    rank: int
+    registered: bool = Field(description="The engine of this rank registered its KV caches.")
+    engine_id: str | None = None
+    tp_size: int | None = None
+    num_blocks: int | None = None
+    null_block: int | None = None
+    kv_layout: str | None = None
+    layout_mode: str | None = None
+    groups: int = 0
+    regions: int = 0
+    sends_in_flight: int = Field(
+        default=0, description="Send-side requests not yet in a final state."
+    )
+    recvs_in_flight: int = Field(
+        default=0, description="Receive-side requests not yet in a final state."
+    )
+    sends_ended: int = Field(
+        default=0, description="Send-side requests reported final to the engine."
+    )
+    recvs_ended: int = Field(
+        default=0, description="Receive-side requests reported final to the engine."
+    )
+    stream_queue_depth: int = Field(
+        default=0, description="Layer tasks waiting for the stream thread."
+    )
+    stream_queue_capacity: int = 0
+
+
+class StatusResponse(_Model):
+    engine_id: str
+    role: Literal["prefill", "decode", "both"]
+    epoch: str = Field(description="Random id of this sidecar start; peers re-handshake on change.")
+    ready: bool
+    reason: str
+    admitting: bool = Field(description="False once shutdown began: new requests are refused.")
+    tp_size: int
+    compat_hash: str | None = Field(description="Model identity hash; null before registration.")
+    control_endpoint: str | None
+    engine_ipc: str
+    ranks: list[RankStatus] = Field(description="Every configured rank, registered or not.")
+    mooncake: MooncakeStatus | None = Field(description="Null before the engine started.")
+    handshakes: int
+    expired: int = Field(description="Requests ended EXPIRED by their deadline.")
+    started_at: datetime
+    uptime_s: float
+    versions: Versions
+
+
+# ---- /v1/regions -----------------------------------------------------------------------------
+
+
+class StreamView(_Model):
+    offset: int
+    length: int
+
+
+class RegionView(_Model):
+    base: str = Field(description="Start address, hex (0x...).", examples=["0x7f3a2c000000"])
+    length: int
+    block_stride: int
+    kind: RegionKind
+    group: int
+    layers: list[int]
+    streams: list[StreamView]
+
+
+class RankRegions(_Model):
+    rank: int
+    tp_size: int
+    num_blocks: int
+    null_block: int
+    kv_layout: str
+    layout_mode: str
+    regions: list[RegionView]
+
+
+class RegionsResponse(_Model):
+    ranks: list[RankRegions]
+
+
+# ---- /v1/groups ------------------------------------------------------------------------------
+
+
+class GroupView(_Model):
+    index: int
+    spec: SpecKind
+    block_size: int = Field(description="Scheduler (manager) block size in tokens.")
+    kernel_block_size: int
+    sliding_window: int | None
+    layers: list[int]
+    ranks: list[int] = Field(description="Ranks whose counters are summed here.")
+    transfers_ok: int = Field(description="Layer submits that completed.")
+    transfers_failed: int = Field(description="Layer submits that failed.")
+    bytes: int
+    descriptors: int
+    layers_sent: int = Field(description="Layer writes that moved at least one descriptor.")
+    done: int
+
+
+class GroupsResponse(_Model):
+    groups: list[GroupView]
+
+
+# ---- /v1/requests ----------------------------------------------------------------------------
+
+
+class GroupProgressView(_Model):
+    group: int
+    blocks: int = Field(description="Block ids of this request in this group.")
+    layers_sent: int | None = Field(
+        description="Send: layer writes landed (one per layer per chunk); null on recv."
+    )
+    bytes: int | None = Field(description="Send: bytes written for this group; null on recv.")
+    delivered: bool | None = Field(
+        description="Recv: every prefill rank carrying this group reported DONE; null on send."
+    )
+
+
+class RequestView(_Model):
+    id: str
+    rank: int
+    side: Literal["send", "recv"]
+    state: RequestState
+    prompt_len: int
+    peer: str | None = Field(
+        description="Send: the decode control endpoint; recv: the prefill engine id, if told."
+    )
+    age_s: float = Field(description="Seconds since the request was admitted on this rank.")
+    deadline_in_s: float | None = Field(
+        description="Seconds left before EXPIRED (negative: overdue); null once final."
+    )
+    duration_s: float | None = Field(description="Admission to final state; null until final.")
+    bytes: int
+    groups: list[GroupProgressView]
+    senders: dict[str, str] | None = Field(
+        None, description="Recv: prefill rank -> DONE or PENDING (the manifest)."
+    )
+    targets: list[int] | None = Field(default=None, description="Send: decode ranks written to.")
+    reported: bool = Field(description="The engine has been told the final state.")
+    error: str | None = None
+
+
+class RequestList(_Model):
+    count: int
+    requests: list[RequestView]
+
+
+class RequestLookup(_Model):
+    id: str
+    entries: list[RequestView] = Field(description="One per (rank, side) holding the id.")
+
+
+class AbortBody(_Model):
+    reason: str = Field(default="aborted by operator", min_length=1, max_length=500)
+
+
+class AbortResponse(_Model):
+    id: str
+    aborted: list[int] = Field(description="Ranks on which this call ended the request.")
+    entries: list[RequestView]
+
+
+# ---- /v1/peers -------------------------------------------------------------------------------
+
+
+class PeerView(_Model):
+    endpoint: str = Field(description="Control endpoint of the peer (tcp://host:port).")
+    engine_id: str | None
+    epoch: str | None
+    te_session: str | None = Field(description="The peer's Mooncake session (host:port).")
+    ranks: list[int] = Field(description="Peer ranks learnt at the last handshake.")
+    last_handshake: datetime | None
+    handshakes: int
+    failures: int
+    last_error: str | None
+
+
+class PeersResponse(_Model):
+    peers: list[PeerView]
+
+
+class PoolResponse(_Model):
+    enabled: bool = Field(description="Whether this sidecar has a Mooncake Store pool client.")
+    master_address: str | None
+    lookups: int = Field(description="Lookups served (one batched existence check each).")
+    hit_tokens: int = Field(description="Tokens served by pool hits, summed over lookups.")
+    hits: int = Field(description="Keys found by existence checks.")
+    misses: int = Field(description="Keys not found by existence checks.")
+    keys_put: int
+    keys_skipped: int = Field(description="Puts skipped because the key already existed.")
+    keys_got: int
+    bytes_put: int
+    bytes_got: int
+    backpressure: int = Field(description="Keys not stored because the pool was full (-200).")
+    failures: int
+    timeouts: int

@@ -1,0 +1,323 @@
+"""The admin API (DESIGN §8): FastAPI on uvicorn, inside the sidecar's own event loop.
+
+Handlers are ``async def`` on purpose: they then run on the loop that owns every request and
+counter, read a consistent snapshot without locks, and never wait on a transfer. The one mutating
+call, abort, goes through the sidecar like an engine's abort would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Iterator
+from typing import Annotated, Any, Literal
+
+import uvicorn
+from fastapi import Body, Depends, FastAPI, HTTPException, Path, Query, status
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BeforeValidator
+
+from app.api import views
+from app.api.metrics import SidecarMetrics
+from app.api.schemas import (
+    AbortBody,
+    AbortResponse,
+    ErrorResponse,
+    GroupsResponse,
+    Liveness,
+    PeersResponse,
+    PoolResponse,
+    Readiness,
+    RegionsResponse,
+    RequestList,
+    RequestLookup,
+    RequestState,
+    StatusResponse,
+)
+from app.config import SidecarSettings, env_var_for
+from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
+from app.transfer.sidecar import Sidecar
+
+log = logging.getLogger(__name__)
+
+_RequestId = Annotated[str, Path(description="The request id the engine admitted.")]
+
+
+def _upper(value: object) -> object:
+    return value.upper() if isinstance(value, str) else value
+
+
+def _error(description: str) -> dict[str, Any]:
+    return {"model": ErrorResponse, "description": description}
+
+
+_bearer = HTTPBearer(auto_error=False, description=f"The value of {env_var_for('admin_token')}.")
+
+
+class _TokenCheck:
+    """Dependency of mutating calls: 401 unless the bearer token matches."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def __call__(
+        self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    ) -> None:
+        if creds is None:
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                detail="this call needs the admin token: send 'Authorization: Bearer <token>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        # Constant time: the token must not leak through response timing.
+        if not secrets.compare_digest(creds.credentials.encode(), self._token):
+            raise HTTPException(
+                status.HTTP_401_UNAUTHORIZED,
+                detail="the bearer token does not match this sidecar's admin token",
+                headers={"WWW-Authenticate": 'Bearer error="invalid_token"'},
+            )
+
+
+def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
+    """The admin app of one sidecar, with its own metrics registry."""
+    app = FastAPI(
+        title="kv-sidecar admin API",
+        version=views.versions().kv_sidecar,
+        description=(
+            "Health, state and metrics of one kv-sidecar process, and request abort. Read-only "
+            "calls need no credentials; mutating calls need the bearer token when "
+            f"{env_var_for('admin_token')} is set."
+        ),
+    )
+    metrics = SidecarMetrics(sidecar)
+    app.state.sidecar = sidecar
+    app.state.metrics = metrics
+
+    token = settings.admin_token
+    mutating: dict[str, Any] = {}
+    if token is not None:
+        mutating = {
+            "dependencies": [Depends(_TokenCheck(token.get_secret_value()))],
+            "responses": {401: _error("Missing or wrong bearer token.")},
+        }
+
+    @app.get("/livez", response_model=Liveness, tags=["health"])
+    async def livez() -> Liveness:
+        """The process and its event loop answer."""
+        return Liveness()
+
+    @app.get(
+        "/readyz",
+        response_model=Readiness,
+        tags=["health"],
+        responses={503: {"model": Readiness, "description": "Not ready; the reason says why."}},
+    )
+    async def readyz() -> JSONResponse:
+        """Ready once every configured rank registered its KV caches and the ports are bound."""
+        ok, reason = views.readiness(sidecar)
+        body = Readiness(ready=ok, reason=reason).model_dump()
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        tags=["health"],
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}},
+    )
+    async def metrics_text() -> PlainTextResponse:
+        """Prometheus text exposition (names prefixed ``kvsidecar_``, base units)."""
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/status", response_model=StatusResponse, tags=["state"])
+    async def get_status() -> StatusResponse:
+        """Identity, readiness, ranks, Mooncake session and counters, versions."""
+        return views.status(sidecar)
+
+    @app.get("/v1/regions", response_model=RegionsResponse, tags=["state"])
+    async def get_regions() -> RegionsResponse:
+        """The registered KV memory of each rank, as peers see it."""
+        return views.regions(sidecar)
+
+    @app.get("/v1/groups", response_model=GroupsResponse, tags=["state"])
+    async def get_groups() -> GroupsResponse:
+        """Per KV cache group: its spec and transfer counters summed over ranks."""
+        return views.groups(sidecar)
+
+    @app.get("/v1/requests", response_model=RequestList, tags=["requests"])
+    async def list_requests(
+        state: Annotated[
+            RequestState | None,
+            BeforeValidator(_upper),
+            Query(description="Only requests in this state (case-insensitive)."),
+        ] = None,
+        side: Annotated[Literal["send", "recv"] | None, Query()] = None,
+        rank: Annotated[int | None, Query(ge=0)] = None,
+    ) -> RequestList:
+        """Requests the agents hold: in flight, or final and not yet reported to the engine."""
+        now = time.monotonic()
+        out = []
+        for req in views.live_requests(sidecar):
+            v = views.request_view(req, now)
+            if (
+                (state is None or v.state is state)
+                and (side is None or v.side == side)
+                and (rank is None or v.rank == rank)
+            ):
+                out.append(v)
+        return RequestList(count=len(out), requests=out)
+
+    @app.get(
+        "/v1/requests/{request_id}",
+        response_model=RequestLookup,
+        tags=["requests"],
+        responses={404: _error("No rank holds or recently ended this request.")},
+    )
+    async def get_request(request_id: _RequestId) -> RequestLookup:
+        """One request on every rank and side that holds it, or recently ended it."""
+        found = views.find_request(sidecar, request_id)
+        if not found:
+            raise HTTPException(404, detail=_unknown(request_id))
+        now = time.monotonic()
+        return RequestLookup(id=request_id, entries=[views.request_view(r, now) for r in found])
+
+    @app.post(
+        "/v1/requests/{request_id}/abort",
+        response_model=AbortResponse,
+        tags=["requests"],
+        responses={
+            400: _error("The body is not valid JSON."),
+            404: _error("No rank holds or recently ended this request."),
+            409: _error("The request already ended on every rank."),
+            **mutating.get("responses", {}),
+        },
+        dependencies=mutating.get("dependencies", []),
+    )
+    async def abort_request(
+        request_id: _RequestId,
+        body: Annotated[AbortBody | None, Body()] = None,
+    ) -> AbortResponse:
+        """End the request as ABORTED on every rank that holds it; prefill tells decode."""
+        reason = (body or AbortBody()).reason
+        found = views.find_request(sidecar, request_id)
+        if not found:
+            raise HTTPException(404, detail=_unknown(request_id))
+        live = sorted({r.rank for r in found if not r.state.terminal})
+        if not live:
+            states = ", ".join(f"{r.state.name} on rank {r.rank}" for r in found)
+            raise HTTPException(409, detail=f"request {request_id} already ended: {states}")
+        for rank in live:
+            # Marks it ABORTED before its first await; the peer's ack is bounded by ack_timeout_s.
+            try:
+                await sidecar._abort(rank, request_id, reason, notify=True)
+            except KVSidecarError as e:  # aborted here all the same; only telling the peer failed
+                log.warning(
+                    "abort of %s on rank %d: could not tell the peer: %s", request_id, rank, e
+                )
+        now = time.monotonic()
+        entries = [views.request_view(r, now) for r in views.find_request(sidecar, request_id)]
+        return AbortResponse(id=request_id, aborted=live, entries=entries)
+
+    @app.get("/v1/peers", response_model=PeersResponse, tags=["state"])
+    async def get_peers() -> PeersResponse:
+        """Decode sidecars this one handshook with (prefill side)."""
+        return views.peers(sidecar)
+
+    @app.get("/v1/pool", response_model=PoolResponse, tags=["pool"])
+    async def get_pool() -> PoolResponse:
+        """The shared KV pool (Mooncake Store): hits, misses, bytes, keys, back-pressure."""
+        return views.pool(sidecar)
+
+    return app
+
+
+def _unknown(rid: str) -> str:
+    return f"request {rid} is not known to this sidecar (neither in flight nor recently ended)"
+
+
+class _EmbeddedServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the sidecar's process owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=128)
+    except OSError as e:
+        raise ConfigError(
+            f"the admin API cannot listen on {host}:{port}: {e.strerror or e}; set "
+            f"{env_var_for('admin_port')} to a free port"
+        ) from e
+
+
+class AdminServer:
+    """Serves ``create_app`` on ``admin_host:admin_port`` as a task in the running loop."""
+
+    def __init__(self, sidecar: Sidecar, settings: SidecarSettings) -> None:
+        self.sidecar = sidecar
+        self.settings = settings
+        self.app = create_app(sidecar, settings)
+        self.host = settings.admin_host
+        self.port = settings.admin_port
+        self._server: _EmbeddedServer | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Bind, serve, and return once the socket accepts connections."""
+        try:
+            sock = _bind(self.host, self.port)
+        except ConfigError:
+            self.app.state.metrics.close()
+            raise
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,  # keep the sidecar's logging setup
+            log_level=self.settings.log_level,
+            access_log=self.settings.log_level == "debug",
+            lifespan="off",
+            # Probes and scrapes are small; past this uvicorn answers 503 instead of queueing
+            # work on the loop that also runs the control plane.
+            limit_concurrency=64,
+            timeout_graceful_shutdown=2,
+        )
+        self._server = _EmbeddedServer(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="admin-api")
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if self._task.done():
+                await self._task
+                raise ConfigError(f"the admin API on {self.url} stopped during startup")
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise DeadlineExceeded(f"the admin API did not start within {timeout_s:.0f}s")
+            await asyncio.sleep(0.01)
+        log.info("admin API on %s", self.url)
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving (open connections get uvicorn's graceful shutdown) and detach metrics."""
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            try:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout_s)
+            except TimeoutError:
+                self._server.force_exit = True
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        self.app.state.metrics.close()
+        self._server = self._task = None

@@ -1,0 +1,344 @@
+"""Read-only snapshots of a running sidecar, as the admin API's response models.
+
+Everything here runs on the sidecar's event loop, where every request and counter is mutated
+(stream threads hand their results back with ``call_soon_threadsafe``), so reading takes no lock
+of the transfer path and never waits on a transfer. The one exception is Mooncake's own counters
+and session id, behind a lock that its writers hold only for an increment or a swap.
+"""
+
+from __future__ import annotations
+
+import platform
+import queue
+import time
+from dataclasses import asdict, fields
+from datetime import UTC, datetime
+from functools import cache
+from importlib import metadata
+from typing import Any
+
+from app.api.schemas import (
+    GroupProgressView,
+    GroupsResponse,
+    GroupView,
+    MooncakeStatus,
+    PeersResponse,
+    PeerView,
+    PoolResponse,
+    RankRegions,
+    RankStatus,
+    RegionsResponse,
+    RegionView,
+    RequestState,
+    RequestView,
+    StatusResponse,
+    StreamView,
+    Versions,
+)
+from app.kvcache.desc import GroupDesc
+from app.transfer.agent import (
+    Agent,
+    GroupProgress,
+    GroupStats,
+    RecvRequest,
+    Request,
+    SendRequest,
+)
+from app.transfer.protocol import PROTOCOL_VERSION, Status
+from app.transfer.sidecar import Sidecar
+
+
+def _dist_version(*names: str) -> str | None:
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+@cache
+def versions() -> Versions:
+    # Distribution metadata, not imports: asking must not load torch or Mooncake.
+    return Versions(
+        kv_sidecar=_dist_version("kv-sidecar") or "unknown",
+        torch=_dist_version("torch"),
+        mooncake=_dist_version("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"),
+        python=platform.python_version(),
+        protocol=PROTOCOL_VERSION,
+    )
+
+
+def readiness(sidecar: Sidecar) -> tuple[bool, str]:
+    """``Sidecar.ready``, and not ready once shutdown began (take it out of rotation)."""
+    ok, reason = sidecar.ready
+    if ok and not sidecar.admitting:
+        return False, "shutting down: not admitting requests"
+    return ok, reason
+
+
+def queue_depth(q: queue.Queue[Any]) -> int:
+    # len() of the underlying deque, not qsize(): no lock shared with the stream thread.
+    return len(q.queue)
+
+
+def side_of(req: Request) -> str:
+    return "send" if isinstance(req, SendRequest) else "recv"
+
+
+def _rank_status(sidecar: Sidecar, rank: int) -> RankStatus:
+    agent = sidecar.agents.get(rank)
+    if agent is None:
+        return RankStatus(rank=rank, registered=False)
+    desc = agent.desc
+    ended = {"send": 0, "recv": 0}
+    for (side, _state), n in list(agent.terminal.items()):
+        ended[side] = ended.get(side, 0) + n
+    stream = agent.stream
+    return RankStatus(
+        rank=rank,
+        registered=True,
+        engine_id=agent.engine_id,
+        tp_size=desc.tp,
+        num_blocks=desc.num_blocks,
+        null_block=desc.null_block,
+        kv_layout=desc.kv_layout,
+        layout_mode=desc.layout_mode,
+        groups=len(desc.groups),
+        regions=len(desc.regions),
+        sends_in_flight=sum(not r.state.terminal for r in list(agent.sends.values())),
+        recvs_in_flight=sum(not r.state.terminal for r in list(agent.recvs.values())),
+        sends_ended=ended["send"],
+        recvs_ended=ended["recv"],
+        stream_queue_depth=queue_depth(stream.queue) if stream else 0,
+        stream_queue_capacity=stream.queue.maxsize if stream else 0,
+    )
+
+
+def status(sidecar: Sidecar) -> StatusResponse:
+    s = sidecar.settings
+    ready, reason = readiness(sidecar)
+    ranks = sorted({*s.ranks, *sidecar.agents})
+    engine = sidecar.engine
+    mooncake = None
+    if engine is not None:
+        c = engine.counters()
+        mooncake = MooncakeStatus(session=engine.session_id, transport=s.transport, **c)
+    return StatusResponse(
+        engine_id=s.engine_id,
+        role=s.role,
+        epoch=sidecar.epoch,
+        ready=ready,
+        reason=reason,
+        admitting=sidecar.admitting,
+        tp_size=sidecar.tp_size,
+        compat_hash=sidecar.compat_hash or None,
+        control_endpoint=sidecar.control_endpoint or None,
+        engine_ipc=s.engine_ipc,
+        ranks=[_rank_status(sidecar, r) for r in ranks],
+        mooncake=mooncake,
+        handshakes=sidecar.counters.get("handshakes", 0),
+        expired=sidecar.counters.get("expired", 0),
+        started_at=datetime.fromtimestamp(sidecar.started, UTC),
+        uptime_s=round(time.time() - sidecar.started, 3),
+        versions=versions(),
+    )
+
+
+def regions(sidecar: Sidecar) -> RegionsResponse:
+    out = []
+    for rank, agent in sorted(sidecar.agents.items()):
+        d = agent.desc
+        out.append(
+            RankRegions(
+                rank=rank,
+                tp_size=d.tp,
+                num_blocks=d.num_blocks,
+                null_block=d.null_block,
+                kv_layout=d.kv_layout,
+                layout_mode=d.layout_mode,
+                regions=[
+                    RegionView(
+                        base=f"{r.base:#x}",
+                        length=r.length,
+                        block_stride=r.block_stride,
+                        kind=r.kind,
+                        group=r.group,
+                        layers=list(r.layers),
+                        streams=[StreamView(offset=x.offset, length=x.length) for x in r.streams],
+                    )
+                    for r in d.regions
+                ],
+            )
+        )
+    return RegionsResponse(ranks=out)
+
+
+def groups(sidecar: Sidecar) -> GroupsResponse:
+    """Per group, counters summed over this sidecar's ranks (descriptions from the lowest)."""
+    descs: dict[int, GroupDesc] = {}
+    ranks: dict[int, list[int]] = {}
+    sums: dict[int, GroupStats] = {}
+    for rank, agent in sorted(sidecar.agents.items()):
+        for g in agent.desc.groups:
+            descs.setdefault(g.index, g)
+            ranks.setdefault(g.index, []).append(rank)
+            acc = sums.setdefault(g.index, GroupStats())
+            st = agent.groups.get(g.index)
+            if st is not None:
+                for f in fields(GroupStats):
+                    setattr(acc, f.name, getattr(acc, f.name) + getattr(st, f.name))
+    return GroupsResponse(
+        groups=[
+            GroupView(
+                index=i,
+                spec=descs[i].kind,
+                block_size=descs[i].block_size,
+                kernel_block_size=descs[i].kernel_block_size,
+                sliding_window=descs[i].sliding_window,
+                layers=list(descs[i].layers),
+                ranks=ranks[i],
+                **asdict(sums[i]),
+            )
+            for i in sorted(descs)
+        ]
+    )
+
+
+def request_view(req: Request, now: float | None = None) -> RequestView:
+    now = time.monotonic() if now is None else now
+    final = req.state.terminal
+    groups: list[GroupProgressView] = []
+    senders = targets = None
+    if isinstance(req, RecvRequest):
+        # Decode sees no per-layer writes, only each sender's Done for its groups.
+        done = {p for p, st in req.delivered.items() if st is Status.DONE}
+        senders = {str(p): "DONE" if p in done else "PENDING" for p in sorted(req.manifest)}
+        for i, b in enumerate(req.blocks):
+            carriers = {p for p, gs in req.manifest.items() if i in gs}
+            groups.append(
+                GroupProgressView(
+                    group=i,
+                    blocks=int(b.size),
+                    layers_sent=None,
+                    bytes=None,
+                    delivered=carriers <= done,
+                )
+            )
+    else:
+        if isinstance(req, SendRequest):
+            targets = sorted(req.d_ranks)
+        none = GroupProgress()
+        for i, b in enumerate(req.blocks):
+            prog = req.groups.get(i, none)
+            groups.append(
+                GroupProgressView(
+                    group=i,
+                    blocks=int(b.size),
+                    layers_sent=prog.layers_sent,
+                    bytes=prog.bytes,
+                    delivered=None,
+                )
+            )
+    return RequestView(
+        id=req.id,
+        rank=req.rank,
+        side="send" if isinstance(req, SendRequest) else "recv",
+        state=RequestState(req.state.name),
+        prompt_len=req.prompt_len,
+        peer=req.peer or None,
+        age_s=round(now - req.created, 4),
+        deadline_in_s=None if final else round(req.deadline - now, 4),
+        duration_s=(
+            round(req.finished_at - req.created, 4)
+            if final and req.finished_at is not None
+            else None
+        ),
+        bytes=req.bytes,
+        groups=groups,
+        senders=senders,
+        targets=targets,
+        reported=req.reported,
+        error=req.error or None,
+    )
+
+
+def live_requests(sidecar: Sidecar) -> list[Request]:
+    """Requests the agents hold: in flight, or final and not yet reported to the engine."""
+    out: list[Request] = []
+    for _rank, agent in sorted(sidecar.agents.items()):
+        out += list(agent.sends.values())
+        out += list(agent.recvs.values())
+    return out
+
+
+def find_request(sidecar: Sidecar, rid: str) -> list[Request]:
+    """Every (rank, side) copy of ``rid``: the live one, else the latest in the history."""
+    found: list[Request] = []
+    for _rank, agent in sorted(sidecar.agents.items()):
+        found += _find_on(agent, rid)
+    return found
+
+
+def _find_on(agent: Agent, rid: str) -> list[Request]:
+    out: dict[str, Request] = {}
+    for req in reversed(list(agent.history)):
+        if req.id == rid:
+            out.setdefault(side_of(req), req)
+    live: list[Request | None] = [agent.sends.get(rid), agent.recvs.get(rid)]
+    for cur in live:
+        if cur is not None:
+            out[side_of(cur)] = cur
+    return [out[s] for s in ("send", "recv") if s in out]
+
+
+def pool(sidecar: Sidecar) -> PoolResponse:
+    svc = sidecar.pool
+    if svc is None:
+        zeros = dict.fromkeys(_POOL_COUNTERS, 0)
+        return PoolResponse(enabled=False, master_address=None, lookups=0, hit_tokens=0, **zeros)
+    c = svc.client.counters()
+    return PoolResponse(
+        enabled=True,
+        master_address=svc.client.config.master_address,
+        lookups=svc.lookups,
+        hit_tokens=svc.hit_tokens,
+        **{k: getattr(c, k) for k in _POOL_COUNTERS},
+    )
+
+
+_POOL_COUNTERS = (
+    "hits",
+    "misses",
+    "keys_put",
+    "keys_skipped",
+    "keys_got",
+    "bytes_put",
+    "bytes_got",
+    "backpressure",
+    "failures",
+    "timeouts",
+)
+
+
+def peers(sidecar: Sidecar) -> PeersResponse:
+    return PeersResponse(
+        peers=[
+            PeerView(
+                endpoint=p.endpoint,
+                engine_id=p.engine_id or None,
+                epoch=p.epoch or None,
+                te_session=p.te_session or None,
+                ranks=sorted(p.descs),
+                last_handshake=(
+                    datetime.fromtimestamp(p.last_handshake, UTC)
+                    if p.last_handshake is not None
+                    else None
+                ),
+                handshakes=p.handshakes,
+                failures=p.failures,
+                last_error=p.last_error or None,
+            )
+            for p in sorted(list(sidecar.peers.values()), key=lambda p: p.endpoint)
+        ]
+    )
