@@ -25,7 +25,13 @@ from rich.table import Table
 
 from app.errors import DeadlineExceeded
 from app.kvcache.layout import KVLayout, LayoutMode
-from app.sim.cluster import Cluster, ClusterSpec, pool_round, summarize
+from app.sim.cluster import (
+    Cluster,
+    ClusterSpec,
+    pool_prompt_tokens,
+    pool_round,
+    summarize,
+)
 from app.sim.engine import SimRequest
 
 _READY_TIMEOUT_S = 60.0
@@ -66,6 +72,10 @@ def demo_command(
     ] = False,
 ) -> None:
     """Start a P and a D sidecar with simulated engines, transfer, verify, summarize."""
+    pool_tokens = pool_prompt_tokens(
+        ClusterSpec(model=model, layers=layers, prefill_tp=prefill_tp, decode_tp=decode_tp),
+        prompt_tokens,
+    )
     spec = ClusterSpec(
         model=model,
         layers=layers,
@@ -74,7 +84,7 @@ def demo_command(
         layout=layout.value,
         kv_layout=kv_layout.value,
         max_requests=requests + (2 if pool else 0),
-        max_prompt=prompt_tokens + (prompt_tokens // 4 + 16 if pool else 0),
+        max_prompt=max(prompt_tokens, pool_tokens + pool_tokens // 4 if pool else 0),
         pool=pool,
     )
     console = Console(stderr=as_json)

@@ -422,12 +422,27 @@ def summarize(
     }
 
 
+def pool_prompt_tokens(spec: ClusterSpec, prompt_tokens: int) -> int:
+    """Request A's length in ``pool_round``: at least two whole blocks on both sides, or a
+    hybrid's large blocks (544-1920 tokens) would leave nothing to share."""
+    model = load_preset(spec.model, layers=spec.layers)
+    bs = spec.block_size or max(
+        k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
+    )
+    blocks = [
+        build_cache_config(model, tp, bs, num_blocks=2).block_size
+        for tp in (spec.prefill_tp, spec.decode_tp)
+    ]
+    return max(prompt_tokens, 2 * max(blocks) + 8)
+
+
 def pool_round(cluster: Cluster, prompt_tokens: int, *, seed: int = 0) -> dict[str, Any]:
     """Request A goes P -> D and is saved to the pool by P; request B = A + a suffix is looked
     up at D, loaded from the pool and verified there (what ``demo --pool`` shows)."""
     rng = np.random.default_rng(seed)
-    a = rng.integers(0, 50_000, prompt_tokens).tolist()
-    b = a + rng.integers(0, 50_000, max(16, prompt_tokens // 4)).tolist()
+    n = pool_prompt_tokens(cluster.spec, prompt_tokens)
+    a = rng.integers(0, 50_000, n).tolist()
+    b = a + rng.integers(0, 50_000, n // 4).tolist()
     align = MambaMode.ALIGN
     first = cluster.make_requests([len(a)], "pool-a", mamba_mode=align, tokens=[a])
     moved = summarize(cluster.run(first, mamba_mode=align), first)
@@ -437,9 +452,12 @@ def pool_round(cluster: Cluster, prompt_tokens: int, *, seed: int = 0) -> dict[s
     second = cluster.make_requests(
         [len(b)], "pool-b", mamba_mode=align, tokens=[b], full_decode_table=True
     )
-    loaded = cluster.call(
-        cluster.sides["decode"], Command(cmd="pool_load", requests=[second[0][1]]), 120
-    )
+    # Pool keys carry the TP namespace: with equal TP sizes decode loads what prefill saved;
+    # otherwise a later prefill of B hits the pool (prefix caching at prefill).
+    same_tp = cluster.spec.prefill_tp == cluster.spec.decode_tp
+    loader = "decode" if same_tp else "prefill"
+    req = second[0][1] if same_tp else second[0][0]
+    loaded = cluster.call(cluster.sides[loader], Command(cmd="pool_load", requests=[req]), 120)
     per_rank = [r["pool-b-0"] for r in loaded["ranks"]]
     return {
         "pool_transfer_verified": moved["verified"] == 1,
@@ -447,6 +465,7 @@ def pool_round(cluster: Cluster, prompt_tokens: int, *, seed: int = 0) -> dict[s
         "pool_backpressure": sum(r["pool-a-0"]["backpressure"] for r in saved["ranks"]),
         "pool_hit_tokens": min(r["hit_tokens"] for r in per_rank),
         "pool_loaded_bytes": sum(r["bytes"] for r in per_rank),
+        "pool_loaded_by": loader,
         "pool_verified": all(
             r["hit_tokens"] > 0 and not r["problems"] and not any(r["failed_blocks"])
             for r in per_rank
