@@ -6,6 +6,7 @@ import sys
 
 import typer
 
+from app.cli.bench import bench_command
 from app.cli.demo import demo_command
 from app.cli.plan import plan_command
 from app.cli.serve import serve_command
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
+app.command("bench")(bench_command)
 app.command("demo")(demo_command)
 app.command("plan")(plan_command)
 app.command("serve")(serve_command)

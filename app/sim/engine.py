@@ -66,6 +66,8 @@ class SimEngine:
         self.link, self.layout, self.params = link, layout, params
         self.step = 0
         self.layers = [c.index for c in layout.config.model.layers]
+        # When the last get_finished answered (before the poll sleep): timing for benchmarks.
+        self.seen_at = 0.0
 
     def info(self) -> dict[str, Any]:
         return {
@@ -127,6 +129,7 @@ class SimEngine:
         deadline = time.monotonic() + timeout_s
         while ids - set(done) - set(failed) and time.monotonic() < deadline:
             fin = self.link.get_finished()
+            self.seen_at = time.monotonic()
             done += [r for r in (fin.sending if sending else fin.recving) if r in ids]
             for f in fin.failed:
                 if f.request in ids:
@@ -146,6 +149,8 @@ class SimEngine:
 
     def expect(self, cmd: Command) -> dict[str, Any]:
         refused = {}
+        # By when the sidecar had admitted each (the call's return): timing for benchmarks.
+        expect_at = {}
         for req in cmd.requests:
             try:
                 self.link.expect_receive(
@@ -153,7 +158,8 @@ class SimEngine:
                 )
             except Exception as e:
                 refused[req.id] = str(e)
-        return {"refused": refused}
+            expect_at[req.id] = time.monotonic()
+        return {"refused": refused, "expect_at": expect_at}
 
 
 class SimInstance:
@@ -252,7 +258,8 @@ class SimInstance:
                     "unverified": [] if cmd.verify else done,
                 }
             )
-        return {"ranks": ranks, "arrived_at": arrived}
+        seen = max((e.seen_at for e in self.engines), default=arrived)
+        return {"ranks": ranks, "arrived_at": arrived, "completed_at": min(seen, arrived)}
 
     def pool_save(self, cmd: Command) -> dict[str, Any]:
         """After prefill: store each request's fully computed blocks (``prompt_len - 1``

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 Blocks = tuple[np.ndarray, ...]
 
+# ``LayerReady.layer`` meaning every layer of the step at once (bulk send after the forward pass,
+# vLLM's ``wait_for_save``): one submission, runs merged across layers.
+ALL_LAYERS = -1
+
 
 def receive_manifest(local: LayoutDesc, prefill_tp: int) -> dict[int, frozenset[int]]:
     """P rank -> groups it must deliver to this D rank (pure; from both TP sizes)."""
@@ -184,33 +188,51 @@ class StreamThread:
         if not live:
             return
         t0 = time.monotonic()
-        plan = planner.plan_layer(task.layer, live)
-        ids = [s.request_id for s in live if s.request_id not in plan.failed]
-        descs = Descriptors.concat(list(plan.per_peer.values()))
-        failed = dict(plan.failed)
+        if task.layer == ALL_LAYERS:
+            layers = [pl.layer for pl in planner.local.placements]
+            plans = [planner.plan_layer(layer, live) for layer in layers]
+            dropped = {k: v for p in plans for k, v in p.failed.items()}
+            if dropped:
+                # A request refused by any layer sends nothing at all, as when layers go singly.
+                plans = [
+                    planner.plan_layer(layer, [s for s in live if s.request_id not in dropped])
+                    for layer in layers
+                ]
+            descs, charged = planner.merge(plans)
+        else:
+            plans = [planner.plan_layer(task.layer, live)]
+            dropped = dict(plans[0].failed)
+            descs = Descriptors.concat(list(plans[0].per_peer.values()))
+            charged = [descs.count]
+        ids = [s.request_id for s in live if s.request_id not in dropped]
+        failed = dict(dropped)
         if descs.count:
             self._pin(ids, +1)
             try:
                 self._writer(session, descs.src, descs.dst, descs.length)
             except (TransferError, KVSidecarError) as e:
-                failed.update({i: f"layer {task.layer}: {e}" for i in ids})
+                what = "every layer" if task.layer == ALL_LAYERS else f"layer {task.layer}"
+                failed.update({i: f"{what}: {e}" for i in ids})
                 ids = []
             finally:
-                self._pin([s.request_id for s in live if s.request_id not in plan.failed], -1)
-        self._on_result(
-            LayerResult(
-                task.step,
-                task.layer,
-                plan.group,
-                ids,
-                failed,
-                plan.req_bytes,
-                descs.nbytes,
-                descs.count,
-                sum(plan.blocks.values()),
-                time.monotonic() - t0,
+                self._pin([s.request_id for s in live if s.request_id not in dropped], -1)
+        latency = time.monotonic() - t0
+        for i, plan in enumerate(plans):
+            # One result per layer, so per-layer progress and counters read the same either way.
+            self._on_result(
+                LayerResult(
+                    task.step,
+                    plan.layer,
+                    plan.group,
+                    ids,
+                    failed if i == 0 else {},
+                    plan.req_bytes,
+                    plan.nbytes,
+                    charged[i],
+                    sum(plan.blocks.values()),
+                    latency,
+                )
             )
-        )
 
 
 class Agent:

@@ -9,7 +9,7 @@ different manager block sizes as long as their kernel blocks match.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -183,11 +183,15 @@ def block_offsets(pl: LayerPlacement, ids: np.ndarray, j: np.ndarray, ratio: int
 
 
 @dataclass
-class _Selection:
-    p_ids: np.ndarray
+class _Batch:
+    """Every kernel block one step sends to one D rank, flat over the step's requests."""
+
+    n: np.ndarray  # kernel blocks per request (0 for requests sending nothing)
+    req: np.ndarray  # request index of each kernel block
+    p_ids: np.ndarray  # manager block id, prefill side
+    p_kernel: np.ndarray  # kernel block inside it
     d_ids: np.ndarray
-    j_p: np.ndarray
-    j_d: np.ndarray
+    d_kernel: np.ndarray
 
 
 class PairPlanner:
@@ -200,6 +204,7 @@ class PairPlanner:
             check_gate(local, d)
         self._templates: dict[tuple[int, int], Template] = {}
         self._bounds = {rank: _region_bounds(d) for rank, d in self.remotes.items()}
+        self._local_bounds = _region_bounds(local)
 
     def template(self, layer: int, d_rank: int) -> Template:
         key = (layer, d_rank)
@@ -227,38 +232,83 @@ class PairPlanner:
             if any(self.template(pl.layer, r)[0].size for pl in self.local.placements)
         ]
 
-    def _select(self, req: StepRequest, group: int, d_rank: int) -> _Selection | None:
+    def _select(
+        self, requests: Sequence[StepRequest], group: int, d_rank: int
+    ) -> tuple[_Batch, dict[str, str]]:
+        """The kernel blocks of ``group`` every request sends to ``d_rank`` in this step, as flat
+        arrays (no per-request numpy work: a step may hold hundreds of requests), and the
+        requests that cannot be planned with the reason."""
         g = self.local.groups[group]
         gd = self.remotes[d_rank].groups[group]
-        p_ids, d_ids = req.p_blocks[group], req.d_blocks[group]
+        errors: dict[str, str] = {}
+        count = len(requests)
         if g.kind is SpecKind.MAMBA:
-            if not req.last:
-                return None
-            ip, idd = _state_index(p_ids, req), _state_index(d_ids, req)
-            if not (0 <= ip < p_ids.size and 0 <= idd < d_ids.size):
-                raise OutOfBoundsError(
-                    f"request {req.request_id}: no state block at index {ip}/{idd} "
-                    f"(prefill has {p_ids.size} ids, decode {d_ids.size})"
-                )
-            zero = np.zeros(1, np.int64)
-            return _Selection(p_ids[ip : ip + 1], d_ids[idd : idd + 1], zero, zero)
-        j = kernel_blocks(g, gd, req)
-        if j.size == 0:
-            return None
-        need_p = -(-(int(j[-1]) + 1) // g.ratio)
-        need_d = -(-(int(j[-1]) + 1) // gd.ratio)
-        if p_ids.size < need_p or d_ids.size < need_d:
-            raise OutOfBoundsError(
-                f"request {req.request_id} group {group}: {req.end} tokens need {need_p} prefill "
-                f"and {need_d} decode blocks, got {p_ids.size} and {d_ids.size}"
-            )
+            # Only the final state, one block per request that ends in this step.
+            n = np.zeros(count, np.int64)
+            picks: list[tuple[int, int, int]] = []
+            for i, req in enumerate(requests):
+                if not req.last:
+                    continue
+                p_ids, d_ids = req.p_blocks[group], req.d_blocks[group]
+                ip, idd = _state_index(p_ids, req), _state_index(d_ids, req)
+                if not (0 <= ip < p_ids.size and 0 <= idd < d_ids.size):
+                    errors[req.request_id] = (
+                        f"request {req.request_id}: no state block at index {ip}/{idd} "
+                        f"(prefill has {p_ids.size} ids, decode {d_ids.size})"
+                    )
+                    continue
+                n[i] = 1
+                picks.append((i, int(p_ids[ip]), int(d_ids[idd])))
+            arr = np.array(picks, np.int64).reshape(-1, 3)
+            zero = np.zeros(len(picks), np.int64)
+            return _Batch(n, arr[:, 0], arr[:, 1], zero, arr[:, 2], zero.copy()), errors
+
+        def ints(values: Iterable[int]) -> np.ndarray:
+            return np.fromiter(values, np.int64, count)
+
+        start = ints(r.start for r in requests)
+        end = ints(r.end for r in requests)
+        prompt = ints(r.prompt_len for r in requests)
+        p_sizes = ints(r.p_blocks[group].size for r in requests)
+        d_sizes = ints(r.d_blocks[group].size for r in requests)
+        # Token-order kernel blocks [lo, hi) per request, as ``kernel_blocks`` gives them.
+        kb = g.kernel_block_size
+        lo = start // kb
+        hi = np.where(end >= prompt, -(-end // kb), end // kb)
+        if g.kind is SpecKind.SLIDING and g.sliding_window:
+            bs_d = gd.block_size
+            first = np.maximum(0, -(-prompt // bs_d) - sliding_blocks(g.sliding_window, bs_d))
+            lo = np.maximum(lo, first * bs_d // kb)
+        n = np.maximum(hi - lo, 0)
+        need_p, need_d = -(-hi // g.ratio), -(-hi // gd.ratio)
+        short = (n > 0) & ((p_sizes < need_p) | (d_sizes < need_d))
+        n[short] = 0
+        owner = np.repeat(np.arange(count), n)
+        j = np.arange(owner.size) + np.repeat(lo - (np.cumsum(n) - n), n)
+        flat_p = np.concatenate([r.p_blocks[group] for r in requests] or [np.empty(0, np.int64)])
+        flat_d = np.concatenate([r.d_blocks[group] for r in requests] or [np.empty(0, np.int64)])
+        p_ids = flat_p[(np.cumsum(p_sizes) - p_sizes)[owner] + j // g.ratio]
+        d_ids = flat_d[(np.cumsum(d_sizes) - d_sizes)[owner] + j // gd.ratio]
         null = self.remotes[d_rank].null_block
-        if np.any(d_ids[j // gd.ratio] == null):
-            raise OutOfBoundsError(
-                f"request {req.request_id} group {group}: decode maps a needed block to the "
-                f"null block {null}"
-            )
-        return _Selection(p_ids, d_ids, j, j)
+        hit = d_ids == null
+        nulled = np.zeros(count, bool)
+        if hit.any():
+            nulled[owner[hit]] = True
+        for i in np.flatnonzero(short | nulled).tolist():
+            r = requests[i]
+            if short[i]:
+                errors[r.request_id] = (
+                    f"request {r.request_id} group {group}: {r.end} tokens need "
+                    f"{need_p[i]} prefill and {need_d[i]} decode blocks, got {p_sizes[i]} and "
+                    f"{d_sizes[i]}"
+                )
+            else:
+                errors[r.request_id] = (
+                    f"request {r.request_id} group {group}: decode maps a needed block to the "
+                    f"null block {null}"
+                )
+        batch = _Batch(n, owner, p_ids, j % g.ratio, d_ids, j % gd.ratio)
+        return (_drop(batch, nulled) if nulled.any() else batch), errors
 
     def plan_layer(self, layer: int, requests: Sequence[StepRequest]) -> LayerPlan:
         """Descriptors per D rank for one layer of one step.
@@ -268,32 +318,31 @@ class PairPlanner:
         """
         pl = self.local.placement(layer)
         plan = LayerPlan(layer, pl.group)
-        chosen: list[tuple[int, LayerPlacement, Template, StepRequest, _Selection]] = []
+        chosen: list[tuple[int, LayerPlacement, Template, _Batch]] = []
         for d_rank, d in self.remotes.items():
             tmpl = self.template(layer, d_rank)
             if tmpl[0].size == 0:
                 continue
-            for req in requests:
-                try:
-                    sel = self._select(req, pl.group, d_rank)
-                except OutOfBoundsError as e:
-                    plan.failed.setdefault(req.request_id, str(e))
-                    continue
-                if sel is not None:
-                    chosen.append((d_rank, d.placement(layer), tmpl, req, sel))
+            batch, errors = self._select(requests, pl.group, d_rank)
+            for rid, err in errors.items():
+                plan.failed.setdefault(rid, err)
+            chosen.append((d_rank, d.placement(layer), tmpl, batch))
+        failed = np.array([r.request_id in plan.failed for r in requests], bool)
         parts: dict[int, list[Descriptors]] = {}
-        for d_rank, dl, tmpl, req, sel in chosen:
-            if req.request_id in plan.failed:
+        for d_rank, dl, tmpl, batch in chosen:
+            if failed.any():
+                batch = _drop(batch, failed)
+            if batch.req.size == 0:
                 continue
-            g, gd = self.local.groups[pl.group], self.remotes[d_rank].groups[pl.group]
-            ratio_p = 1 if g.kind is SpecKind.MAMBA else g.ratio
-            ratio_d = 1 if gd.kind is SpecKind.MAMBA else gd.ratio
-            src_b = pl.base + block_offsets(pl, sel.p_ids, sel.j_p, ratio_p)
-            dst_b = dl.base + block_offsets(dl, sel.d_ids, sel.j_d, ratio_d)
-            plan.blocks[d_rank] = plan.blocks.get(d_rank, 0) + int(sel.j_p.size)
-            plan.req_bytes[req.request_id] = plan.req_bytes.get(req.request_id, 0) + int(
-                sel.j_p.size
-            ) * int(tmpl[2].sum())
+            src_b = pl.base + batch.p_ids * pl.block_stride + batch.p_kernel * pl.kernel_stride
+            dst_b = dl.base + batch.d_ids * dl.block_stride + batch.d_kernel * dl.kernel_stride
+            plan.blocks[d_rank] = plan.blocks.get(d_rank, 0) + int(batch.req.size)
+            sending = np.flatnonzero(batch.n)
+            per_req = (batch.n[sending] * int(tmpl[2].sum())).tolist()
+            got = plan.req_bytes
+            for i, nbytes in zip(sending.tolist(), per_req, strict=True):
+                rid = requests[i].request_id
+                got[rid] = got.get(rid, 0) + nbytes
             parts.setdefault(d_rank, []).append(
                 Descriptors(
                     (src_b[:, None] + tmpl[0][None, :]).ravel(),
@@ -307,6 +356,29 @@ class PairPlanner:
             plan.per_peer[d_rank] = descs
         return plan
 
+    def merge(self, plans: Sequence[LayerPlan]) -> tuple[Descriptors, list[int]]:
+        """Several layers' plans as one submission, runs merged across layers (in a
+        cross-layer layout one descriptor covers a block of every layer), never across two
+        D ranks or two regions; and how many merged descriptors each plan is charged with."""
+        out: list[Descriptors] = []
+        charged = np.zeros(len(plans), np.int64)
+        for d_rank in sorted({r for p in plans for r in p.per_peer}):
+            parts = [(i, p.per_peer[d_rank]) for i, p in enumerate(plans) if d_rank in p.per_peer]
+            descs = Descriptors.concat([d for _, d in parts])
+            owner = np.repeat([i for i, _ in parts], [d.count for _, d in parts])
+            src_k = _region_key(descs.src, self._local_bounds[0])
+            dst_k = _region_key(descs.dst, self._bounds[d_rank][0])
+            order = np.argsort(src_k, kind="stable")
+            src_k, dst_k, ln = src_k[order], dst_k[order], descs.length[order]
+            brk = np.ones(ln.size, dtype=bool)
+            brk[1:] = (src_k[1:] != src_k[:-1] + ln[:-1]) | (dst_k[1:] != dst_k[:-1] + ln[:-1])
+            idx = np.flatnonzero(brk)
+            out.append(
+                Descriptors(descs.src[order][idx], descs.dst[order][idx], np.add.reduceat(ln, idx))
+            )
+            charged += np.bincount(owner[order][idx], minlength=len(plans))
+        return Descriptors.concat(out), charged.tolist()
+
     def _bound_check(self, d_rank: int, descs: Descriptors) -> None:
         lo, hi = self._bounds[d_rank]
         i = np.searchsorted(lo, descs.dst, side="right") - 1
@@ -317,6 +389,24 @@ class PairPlanner:
                 f"descriptor to 0x{int(descs.dst[bad]):x}+{int(descs.length[bad])} on decode rank "
                 f"{d_rank} leaves its registered regions"
             )
+
+
+def _drop(batch: _Batch, bad: np.ndarray) -> _Batch:
+    """``batch`` without the kernel blocks of requests flagged in ``bad``."""
+    keep = ~bad[batch.req]
+    return _Batch(
+        np.where(bad, 0, batch.n),
+        batch.req[keep],
+        batch.p_ids[keep],
+        batch.p_kernel[keep],
+        batch.d_ids[keep],
+        batch.d_kernel[keep],
+    )
+
+
+def _region_key(addr: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """``addr`` with its region's index above every address bit, so no run crosses regions."""
+    return addr + ((np.searchsorted(starts, addr, side="right") - 1) << 48)
 
 
 def _region_bounds(d: LayoutDesc) -> tuple[np.ndarray, np.ndarray]:

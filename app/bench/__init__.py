@@ -1,0 +1,1 @@
+"""``kv-sidecar bench``: goodput, overlap, descriptors, planning cost and scale, in one run."""

@@ -1,0 +1,100 @@
+"""The raw ceiling: the same bytes, in descriptors of the same sizes, as plain Mooncake writes.
+
+The bench process registers a source buffer with its own ``MooncakeEngine`` (the wrapper the
+sidecar uses, so chunking to the per-submit limit is the same) and writes into a peer process's
+buffer: two processes over loopback TCP, no planner, no event loop, no control plane.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import TracebackType
+
+import numpy as np
+
+from app.errors import TransferError
+from app.transfer.mooncake import EngineConfig, MooncakeEngine
+
+
+class RawCeiling:
+    """A peer process with a ``size``-byte target and a local source of the same size."""
+
+    def __init__(self, size: int, *, max_descriptors_per_submit: int = 1024) -> None:
+        self.size = size
+        self._peer = subprocess.Popen(
+            [sys.executable, "-m", "app.bench.peer", str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        self._mm = mmap.mmap(-1, size)
+        self._src = np.frombuffer(self._mm, dtype=np.uint8)
+        self._src[::4096] = 1  # prefault, as the peer does
+        self.engine = MooncakeEngine(
+            EngineConfig(spin_threads=1, max_descriptors_per_submit=max_descriptors_per_submit)
+        )
+        self.engine.register(int(self._src.ctypes.data), size)
+        assert self._peer.stdout is not None
+        line = self._peer.stdout.readline()
+        if not line:
+            self.close()
+            raise TransferError("raw-ceiling peer exited before reporting its session")
+        info = json.loads(line)
+        self.session: str = info["session"]
+        self.addr: int = int(info["addr"])
+
+    def write(self, submits: Sequence[np.ndarray]) -> list[float]:
+        """Write each submit (an array of descriptor lengths) back to back; seconds per submit.
+
+        Descriptors are laid end to end in both buffers (each stays a descriptor of its own
+        size: the engine does not merge them); a submit that does not fit in what is left of
+        the buffers starts again at their beginning.
+        """
+        src0 = np.uint64(self._src.ctypes.data)
+        dst0 = np.uint64(self.addr)
+        times = []
+        off = 0
+        for lengths in submits:
+            ln = np.asarray(lengths, dtype=np.uint64)
+            nbytes = int(ln.sum())
+            if nbytes > self.size:
+                raise TransferError(
+                    f"raw ceiling: one submit of {nbytes} bytes, the buffers hold {self.size}"
+                )
+            if off + nbytes > self.size:
+                off = 0
+            rel = np.uint64(off) + np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.uint64)
+            t0 = time.monotonic()
+            self.engine.write_sync(self.session, src0 + rel, dst0 + rel, ln)
+            times.append(time.monotonic() - t0)
+            off += nbytes
+        return times
+
+    def close(self) -> None:
+        if self._peer.poll() is None:
+            assert self._peer.stdin is not None
+            try:
+                self._peer.stdin.write(b"\n")
+                self._peer.stdin.flush()
+            except BrokenPipeError:
+                pass
+            try:
+                self._peer.wait(10)
+            except subprocess.TimeoutExpired:
+                self._peer.kill()
+                self._peer.wait(5)
+        if hasattr(self, "engine"):
+            self.engine.close()
+
+    def __enter__(self) -> RawCeiling:
+        return self
+
+    def __exit__(
+        self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

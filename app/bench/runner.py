@@ -1,0 +1,600 @@
+"""The benchmark: real sidecars and engines as separate processes, the real Mooncake engine.
+
+Every number that is compared is measured side by side in the same run (the machine is small and
+shared, so absolute numbers are noisy and the ratios are what the goals are about):
+
+- raw ceiling: the planned descriptor sizes written as plain Mooncake batch writes from this
+  process into a peer process (``RawCeiling``), each raw write timed right before the pipeline
+  run it is compared with;
+- goodput: the layer-wise pipeline end to end, from the prefill command to D seeing the request
+  done (``fill=False``: the simulated engine's numpy fill is not part of the transfer);
+- overlap: with a simulated compute time per layer (``compute_ratio`` x the raw time of one
+  layer's write), the time from the last layer's signal to D seeing the request done, layer-wise
+  and in bulk (every layer sent after the last one);
+- descriptors the sidecar submitted against the minimum (maximal contiguous runs, never across
+  two registrations) from the same planner in this process;
+- planning CPU time per layer per step against that layer's raw write time;
+- scale: requests in flight, layers and groups; the sidecars' anonymous RSS across repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import numpy as np
+
+from app.bench.plans import PlanModel, Submit
+from app.bench.raw import RawCeiling
+from app.kvcache.groups import NULL_BLOCK
+from app.kvcache.presets import load_preset
+from app.sim.cluster import Cluster, ClusterSpec
+from app.sim.engine import SimRequest
+from app.sim.reference import blocks_needed
+
+MiB = 1 << 20
+VERIFY_LENS = (1000, 333, 17)  # prompts checked byte-exact once per cluster, both send modes
+
+
+@dataclass
+class ScalePoint:
+    """A model scaled to some layers: one cluster, measured like the main one, briefly."""
+
+    model: str
+    layers: int
+    requests: int = 4
+    prompt_tokens: int = 2048
+
+
+@dataclass
+class BenchOptions:
+    model: str = "llama-3.1-8b"
+    layers: int = 8
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    requests: int = 4  # goodput: requests in one step
+    prompt_tokens: int = 4096
+    lengths: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)  # overlap sweep
+    reps: int = 5  # interleaved raw / pipeline goodput pairs
+    overlap_reps: int = 3  # per prompt length: raw, layer-wise and bulk, interleaved
+    # Simulated compute per layer / raw write time of that layer. Prefill compute outlasts the
+    # transfer on real links (an H100 layer of Llama-8B at 4k tokens ~3-5 ms, its 16 MiB of KV
+    # 0.3-1.3 ms at 100-400 Gb/s); 2 keeps that regime with room for this machine's noise.
+    compute_ratio: float = 2.0
+    scale_requests: tuple[int, ...] = (1, 4, 16, 64, 256)
+    scale_tokens: int = 16384  # tokens per scale run, split evenly over its requests
+    scale_repeats: int = 3  # passes over the request sweep; RSS is compared first to last
+    layouts: tuple[str, ...] = ("per_layer", "cross_layer")
+    points: tuple[ScalePoint, ...] = (
+        ScalePoint("llama-3.1-8b", 16),
+        ScalePoint("llama-3.1-8b", 32),
+        # 64 cache layers (latent + indexer, one group); long prompts so a layer is not tiny.
+        ScalePoint("deepseek-v3.2-exp", 32, requests=2, prompt_tokens=8192),
+        ScalePoint("gpt-oss-20b", 8, prompt_tokens=4096),  # 2 groups
+        ScalePoint("qwen3-next-80b-a3b", 8, prompt_tokens=4096),  # 4 groups
+    )
+    raw_bytes: int = 512 * MiB
+    # D's engine polls its sidecar for completions; a finer poll costs CPU the transfer needs.
+    poll_ms: float = 5.0  # goodput and scale: <= 1% of their runs
+    overlap_poll_ms: float = 1.0  # the resolution of every exposed time
+    start_timeout_s: float = 300.0
+    log_dir: str | None = None
+    quick: bool = False
+
+    @classmethod
+    def quick_preset(cls) -> BenchOptions:
+        """For routine use: one cluster, fewer lengths and requests, fewer repetitions."""
+        return cls(
+            requests=2,
+            prompt_tokens=4096,
+            lengths=(512, 1024, 4096),
+            reps=2,
+            overlap_reps=1,
+            scale_requests=(1, 16, 256),
+            scale_tokens=4096,
+            scale_repeats=2,
+            layouts=("per_layer",),
+            points=(),
+            raw_bytes=256 * MiB,
+            quick=True,
+        )
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """Anonymous and total resident bytes of a process (the KV mapping is shared memory)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                out[key] = int(val.split()[0]) * 1024
+    return out
+
+
+def _median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else 0.0
+
+
+@dataclass
+class RunResult:
+    seconds: float
+    admitted_s: float
+    exposed_s: float
+    nbytes: int
+    descriptors: int
+    failures: dict[str, Any]
+    verified: int = 0
+    engine_exposed_s: float = 0.0  # as D's engine saw it (its polling included)
+    sidecar_timed: bool = False  # end taken from D's sidecar (admin API), not its engine
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 1e9
+
+
+@dataclass
+class Bench:
+    """One cluster, its plan model and the shared raw ceiling."""
+
+    cluster: Cluster
+    plans: PlanModel
+    raw: RawCeiling
+    poll_ms: float
+    runs: int = 0
+    bytes_seen: int = 0
+    desc_seen: int = 0
+    failures: dict[str, Any] = field(default_factory=dict)
+    verified: int = 0  # requests checked byte-exact at D (out of 6: layer-wise and bulk)
+
+    def requests(self, lens: Sequence[int]) -> list[tuple[SimRequest, SimRequest]]:
+        """Allocate blocks for ``lens`` prompts on both sides (ids renamed for every run)."""
+        return self.cluster.make_requests(lens, prefix="bench")
+
+    def release(self, pairs: Sequence[tuple[SimRequest, SimRequest]]) -> None:
+        """Give the blocks back so the same workload gets the same ids again.
+
+        ``Cluster.release`` appends ids in allocation order to a stack, which hands them out
+        reversed next time (no contiguous runs): push them back in reverse instead.
+        """
+        for role, idx in (("prefill", 0), ("decode", 1)):
+            alloc = self.cluster.sides[role].allocator
+            assert alloc is not None
+            alloc.free.extend(
+                b
+                for pair in reversed(pairs)
+                for ids in reversed(pair[idx].blocks)
+                for b in reversed(ids)
+                if b != NULL_BLOCK
+            )
+
+    def run(
+        self,
+        pairs: Sequence[tuple[SimRequest, SimRequest]],
+        *,
+        bulk: bool = False,
+        compute_ms: float = 0.0,
+        verify: bool = False,
+        poll_ms: float | None = None,
+    ) -> tuple[RunResult, list[Submit], int]:
+        """One transfer of ``pairs`` under fresh request ids; with the sidecar's submits as
+        planned here and the minimum descriptors for that send mode."""
+        self.runs += 1
+        pairs = [
+            (
+                msgspec.structs.replace(pr, id=f"r{self.runs}-{pr.id}"),
+                msgspec.structs.replace(dr, id=f"r{self.runs}-{dr.id}"),
+            )
+            for pr, dr in pairs
+        ]
+        submits = self.plans.submits(pairs, bulk=bulk)
+        min_desc = self.plans.min_descriptors(submits, across_layers=bulk)
+        res = self.cluster.run(
+            pairs,
+            compute_ms=compute_ms,
+            bulk=bulk,
+            fill=verify,
+            verify=verify,
+            poll_ms=poll_ms or self.poll_ms,
+            timeout_s=60,
+            bulk_one_signal=True,
+        )
+        prefill, decode = res["prefill"]["ranks"], res["decode"]["ranks"]
+        nbytes = sum(r["bytes"] for r in prefill)
+        desc = sum(r["descriptors"] for r in prefill)
+        failed: dict[str, Any] = {}
+        for r in [*decode, *prefill]:
+            for rid, f in r["failed"].items():
+                failed.setdefault(rid, f)
+        for r in decode:
+            for rid, problems in r["problems"].items():
+                failed.setdefault(rid, {"status": "CORRUPT", "error": "; ".join(problems[:3])})
+        self.failures.update(failed)
+        ids = [pr.id for pr, _ in pairs]
+        verified = sum(all(i in r["verified"] for r in decode) for i in ids) if verify else 0
+        # Complete at D = when D's sidecar ended the request. Its engine hears of it only at its
+        # next poll, whose sleep over-runs by milliseconds while the transfer busies both cores.
+        engine_end = res["decode"]["completed_at"]
+        sidecar_end = self._sidecar_done_at(res, pairs)
+        end = sidecar_end if sidecar_end is not None else engine_end
+        out = RunResult(
+            # From the first layer's signal: admission is the engine's cost, not the pipeline's.
+            seconds=end - res["prefill"]["first_layer_at"],
+            admitted_s=res["prefill"]["first_layer_at"] - res["started"],
+            exposed_s=max(0.0, end - res["prefill"]["last_layer_at"]),
+            engine_exposed_s=max(0.0, engine_end - res["prefill"]["last_layer_at"]),
+            sidecar_timed=sidecar_end is not None,
+            nbytes=nbytes - self.bytes_seen,
+            descriptors=desc - self.desc_seen,
+            failures=failed,
+            verified=verified,
+        )
+        self.bytes_seen, self.desc_seen = nbytes, desc
+        return out, submits, min_desc
+
+    def _sidecar_done_at(
+        self, res: dict[str, Any], pairs: Sequence[tuple[SimRequest, SimRequest]]
+    ) -> float | None:
+        """When D's sidecar ended the last of ``pairs``: its admin API gives each request's
+        admission-to-final duration, D's engine by when it was admitted (so this errs late by
+        at most one engine-link round trip); None if either is missing (no admin API)."""
+        d = self.cluster.sides["decode"]
+        expect_at = [r.get("expect_at", {}) for r in res["expect"]["ranks"]]
+        ranks = [info["rank"] for info in d.info]
+        latest = 0.0
+        try:
+            with httpx.Client(base_url=d.admin_url, timeout=5.0) as http:
+                for pr, _ in pairs:
+                    reply = http.get(f"/v1/requests/{pr.id}")
+                    if reply.status_code != 200:
+                        return None
+                    entries = [e for e in reply.json()["entries"] if e["side"] == "recv"]
+                    for e in entries:
+                        at = expect_at[ranks.index(e["rank"])].get(pr.id)
+                        if at is None or e["duration_s"] is None:
+                            return None
+                        latest = max(latest, at + e["duration_s"])
+                    if not entries:
+                        return None
+        except (httpx.HTTPError, KeyError, ValueError):
+            return None
+        return latest
+
+    def raw_write(self, submits: Sequence[Submit]) -> list[float]:
+        return self.raw.write([s.lengths for s in submits])
+
+    def rss(self) -> dict[str, dict[str, int]]:
+        out = {}
+        for role, side in self.cluster.sides.items():
+            assert side.sidecar is not None
+            out[role] = _rss(side.sidecar.pid)
+        return out
+
+
+def _pool_shape(spec: ClusterSpec, workloads: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(max_requests, max_prompt) whose pool holds the largest of ``workloads`` on both sides."""
+    model = load_preset(spec.model, layers=spec.layers)
+    bs = spec.block_size or max(
+        k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
+    )
+    tps = (spec.prefill_tp, spec.decode_tp)
+    need = max(blocks_needed(model, tp, bs, w) for w in workloads for tp in tps)
+    reqs = max(len(w) for w in workloads)
+    prompt = 16
+    while min(blocks_needed(model, tp, bs, [prompt] * reqs) for tp in tps) < need:
+        prompt *= 2
+    return reqs, prompt
+
+
+def _overlap(
+    b: Bench, length: int, reps: int, compute_ratio: float, poll_ms: float
+) -> dict[str, Any]:
+    """Exposed time after the last layer, layer-wise and bulk, for one prompt length.
+
+    A layer's transfer time comes from the raw writes of the same submits (bytes over the
+    warm rate: the first write after idle pays TCP's slow-start-after-idle ramp here). The
+    simulated compute per layer is ``compute_ratio`` x the mean layer; the goal is against the
+    last layer, which layer-wise sending cannot hide (a hybrid's last layer may be its largest).
+    """
+    pairs = b.requests([length])
+    rates: list[float] = []
+    lay_exp, bulk_exp, lay_desc, bulk_desc, engine_exp = [], [], [], [], []
+    timed_at_sidecar = True
+    min_lay = min_bulk = 0
+    try:
+        submits = b.plans.submits(pairs)
+        sizes = [s.nbytes for s in submits]
+        for _ in range(reps):
+            times = b.raw_write(submits)
+            warm = slice(1, None) if len(times) > 1 else slice(None)
+            rates.append(sum(sizes[warm]) / sum(times[warm]))
+            compute_ms = compute_ratio * float(np.mean(sizes)) / _median(rates) * 1e3
+            lw, _, min_lay = b.run(pairs, compute_ms=compute_ms, poll_ms=poll_ms)
+            bk, _, min_bulk = b.run(pairs, bulk=True, compute_ms=compute_ms, poll_ms=poll_ms)
+            lay_exp.append(lw.exposed_s)
+            bulk_exp.append(bk.exposed_s)
+            engine_exp.append(lw.engine_exposed_s)
+            timed_at_sidecar = timed_at_sidecar and lw.sidecar_timed and bk.sidecar_timed
+            lay_desc.append(lw.descriptors)
+            bulk_desc.append(bk.descriptors)
+    finally:
+        b.release(pairs)
+    rate = _median(rates)
+    layer_ms = float(np.mean(sizes)) / rate * 1e3
+    last_ms = sizes[-1] / rate * 1e3
+    exposed = _median(lay_exp) * 1e3
+    bulk = _median(bulk_exp) * 1e3
+    limit = 1.5 * last_ms + 2.0
+    return {
+        "prompt_tokens": length,
+        "layer_bytes": int(np.mean(sizes)),
+        "last_layer_bytes": sizes[-1],
+        "layer_ms": round(layer_ms, 3),
+        "last_layer_ms": round(last_ms, 3),
+        "compute_ms": round(compute_ratio * layer_ms, 3),
+        "exposed_ms": round(exposed, 3),
+        "bulk_exposed_ms": round(bulk, 3),
+        "overlap_ratio": round(exposed / bulk, 4) if bulk else None,
+        "exposed_limit_ms": round(limit, 3),
+        "exposed_ok": exposed <= limit,
+        "engine_exposed_ms": round(_median(engine_exp) * 1e3, 3),
+        "timed_at": "decode sidecar" if timed_at_sidecar else "decode engine",
+        "descriptors": {"layerwise": max(lay_desc), "bulk": max(bulk_desc)},
+        "min_descriptors": {"layerwise": min_lay, "bulk": min_bulk},
+    }
+
+
+def _goodput(b: Bench, lens: Sequence[int], reps: int) -> dict[str, Any]:
+    """Raw write then the layer-wise pipeline on the same bytes, ``reps`` times, interleaved."""
+    pairs = b.requests(lens)
+    raw_gbps, lay_gbps, ratios = [], [], []
+    desc = min_desc = nbytes = 0
+    try:
+        submits = b.plans.submits(pairs)
+        cpu = b.plans.planning_cpu(pairs)
+        for _ in range(reps):
+            t = b.raw_write(submits)
+            raw = sum(s.nbytes for s in submits) / sum(t) / 1e9
+            lw, _, min_desc = b.run(pairs)
+            raw_gbps.append(raw)
+            lay_gbps.append(lw.gbps)
+            ratios.append(lw.gbps / raw)
+            desc, nbytes = lw.descriptors, lw.nbytes
+    finally:
+        b.release(pairs)
+    raw_s = sum(s.nbytes for s in submits) / (_median(raw_gbps) * 1e9)
+    return {
+        "requests": len(lens),
+        "prompt_tokens": max(lens),
+        "bytes": nbytes,
+        "raw_gbps": round(_median(raw_gbps), 4),
+        "layerwise_gbps": round(_median(lay_gbps), 4),
+        "goodput_ratio": round(_median(ratios), 4),
+        "goodput_ratios": [round(r, 4) for r in ratios],
+        "descriptors": desc,
+        "min_descriptors": min_desc,
+        "planning_ms_per_layer": round(_median([c for _, c in cpu]) * 1e3, 3),
+        "planning_fraction": round(sum(c for _, c in cpu) / raw_s, 5),
+    }
+
+
+def _requests_sweep(b: Bench, opts: BenchOptions) -> dict[str, Any]:
+    """1 -> 256 requests in flight at once, repeated; RSS after warm-up and after the last."""
+    rows: dict[int, dict[str, Any]] = {}
+    rss_first: dict[str, dict[str, int]] = {}
+    rss_each = []
+    for rep in range(opts.scale_repeats):
+        for n in opts.scale_requests:
+            tokens = max(16, opts.scale_tokens // n)
+            lens = [tokens] * n
+            pairs = b.requests(lens)
+            try:
+                submits = b.plans.submits(pairs)
+                cpu = b.plans.planning_cpu(pairs, repeat=1) if rep == 0 else []
+                t = b.raw_write(submits)
+                res, _, min_desc = b.run(pairs)
+            finally:
+                b.release(pairs)
+            raw = sum(s.nbytes for s in submits) / sum(t) / 1e9
+            row = rows.setdefault(
+                n,
+                {
+                    "requests": n,
+                    "prompt_tokens": tokens,
+                    "failures": 0,
+                    "gbps": [],
+                    "ratio": [],
+                    "admission_ms": [],
+                },
+            )
+            row["admission_ms"].append(res.admitted_s * 1e3)
+            row["failures"] += len(res.failures)
+            row["gbps"].append(res.gbps)
+            row["ratio"].append(res.gbps / raw)
+            row["descriptors"], row["min_descriptors"] = res.descriptors, min_desc
+            if cpu:
+                row["planning_fraction"] = round(sum(c for _, c in cpu) / sum(t), 5)
+                row["planning_ms_per_layer"] = round(_median([c for _, c in cpu]) * 1e3, 3)
+        rss = b.rss()
+        rss_each.append(rss)
+        if rep == 0:
+            rss_first = rss
+        _log(f"requests sweep pass {rep + 1}/{opts.scale_repeats}: rss {_fmt_rss(rss)}")
+    out_rows = []
+    for row in rows.values():
+        row["gbps"] = round(_median(row["gbps"]), 4)
+        row["goodput_ratio"] = round(_median(row["ratio"]), 4)
+        row["admission_ms"] = round(_median(row["admission_ms"]), 3)
+        del row["ratio"]
+        out_rows.append(row)
+    last = rss_each[-1]
+    growth = {role: last[role]["RssAnon"] - rss_first[role]["RssAnon"] for role in rss_first}
+    max_ok = max((r["requests"] for r in out_rows if r["failures"] == 0), default=0)
+    return {
+        "rows": out_rows,
+        "max_in_flight": max_ok,
+        "rss": rss_each,
+        "rss_growth_bytes": growth,
+    }
+
+
+def _fmt_rss(rss: dict[str, dict[str, int]]) -> str:
+    return ", ".join(f"{k} anon {v['RssAnon'] / MiB:.1f} MiB" for k, v in rss.items())
+
+
+def _cluster(
+    opts: BenchOptions, model: str, layers: int, layout: str, workloads: list[list[int]]
+) -> Cluster:
+    log_dir = None
+    if opts.log_dir:
+        path = Path(opts.log_dir) / f"{model}-x{layers}-{layout}"
+        path.mkdir(parents=True, exist_ok=True)
+        log_dir = str(path)
+    spec = ClusterSpec(
+        model=model,
+        layers=layers,
+        prefill_tp=opts.prefill_tp,
+        decode_tp=opts.decode_tp,
+        layout=layout,
+        log_dir=log_dir,
+        sidecar_env={"KVSIDECAR_SHUTDOWN_GRACE_S": "1"},
+    )
+    spec.max_requests, spec.max_prompt = _pool_shape(spec, [*workloads, list(VERIFY_LENS)])
+    return Cluster(spec)
+
+
+def _open(
+    opts: BenchOptions,
+    raw: RawCeiling,
+    model: str,
+    layers: int,
+    layout: str,
+    workloads: list[list[int]],
+) -> tuple[Cluster, Bench]:
+    t0 = time.monotonic()
+    cluster = _cluster(opts, model, layers, layout, workloads)
+    try:
+        for side in cluster.sides.values():
+            cluster.start_side(side)
+        for side in cluster.sides.values():
+            # Four processes importing torch on two busy cores can take minutes.
+            cluster.wait_ready(side, timeout=opts.start_timeout_s)
+    except BaseException:
+        cluster.close()
+        raise
+    p, d = cluster.sides["prefill"].params, cluster.sides["decode"].params
+    b = Bench(cluster, PlanModel(p, d), raw, opts.poll_ms)
+    # Warm-up: the handshake, and every page of the largest workload faulted in on both sides.
+    pairs = b.requests(max(workloads, key=lambda w: sum(w)))
+    try:
+        b.run(pairs)
+    finally:
+        b.release(pairs)
+    # The paths timed below, once byte-exact: numpy fill at P, every byte checked at D.
+    pairs = b.requests(VERIFY_LENS)
+    try:
+        b.verified = sum(b.run(pairs, bulk=bulk, verify=True)[0].verified for bulk in (False, True))
+    finally:
+        b.release(pairs)
+    _log(f"{model} x{layers} {layout}: up and warm in {time.monotonic() - t0:.1f}s")
+    return cluster, b
+
+
+def _point(
+    opts: BenchOptions, raw: RawCeiling, pt: ScalePoint, all_failures: dict[str, Any]
+) -> dict[str, Any]:
+    """One scaled model: goodput and overlap at one prompt length, descriptors, failures."""
+    lens = [pt.prompt_tokens] * pt.requests
+    cluster, b = _open(opts, raw, pt.model, pt.layers, opts.layouts[0], [lens])
+    try:
+        g = _goodput(b, lens, 1)
+        ov = _overlap(
+            b, pt.prompt_tokens, opts.overlap_reps, opts.compute_ratio, opts.overlap_poll_ms
+        )
+    finally:
+        _close(cluster)
+    all_failures.update({f"{pt.model}/{k}": v for k, v in b.failures.items()})
+    return {
+        "model": pt.model,
+        "layers": len(b.plans.layers),
+        "groups": len(b.plans.p.config.groups),
+        **g,
+        "overlap": ov,
+        "failures": len(b.failures),
+        "verified": b.verified,
+    }
+
+
+def _close(cluster: Cluster) -> None:
+    t0 = time.monotonic()
+    cluster.close()
+    _log(f"cluster stopped in {time.monotonic() - t0:.1f}s")
+
+
+def run_bench(opts: BenchOptions, progress: Callable[[str], None] = _log) -> dict[str, Any]:
+    """Run every section; returns the JSON-able report."""
+    t_start = time.monotonic()
+    main_lens = [opts.prompt_tokens] * opts.requests
+    workloads = [main_lens, [max(opts.lengths)]] + [
+        [max(16, opts.scale_tokens // n)] * n for n in opts.scale_requests
+    ]
+    report: dict[str, Any] = {
+        "model": opts.model,
+        "layers": opts.layers,
+        "prefill_tp": opts.prefill_tp,
+        "decode_tp": opts.decode_tp,
+        "quick": opts.quick,
+        "compute_ratio": opts.compute_ratio,
+        "poll_ms": opts.poll_ms,
+        "overlap_poll_ms": opts.overlap_poll_ms,
+        "layouts": {},
+    }
+    all_failures: dict[str, Any] = {}
+    with RawCeiling(opts.raw_bytes) as raw:
+        for layout in opts.layouts:
+            cluster, b = _open(opts, raw, opts.model, opts.layers, layout, workloads)
+            try:
+                sec: dict[str, Any] = {}
+                progress(f"{layout}: goodput")
+                sec["goodput"] = _goodput(
+                    b, main_lens, opts.reps if layout == opts.layouts[0] else 1
+                )
+                progress(f"{layout}: overlap")
+                first = layout == opts.layouts[0]
+                # Later layouts once: they are here for their descriptors and overlap shape.
+                reps = opts.overlap_reps if first else 1
+                sec["overlap"] = [
+                    _overlap(b, n, reps, opts.compute_ratio, opts.overlap_poll_ms)
+                    for n in opts.lengths
+                ]
+                if first:
+                    progress(f"{layout}: requests in flight")
+                    sec["scale"] = _requests_sweep(b, opts)
+                sec["verified"] = b.verified
+                all_failures.update({f"{layout}/{k}": v for k, v in b.failures.items()})
+            finally:
+                _close(cluster)
+            report["layouts"][layout] = sec
+        points = []
+        for pt in opts.points:
+            try:
+                points.append(_point(opts, raw, pt, all_failures))
+                progress(f"point {pt.model} x{pt.layers}: done")
+            except Exception as e:  # keep what the other sections measured
+                progress(f"point {pt.model} x{pt.layers} failed: {type(e).__name__}: {e}")
+                points.append({"model": pt.model, "layers": pt.layers, "error": str(e)})
+        report["points"] = points
+    report["failures_detail"] = dict(list(all_failures.items())[:10])
+    report["failures"] = len(all_failures)
+    report["wall_s"] = round(time.monotonic() - t_start, 1)
+    return report

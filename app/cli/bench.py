@@ -1,0 +1,51 @@
+"""``kv-sidecar bench``: goodput, overlap, descriptors, planning cost and scale in one run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from app.bench.report import plot, print_table, summarize
+from app.bench.runner import BenchOptions, run_bench
+
+
+def bench_command(
+    quick: Annotated[
+        bool, typer.Option("--quick", help="One cluster, fewer points: under a minute here.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    out: Annotated[
+        Path, typer.Option(help="Directory for bench.json, the plot and the process logs.")
+    ] = Path("bench-out"),
+    reps: Annotated[int | None, typer.Option(help="Repetitions per measurement.")] = None,
+    compute_ratio: Annotated[
+        float | None,
+        typer.Option(help="Simulated compute per layer, as a multiple of one layer's raw write."),
+    ] = None,
+    plot_png: Annotated[bool, typer.Option("--plot/--no-plot", help="Write exposed.png.")] = True,
+) -> None:
+    """Measure the layer-wise pipeline against raw Mooncake writes, over the real engine."""
+    opts = BenchOptions.quick_preset() if quick else BenchOptions()
+    if reps is not None:
+        opts.reps = opts.overlap_reps = max(1, reps)
+    if compute_ratio is not None:
+        opts.compute_ratio = compute_ratio
+    out.mkdir(parents=True, exist_ok=True)
+    opts.log_dir = str(out / "logs")
+    summary = summarize(run_bench(opts))
+    if plot_png:
+        try:
+            summary["plot"] = str(plot(summary, out / "exposed.png"))
+        except ImportError:
+            summary["plot"] = None  # matplotlib is the optional 'bench' extra
+    (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print_table(summary, Console())
+        if summary.get("plot") is None and plot_png:
+            Console().print("no plot: install matplotlib (the 'bench' extra)")
