@@ -96,6 +96,7 @@ class SendRequest(Request):
     mamba_mode: MambaMode = MambaMode.NONE
     num_spec: int = 0
     final_layers_left: int = -1
+    final_step: int = -1  # the step that carries the prompt's last tokens (and the states)
     inflight: int = 0  # writes reading this request's P blocks right now (the pin)
     d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
 

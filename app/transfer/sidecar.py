@@ -456,6 +456,7 @@ class Sidecar:
             req.state = Status.TRANSFERRING
             if end >= req.prompt_len and req.final_layers_left < 0:
                 req.final_layers_left = len(agent.desc.placements)
+                req.final_step = msg.step
             by_peer.setdefault(req.peer, []).append(
                 StepRequest(
                     rid,
@@ -505,7 +506,9 @@ class Sidecar:
             prog = req.groups.setdefault(res.group, GroupProgress())
             prog.layers_sent += 1
             prog.bytes += res.req_bytes.get(rid, 0)
-            if req.final_layers_left > 0:
+            # Only the final step's layers count: an earlier step's layers may still be on the
+            # stream thread when the engine already signals the final step.
+            if res.step == req.final_step and req.final_layers_left > 0:
                 req.final_layers_left -= 1
                 if req.final_layers_left == 0:
                     self._spawn(self._send_done(req))
@@ -514,8 +517,12 @@ class Sidecar:
         """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
         status = Status.DONE if not req.state.terminal else req.state
         peer = self.peers.get(req.peer)
-        if peer is None or not req.d_ranks:
+        if peer is None:
             req.finish(Status.FAILED, req.error or "no decode peer")
+            return
+        if not req.d_ranks:
+            # This rank holds nothing any D rank needs (e.g. MLA comes from another P rank).
+            req.finish(status, req.error)
             return
         errors = []
         for d_rank, groups in req.d_ranks.items():

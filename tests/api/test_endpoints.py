@@ -329,6 +329,7 @@ def test_openapi(prefill: httpx.Client) -> None:
         "/v1/requests/{request_id}",
         "/v1/requests/{request_id}/abort",
         "/v1/peers",
+        "/v1/pool",
     }
     abort = paths["/v1/requests/{request_id}/abort"]["post"]
     assert {"200", "401", "404", "409"} <= set(abort["responses"])
