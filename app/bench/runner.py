@@ -289,9 +289,7 @@ class Bench:
 def _pool_shape(spec: ClusterSpec, workloads: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(max_requests, max_prompt) whose pool holds the largest of ``workloads`` on both sides."""
     model = load_preset(spec.model, layers=spec.layers)
-    bs = spec.block_size or max(
-        k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
-    )
+    bs = spec.block_size or model.default_block_size()
     tps = (spec.prefill_tp, spec.decode_tp)
     need = max(blocks_needed(model, tp, bs, w) for w in workloads for tp in tps)
     reqs = max(len(w) for w in workloads)

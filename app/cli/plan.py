@@ -40,9 +40,7 @@ def plan_report(
 ) -> dict[str, Any]:
     """Plan ``requests`` prompts of ``prompt_tokens`` and report per group and in total."""
     spec = load_preset(model, layers=layers, cache_dtype=cache_dtype)
-    bs = block_size or max(
-        k for c in spec.layers if (k := spec.kernel_block_size(c.spec)) is not None
-    )
+    bs = block_size or spec.default_block_size()
     lens = [prompt_tokens] * requests
     p = build_instance(
         spec,

@@ -53,6 +53,10 @@ class ModelSpec:
             return None
         return KERNEL_BLOCK["mla" if isinstance(spec, MLASpec) else "attention"]
 
+    def default_block_size(self) -> int:
+        """The smallest block size every attention kernel accepts (the largest kernel block)."""
+        return max(k for c in self.layers if (k := self.kernel_block_size(c.spec)) is not None)
+
     def compat_hash(self) -> str:
         """Model identity for the handshake; excludes TP, block size and layout (DESIGN §4)."""
         body = json.dumps(

@@ -95,9 +95,7 @@ class Cluster:
         self.tmp = tempfile.mkdtemp(prefix="kvs-demo-", dir="/dev/shm")
         self.ctx = zmq.Context()
         model = load_preset(spec.model, layers=spec.layers)
-        bs = spec.block_size or max(
-            k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
-        )
+        bs = spec.block_size or model.default_block_size()
         lens = [spec.max_prompt] * spec.max_requests
         self.sides: dict[str, Side] = {}
         for role, tp in (("decode", spec.decode_tp), ("prefill", spec.prefill_tp)):
@@ -426,9 +424,7 @@ def pool_prompt_tokens(spec: ClusterSpec, prompt_tokens: int) -> int:
     """Request A's length in ``pool_round``: at least two whole blocks on both sides, or a
     hybrid's large blocks (544-1920 tokens) would leave nothing to share."""
     model = load_preset(spec.model, layers=spec.layers)
-    bs = spec.block_size or max(
-        k for c in model.layers if (k := model.kernel_block_size(c.spec)) is not None
-    )
+    bs = spec.block_size or model.default_block_size()
     blocks = [
         build_cache_config(model, tp, bs, num_blocks=2).block_size
         for tp in (spec.prefill_tp, spec.decode_tp)

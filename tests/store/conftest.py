@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import mooncake.store  # noqa: F401  (a dev dependency: missing means failing, never skipping)
 import numpy as np
 import pytest
 
@@ -14,22 +15,9 @@ from app.store.pool import PoolClient, PoolConfig
 MiB = 1 << 20
 
 
-def _have_mooncake() -> bool:
-    try:
-        import mooncake.store  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-requires_mooncake = pytest.mark.skipif(not _have_mooncake(), reason="Mooncake Store not installed")
-
-
 @pytest.fixture(scope="module")
 def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
     """One master per test module (most tests only add keys)."""
-    if not _have_mooncake():
-        pytest.skip("Mooncake Store not installed")
     log = tmp_path_factory.mktemp("master") / "master.log"
     proc = start_master(0, log_path=log, ready_timeout_s=10.0)
     yield proc
@@ -39,8 +27,6 @@ def master(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MasterProcess]:
 @pytest.fixture
 def fresh_master(tmp_path: Path) -> Iterator[MasterProcess]:
     """A master of its own, for tests that fill or kill it."""
-    if not _have_mooncake():
-        pytest.skip("Mooncake Store not installed")
     proc = start_master(0, log_path=tmp_path / "master.log", ready_timeout_s=10.0)
     yield proc
     stop_master(proc, timeout_s=5.0, graceful=False)

@@ -20,8 +20,6 @@ from app.store.master import (
     stop_master,
 )
 
-from .conftest import requires_mooncake
-
 
 def test_proc_net_addresses_decode() -> None:
     assert _decode_proc_addr("0100007F:1F90") == ("127.0.0.1", 8080)
@@ -29,7 +27,6 @@ def test_proc_net_addresses_decode() -> None:
     assert _decode_proc_addr("00000000000000000000000001000000:1F90") == ("::1", 8080)
 
 
-@requires_mooncake
 def test_master_serves_on_loopback_only(tmp_path: Path) -> None:
     t0 = time.monotonic()
     proc = start_master(0, log_path=tmp_path / "m.log")
@@ -47,7 +44,6 @@ def test_master_serves_on_loopback_only(tmp_path: Path) -> None:
     assert proc.poll() is not None
 
 
-@requires_mooncake
 def test_http_metadata_server_binding_all_interfaces_is_refused(tmp_path: Path) -> None:
     # This build binds the HTTP metadata server to 0.0.0.0 whatever host it is given.
     http_port = free_port()
@@ -60,7 +56,6 @@ def test_http_metadata_server_binding_all_interfaces_is_refused(tmp_path: Path) 
         pass
 
 
-@requires_mooncake
 def test_taken_port_fails_fast_with_the_log(tmp_path: Path) -> None:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -72,6 +67,5 @@ def test_taken_port_fails_fast_with_the_log(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 5
 
 
-@requires_mooncake
 def test_binary_is_found() -> None:
     assert Path(find_master_binary()).name == "mooncake_master"

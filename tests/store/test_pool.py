@@ -27,7 +27,7 @@ from app.store.pool import (
     PutResult,
 )
 
-from .conftest import MiB, requires_mooncake
+from .conftest import MiB
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PREFIX = KeyPrefix("test-model", "bfloat16", "HND", "rep")
@@ -152,7 +152,6 @@ def test_full_pool_is_backpressure_not_an_error(
     assert not any(pool.exists([keys[i] for i in put.backpressure]))
 
 
-@requires_mooncake
 def test_killed_master_ends_in_counted_failures_within_the_timeout(tmp_path: Path) -> None:
     # In a process of its own: see killed_master_scenario.py for why.
     timeout = 1.0
