@@ -349,7 +349,14 @@ class SidecarSettings(BaseSettings):
         default=1,
         ge=1,
         le=64,
-        description="Threads allowed in busy-spinning Mooncake sync/status calls at once.",
+        description="Threads that run asynchronous Mooncake writes (spin mode: a core each).",
+    )
+    write_wait: Literal["poll", "spin"] = Field(
+        default="poll",
+        description=(
+            "How a write waits for Mooncake: poll (one transfer per descriptor, polled with short "
+            "sleeps; frees the core) or spin (batch sync calls, which busy-spin a core)."
+        ),
     )
     stream_queue_depth: int = Field(
         default=64,

@@ -1,8 +1,10 @@
 """The raw ceiling: the same bytes, in descriptors of the same sizes, as plain Mooncake writes.
 
-The bench process registers a source buffer with its own ``MooncakeEngine`` (the wrapper the
-sidecar uses, so chunking to the per-submit limit is the same) and writes into a peer process's
-buffer: two processes over loopback TCP, no planner, no event loop, no control plane.
+The bench process registers a source buffer with two ``MooncakeEngine``s (the wrapper the
+sidecar uses, so the per-call descriptor limit is the same), one per way of waiting (polled
+single-descriptor transfers, the sidecar's default, and the engine's busy-spinning batch calls),
+and writes into a peer process's buffer: two processes over loopback TCP, no planner, no event
+loop, no control plane.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from types import TracebackType
 import numpy as np
 
 from app.errors import TransferError
-from app.transfer.mooncake import EngineConfig, MooncakeEngine
+from app.transfer.mooncake import EngineConfig, MooncakeEngine, Wait
+
+WAITS: tuple[Wait, ...] = ("poll", "spin")
 
 
 class RawCeiling:
@@ -35,10 +39,15 @@ class RawCeiling:
         self._mm = mmap.mmap(-1, size)
         self._src = np.frombuffer(self._mm, dtype=np.uint8)
         self._src[::4096] = 1  # prefault, as the peer does
-        self.engine = MooncakeEngine(
-            EngineConfig(spin_threads=1, max_descriptors_per_submit=max_descriptors_per_submit)
-        )
-        self.engine.register(int(self._src.ctypes.data), size)
+        self.engines: dict[Wait, MooncakeEngine] = {}
+        for wait in WAITS:
+            eng = MooncakeEngine(
+                EngineConfig(
+                    spin_threads=1, max_descriptors_per_submit=max_descriptors_per_submit, wait=wait
+                )
+            )
+            self.engines[wait] = eng
+            eng.register(int(self._src.ctypes.data), size)
         assert self._peer.stdout is not None
         line = self._peer.stdout.readline()
         if not line:
@@ -48,8 +57,9 @@ class RawCeiling:
         self.session: str = info["session"]
         self.addr: int = int(info["addr"])
 
-    def write(self, submits: Sequence[np.ndarray]) -> list[float]:
-        """Write each submit (an array of descriptor lengths) back to back; seconds per submit.
+    def write(self, submits: Sequence[np.ndarray], wait: Wait = "poll") -> list[float]:
+        """Write each submit (an array of descriptor lengths) back to back, waiting the ``wait``
+        way; seconds per submit.
 
         Descriptors are laid end to end in both buffers (each stays a descriptor of its own
         size: the engine does not merge them); a submit that does not fit in what is left of
@@ -70,7 +80,7 @@ class RawCeiling:
                 off = 0
             rel = np.uint64(off) + np.concatenate(([0], np.cumsum(ln)[:-1])).astype(np.uint64)
             t0 = time.monotonic()
-            self.engine.write_sync(self.session, src0 + rel, dst0 + rel, ln)
+            self.engines[wait].write_sync(self.session, src0 + rel, dst0 + rel, ln)
             times.append(time.monotonic() - t0)
             off += nbytes
         return times
@@ -88,8 +98,8 @@ class RawCeiling:
             except subprocess.TimeoutExpired:
                 self._peer.kill()
                 self._peer.wait(5)
-        if hasattr(self, "engine"):
-            self.engine.close()
+        for eng in getattr(self, "engines", {}).values():
+            eng.close()
 
     def __enter__(self) -> RawCeiling:
         return self

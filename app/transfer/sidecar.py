@@ -1,7 +1,7 @@
 """The sidecar process core: one Mooncake engine, the control port, the engine link, agents.
 
 Everything that touches a request runs on the asyncio loop except the stream threads (planning
-and the spinning Mooncake submit), which hand results back with ``call_soon_threadsafe``.
+and the Mooncake writes), which hand results back with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -142,6 +142,7 @@ class Sidecar:
                 device_name=s.device_name,
                 max_descriptors_per_submit=s.max_descriptors_per_submit,
                 spin_threads=s.spin_threads,
+                wait=s.write_wait,
             ),
         )
         if s.pool.enabled:
@@ -164,7 +165,9 @@ class Sidecar:
             self.ctx, f"tcp://{s.control_host}:{s.control_port}", self._on_peer, name="control"
         )
         self.control_endpoint = await self.control.start()
-        self.engine_server = ControlServer(self.ctx, s.engine_ipc, self._on_engine, name="engine")
+        self.engine_server = ControlServer(
+            self.ctx, s.engine_ipc, self._on_engine, name="engine", inline=(GetFinished, BeginStep)
+        )
         await self.engine_server.start()
         self._watchdog = asyncio.create_task(self._watch())
         log.info(

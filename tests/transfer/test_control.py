@@ -184,6 +184,25 @@ async def test_slow_handler_does_not_delay_a_fast_one(ctx: zmq.asyncio.Context) 
         assert await asyncio.wait_for(slow, 3.0) == Ack(request="slow:1.0")
 
 
+async def test_inline_types_are_answered_in_the_receive_loop(ctx: zmq.asyncio.Context) -> None:
+    ran_in: dict[str, str] = {}
+
+    async def handler(msg: AnyMsg, ident: bytes) -> Msg | None:
+        task = asyncio.current_task()
+        ran_in[type(msg).__name__] = task.get_name() if task else ""
+        return Ack(request=type(msg).__name__)
+
+    server = ControlServer(ctx, TCP, handler, name="t", max_inflight=1, inline=(GetFinished,))
+    await server.start()
+    try:
+        async with client(ctx, server.endpoint or "") as c:
+            assert await c.request(GetFinished(rank=0), 2.0) == Ack(request="GetFinished")
+            assert await c.request(hello("e1"), 2.0) == Ack(request="Hello")
+    finally:
+        await server.stop()
+    assert ran_in == {"GetFinished": "t-recv", "Hello": "t-Hello"}
+
+
 async def test_max_inflight_bounds_concurrent_handlers(ctx: zmq.asyncio.Context) -> None:
     gate = asyncio.Event()
     running = peak = 0

@@ -24,7 +24,7 @@ import numpy.typing as npt
 import pytest
 
 from app.errors import ConfigError, TransferError
-from app.transfer.mooncake import EngineConfig, MooncakeEngine
+from app.transfer.mooncake import EngineConfig, MooncakeEngine, Wait
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -91,12 +91,21 @@ def local() -> U8:
     return np.random.default_rng(1234).integers(0, 256, LOCAL_SIZE, dtype=np.uint8)
 
 
-@pytest.fixture
-def engine(local: U8) -> Iterator[MooncakeEngine]:
-    eng = MooncakeEngine(EngineConfig())
+@pytest.fixture(params=["poll", "spin"])
+def engine(request: pytest.FixtureRequest, local: U8) -> Iterator[MooncakeEngine]:
+    eng = MooncakeEngine(EngineConfig(wait=request.param))
     eng.register(local.ctypes.data, local.nbytes)
     yield eng
     eng.close()
+
+
+def submits_for(eng: MooncakeEngine, *writes: int) -> int:
+    """Submissions for writes of these descriptor counts: one per descriptor when polling, one
+    per batch of at most ``max_descriptors_per_submit`` when spinning."""
+    if eng.config.wait == "poll":
+        return sum(writes)
+    step = eng.config.max_descriptors_per_submit
+    return sum(-(-n // step) for n in writes)
 
 
 def write_one(eng: MooncakeEngine, peer: Peer, local: U8, n: int = 4096, off: int = 0) -> None:
@@ -119,7 +128,7 @@ def test_many_descriptors_are_chunked_and_land_byte_exact(
         expected[d : d + ln] = local[s : s + ln]
     assert np.array_equal(peer.view[: n * slot], expected)
     assert not peer.view[n * slot :].any()
-    assert engine.submits == 3  # 1024 + 1024 + 952
+    assert engine.submits == submits_for(engine, n)  # spin: 1024 + 1024 + 952
     assert engine.descriptors == n
     assert engine.bytes == int(lengths.sum())
     assert engine.failures == 0 and engine.reopens == 0
@@ -221,8 +230,9 @@ async def test_async_write_resolves_on_the_loop(
         )
 
 
-def test_counters_add_up(peer: Peer, local: U8) -> None:
-    with MooncakeEngine(EngineConfig(max_descriptors_per_submit=500)) as eng:
+@pytest.mark.parametrize("wait", ["poll", "spin"])
+def test_counters_add_up(peer: Peer, local: U8, wait: Wait) -> None:
+    with MooncakeEngine(EngineConfig(max_descriptors_per_submit=500, wait=wait)) as eng:
         eng.register(local.ctypes.data, local.nbytes)
         base_src, base_dst = local.ctypes.data, peer.addr
         sizes, total_bytes = (1500, 10, 501), 0
@@ -234,7 +244,7 @@ def test_counters_add_up(peer: Peer, local: U8) -> None:
             total_bytes += 32 * n
         assert np.array_equal(peer.view[:off], local[:off])
         expected = {
-            "submits": 3 + 1 + 2,
+            "submits": submits_for(eng, *sizes),
             "descriptors": sum(sizes),
             "bytes": total_bytes,
             "failures": 0,
@@ -247,7 +257,7 @@ def test_counters_add_up(peer: Peer, local: U8) -> None:
             write_one(eng, peer, local)
         with pytest.raises(TransferError):  # outside the peer's buffer
             eng.write_sync(peer.session, u64([base_src]), u64([base_dst + PEER_SIZE]), u64([8]))
-        expected.update(submits=7, failures=2, reopens=1)
+        expected.update(submits=submits_for(eng, *sizes, 1), failures=2, reopens=1)
         assert eng.counters() == expected
         got = (eng.submits, eng.descriptors, eng.bytes, eng.failures, eng.reopens)
         assert got == tuple(expected.values())
@@ -263,7 +273,7 @@ def test_64mib_as_256kib_descriptors(engine: MooncakeEngine, peer: Peer, local: 
     dt = time.perf_counter() - t0
     print(f"\n64 MiB as {n} x 256 KiB over loopback TCP: {PEER_SIZE / dt / 1e9:.2f} GB/s")
     assert np.array_equal(peer.view, local[:PEER_SIZE])
-    assert engine.descriptors == 1 + n and engine.submits == 2
+    assert engine.descriptors == 1 + n and engine.submits == submits_for(engine, 1, n)
 
 
 def test_bad_arguments_fail_before_the_wire(engine: MooncakeEngine, peer: Peer, local: U8) -> None:
@@ -316,6 +326,32 @@ async def test_close_unregisters_and_refuses_work(peer: Peer, local: U8) -> None
     assert not peer.view[:4096].any()
 
 
+def test_polled_write_slides_its_window_and_lands_byte_exact(peer: Peer, local: U8) -> None:
+    n, size = 300, 4096
+    with MooncakeEngine(EngineConfig(max_descriptors_per_submit=7, wait="poll")) as eng:
+        eng.register(local.ctypes.data, local.nbytes)
+        taken: list[int] = []
+        inflight: list[int] = []
+        take = eng._take_budget
+
+        def spy(peer_session: str, k: int) -> None:
+            take(peer_session, k)
+            taken.append(k)
+            inflight.append(eng._inflight[peer_session])
+
+        eng._take_budget = spy  # type: ignore[method-assign]
+        src = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(size)  # reversed: no runs
+        dst = np.arange(n, dtype=np.uint64) * np.uint64(size)
+        eng.write_sync(peer.session, local.ctypes.data + src, peer.addr + dst, u64([size] * n))
+        # Topped up as descriptors land, never more than the window in flight.
+        assert sum(taken) == n and len(taken) > n // 7 and max(inflight) <= 7
+        assert eng._inflight == {}  # every descriptor's budget returned
+        for i in range(n):
+            s = (n - 1 - i) * size
+            assert np.array_equal(peer.view[i * size : (i + 1) * size], local[s : s + size])
+        assert (eng.submits, eng.descriptors, eng.bytes) == (n, n, n * size)
+
+
 def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
     with pytest.raises(ConfigError, match=r"1\.\.2048"):
         EngineConfig(max_descriptors_per_submit=4096)
@@ -323,3 +359,5 @@ def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
         EngineConfig(protocol="udp")
     with pytest.raises(ConfigError, match="spin_threads"):
         EngineConfig(spin_threads=0)
+    with pytest.raises(ConfigError, match="'poll' or 'spin'"):
+        EngineConfig(wait="busy")  # type: ignore[arg-type]
