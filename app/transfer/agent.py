@@ -144,7 +144,7 @@ Writer = Callable[[str, np.ndarray, np.ndarray, np.ndarray], None]
 
 
 class StreamThread:
-    """One per device: waits for each layer's event, plans it, submits one batch per peer."""
+    """One per device: waits for each layer's event, plans it, writes to each peer in turn."""
 
     def __init__(
         self,
