@@ -105,7 +105,7 @@ class SidecarCollector(Collector):
         )
         transfers = CounterMetricFamily(
             "kvsidecar_group_transfers",
-            "Per-layer batch submits by outcome, per KV cache group.",
+            "Per-layer writes by outcome, per KV cache group.",
             labels=[*labels, "status"],
         )
         sums: dict[tuple[str, str], list[int]] = {}
@@ -198,7 +198,7 @@ class SidecarCollector(Collector):
             return
         c = engine.counters()
         for key, doc in (
-            ("submits", "Mooncake batch write calls, failed ones included."),
+            ("submits", "Mooncake submissions (a descriptor polling, a batch spinning)."),
             ("descriptors", "Descriptors Mooncake confirmed written."),
             ("bytes", "Bytes Mooncake confirmed written."),
             ("failures", "Mooncake write calls that raised."),

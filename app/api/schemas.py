@@ -60,7 +60,7 @@ class Versions(_Model):
 class MooncakeStatus(_Model):
     session: str = Field(description="host:rpc_port of the local transfer engine.")
     transport: str
-    submits: int = Field(description="Batch write calls made, failed ones included.")
+    submits: int = Field(description="Mooncake submissions (per descriptor or per batch).")
     descriptors: int = Field(description="Descriptors confirmed written.")
     bytes: int = Field(description="Bytes confirmed written.")
     failures: int = Field(description="Write calls that raised.")
@@ -159,8 +159,8 @@ class GroupView(_Model):
     sliding_window: int | None
     layers: list[int]
     ranks: list[int] = Field(description="Ranks whose counters are summed here.")
-    transfers_ok: int = Field(description="Layer submits that completed.")
-    transfers_failed: int = Field(description="Layer submits that failed.")
+    transfers_ok: int = Field(description="Layer writes that completed.")
+    transfers_failed: int = Field(description="Layer writes that failed.")
     bytes: int
     descriptors: int
     layers_sent: int = Field(description="Layer writes that moved at least one descriptor.")
