@@ -353,7 +353,7 @@ class MooncakeEngine:
         try:
             self._check_sources(s, n)
         except TransferError:
-            self._count_failure()
+            self._count(failures=1)
             raise
 
         src_l, dst_l, len_l = s.tolist(), d.tolist(), n.tolist()
@@ -365,7 +365,7 @@ class MooncakeEngine:
             self._leave_writer()
         if failed is None:
             return
-        self._count_failure()
+        self._count(failures=1)
         what = f"write of {len(src_l)} descriptors from {session} to {peer}: {failed}"
         try:
             self._reopen(generation)
@@ -488,13 +488,12 @@ class MooncakeEngine:
             raise TransferError(f"MooncakeEngine is closed; write to {peer} not sent") from exc
         await fut
 
-    def _count_failure(self) -> None:
-        with self._stats_lock:
-            self._failures += 1
-
-    def _count(self, *, submits: int = 0, landed: int = 0, nbytes: int = 0) -> None:
+    def _count(
+        self, *, submits: int = 0, landed: int = 0, nbytes: int = 0, failures: int = 0
+    ) -> None:
         with self._stats_lock:
             self._submits += submits
+            self._failures += failures
             if landed:
                 self._descriptors += landed
                 self._bytes += nbytes
