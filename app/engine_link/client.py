@@ -9,7 +9,7 @@ never waits on the transfer path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,6 +17,7 @@ import numpy as np
 from app.devices import CpuEvent, Event
 from app.engine_link.shm import ShmArena
 from app.errors import KVSidecarError
+from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
 from app.kvcache.presets import load_preset
@@ -37,8 +38,10 @@ from app.transfer.protocol import (
     PoolLookup,
     PoolSave,
     RegisterCaches,
+    RegisterEngine,
     RemoteTarget,
     Reply,
+    SidecarInfo,
     StepSlice,
 )
 
@@ -140,6 +143,20 @@ class EngineLink:
         self.epoch = str(reply.data.get("epoch", ""))
         self.control_port = int(reply.data.get("control_port") or 0)
 
+    def register_engine(self, registration: EngineRegistration, timeout_s: float = 60.0) -> str:
+        """Register KV memory the engine allocated itself; returns the compat hash."""
+        reply = self._call(RegisterEngine(registration=registration), timeout_s)
+        assert isinstance(reply, Reply)
+        self.epoch = str(reply.data.get("epoch", ""))
+        self.control_port = int(reply.data.get("control_port") or 0)
+        return str(reply.data.get("compat_hash", ""))
+
+    def sidecar_info(self) -> dict[str, str | int | float | bool | None]:
+        """The sidecar's control address, epoch and readiness."""
+        reply = self._call(SidecarInfo())
+        assert isinstance(reply, Reply)
+        return dict(reply.data)
+
     def add_send_request(
         self,
         request: str,
@@ -182,9 +199,23 @@ class EngineLink:
             )
         )
 
-    def begin_step(self, step: int, slices: Sequence[tuple[str, int, int]]) -> None:
+    def begin_step(
+        self,
+        step: int,
+        slices: Sequence[tuple[str, int, int]],
+        blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    ) -> None:
+        """Announce a step's token slices; ``blocks`` gives prefill block ids that grew."""
+        grown = blocks or {}
         self._call(
-            BeginStep(rank=self.rank, step=step, slices=[StepSlice(r, s, e) for r, s, e in slices])
+            BeginStep(
+                rank=self.rank,
+                step=step,
+                slices=[
+                    StepSlice(r, s, e, [list(b) for b in grown[r]] if r in grown else None)
+                    for r, s, e in slices
+                ],
+            )
         )
 
     def layer_ready(self, step: int, layer: int, event: Event | None = None) -> None:

@@ -87,3 +87,23 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
             os.close(fd)
 
     return allocate
+
+
+def map_engine_file(name: str, min_size: int) -> torch.Tensor:
+    """Map a shared-memory file the engine made (e.g. torch's own shared storage) whole."""
+    try:
+        fd = os.open(_path(name), os.O_RDWR)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"shared memory {name!r} does not exist; is the engine alive and sharing /dev/shm "
+            "with the sidecar?"
+        ) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size < min_size:
+            raise ConfigError(
+                f"shared memory {name!r} has {size} bytes, the engine registered {min_size}"
+            )
+        return _map(fd, size)
+    finally:
+        os.close(fd)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from app.devices import Event
 from app.errors import DeadlineExceeded, KVSidecarError, TransferError
@@ -115,6 +116,14 @@ class GroupStats:
     descriptors: int = 0
     layers_sent: int = 0
     done: int = 0
+
+
+@dataclass
+class StepState:
+    """A forward step's request slices and the layers the engine has signalled so far."""
+
+    slices: list[tuple[str, int, int]]
+    seen: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -239,14 +248,15 @@ class StreamThread:
 class Agent:
     """One engine rank's KV cache, requests and counters."""
 
-    def __init__(self, layout: RankLayout, desc: LayoutDesc, engine_id: str) -> None:
-        self.layout = layout
+    def __init__(self, layout: RankLayout | None, desc: LayoutDesc, engine_id: str) -> None:
+        self.layout = layout  # None when the engine registered its own tensors
+        self.memory: list[torch.Tensor] = []  # mappings of engine memory kept alive with the agent
         self.desc = desc
         self.engine_id = engine_id
         self.rank = desc.rank
         self.sends: dict[str, SendRequest] = {}
         self.recvs: dict[str, RecvRequest] = {}
-        self.steps: dict[int, list[tuple[str, int, int]]] = {}
+        self.steps: dict[int, StepState] = {}
         self.groups = {g.index: GroupStats() for g in desc.groups}
         self.stream: StreamThread | None = None
         self.history: list[Request] = []  # recently ended, for the admin API

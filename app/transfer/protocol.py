@@ -14,6 +14,7 @@ import msgspec
 
 from app.errors import ProtocolError
 from app.kvcache.desc import GroupDesc, LayoutDesc
+from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import LayerPlacement, Piece, Region, Stream
 from app.kvcache.specs import RegionKind, SpecKind
 
@@ -180,6 +181,12 @@ class RegisterCaches(Msg, tag="register"):
     shm_names: list[str]
 
 
+class RegisterEngine(Msg, tag="register_engine"):
+    """An engine rank's KV cache as the engine itself allocated it (DESIGN §2a)."""
+
+    registration: EngineRegistration
+
+
 class RemoteTarget(msgspec.Struct):
     """Where a request's KV goes: D's sidecar control address, epoch and block ids."""
 
@@ -212,9 +219,13 @@ class ExpectRecv(Msg, tag="expect_recv"):
 
 
 class StepSlice(msgspec.Struct, array_like=True):
+    """Tokens ``[start, end)`` of a request in this step; ``block_ids`` when its prefill
+    blocks grew since admission (chunked prefill allocates as it goes)."""
+
     request: str
     start: int
     end: int
+    block_ids: list[list[int]] | None = None
 
 
 class BeginStep(Msg, tag="begin_step"):
@@ -227,6 +238,10 @@ class LayerReady(Msg, tag="layer_ready"):
     rank: int
     step: int
     layer: int
+
+
+class SidecarInfo(Msg, tag="sidecar_info"):
+    """Where peers reach this sidecar and under which epoch (for the engine's router targets)."""
 
 
 class GetFinished(Msg, tag="get_finished"):
@@ -302,11 +317,13 @@ AnyMsg = (
     | Abort
     | Error
     | RegisterCaches
+    | RegisterEngine
     | AddSend
     | ExpectRecv
     | BeginStep
     | LayerReady
     | GetFinished
+    | SidecarInfo
     | Finished
     | AbortRequest
     | Reply

@@ -21,8 +21,9 @@ import zmq.asyncio
 
 from app.config import SidecarSettings
 from app.devices import CpuEvent
-from app.engine_link.shm import attach_allocator
+from app.engine_link.shm import attach_allocator, map_engine_file
 from app.errors import (
+    ConfigError,
     DeadlineExceeded,
     KVSidecarError,
     LayoutMismatchError,
@@ -30,6 +31,8 @@ from app.errors import (
     ProtocolError,
 )
 from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.engine_layout import describe_engine
+from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, allocate
 from app.kvcache.presets import load_preset
@@ -43,6 +46,7 @@ from app.transfer.agent import (
     LayerTask,
     RecvRequest,
     SendRequest,
+    StepState,
     StreamThread,
     receive_manifest,
 )
@@ -70,9 +74,11 @@ from app.transfer.protocol import (
     PoolLookup,
     PoolSave,
     RegisterCaches,
+    RegisterEngine,
     Rejected,
     Reply,
     Role,
+    SidecarInfo,
     Status,
     layout_desc,
     rank_metadata,
@@ -178,6 +184,19 @@ class Sidecar:
             s.engine_ipc,
         )
 
+    def info(self) -> dict[str, str | int | float | bool | None]:
+        """What an engine hands its router so that a prefill sidecar can reach this one."""
+        ready, why = self.ready
+        return {
+            "epoch": self.epoch,
+            "host": self.settings.resolved_advertise_host(),
+            "port": self.control_port,
+            "engine_id": self.settings.engine_id,
+            "tp_size": self.tp_size,
+            "ready": ready,
+            "why": why,
+        }
+
     @property
     def control_port(self) -> int:
         return int(self.control_endpoint.rsplit(":", 1)[1])
@@ -238,15 +257,14 @@ class Sidecar:
                 return None
             if isinstance(msg, RegisterCaches):
                 return await self._register(msg)
+            if isinstance(msg, RegisterEngine):
+                return await self._register_engine(msg.registration)
             if isinstance(msg, AddSend):
                 return await self._add_send(msg)
             if isinstance(msg, ExpectRecv):
                 return self._expect(msg)
             if isinstance(msg, BeginStep):
-                self._agent(msg.rank).steps[msg.step] = [
-                    (s.request, s.start, s.end) for s in msg.slices
-                ]
-                return Reply()
+                return self._begin_step(msg)
             if isinstance(msg, GetFinished):
                 agent = self._agent(msg.rank)
                 sending, recving, failed = agent.finished()
@@ -257,6 +275,8 @@ class Sidecar:
                     bytes=sum(g.bytes for g in agent.groups.values()),
                     descriptors=sum(g.descriptors for g in agent.groups.values()),
                 )
+            if isinstance(msg, SidecarInfo):
+                return Reply(data=self.info())
             if isinstance(msg, AbortRequest):
                 await self._abort(msg.rank, msg.request, msg.reason, notify=True)
                 return Reply()
@@ -321,21 +341,7 @@ class Sidecar:
         await asyncio.to_thread(self.engine.register_many, layout.spans())
         if self.pool is not None:
             await self.pool.register(layout)
-        agent = Agent(layout, describe(layout), msg.engine_id)
-        loop = self._loop
-        assert loop is not None
-        agent.stream = StreamThread(
-            f"stream-{msg.rank}",
-            self.settings.stream_queue_depth,
-            self.engine.write_sync,
-            partial(_threadsafe, loop, partial(self._layer_done, agent)),
-            partial(_is_live, agent),
-            partial(_threadsafe, loop, partial(self._pin, agent)),
-        )
-        old = self.agents.pop(msg.rank, None)
-        if old and old.stream:
-            await asyncio.to_thread(old.stream.stop)
-        self.agents[msg.rank] = agent
+        await self._install(Agent(layout, describe(layout), msg.engine_id))
         self.compat_hash = model.compat_hash()
         self.tp_size = msg.tp_size
         return Reply(
@@ -345,6 +351,88 @@ class Sidecar:
                 "num_blocks": config.num_blocks,
             }
         )
+
+    async def _register_engine(self, reg: EngineRegistration) -> Msg:
+        """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
+        self._check_rank(reg.rank, reg.tp_size)
+        buffers = [map_engine_file(span.name, span.offset + span.size) for span in reg.memory]
+        desc = describe_engine(
+            reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
+        )
+        if self.compat_hash and desc.compat_hash != self.compat_hash:
+            return Reply(
+                ok=False,
+                error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
+                f"{self.compat_hash}; every rank of one sidecar must run the same model",
+            )
+        assert self.engine is not None
+        spans = [
+            (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
+        ]
+        await asyncio.to_thread(self.engine.register_many, spans)
+        agent = Agent(None, desc, reg.engine_id)
+        agent.memory = buffers  # the mappings live as long as the agent
+        await self._install(agent)
+        self.compat_hash = desc.compat_hash
+        self.tp_size = reg.tp_size
+        log.info(
+            "rank %d registered %s: %d layers in %d groups, %d blocks, %d regions",
+            reg.rank,
+            reg.model,
+            len(desc.placements),
+            len(desc.groups),
+            desc.num_blocks,
+            len(desc.regions),
+        )
+        return Reply(
+            data={
+                "epoch": self.epoch,
+                "control_port": self.control_port,
+                "num_blocks": desc.num_blocks,
+                "compat_hash": desc.compat_hash,
+            }
+        )
+
+    def _check_rank(self, rank: int, tp_size: int) -> None:
+        if rank not in self.settings.ranks:
+            raise ConfigError(
+                f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "
+                "set the sidecar's ranks to the engine ranks in its pod"
+            )
+
+    async def _install(self, agent: Agent) -> None:
+        loop = self._loop
+        assert self.engine is not None
+        assert loop is not None
+        agent.stream = StreamThread(
+            f"stream-{agent.rank}",
+            self.settings.stream_queue_depth,
+            self.engine.write_sync,
+            partial(_threadsafe, loop, partial(self._layer_done, agent)),
+            partial(_is_live, agent),
+            partial(_threadsafe, loop, partial(self._pin, agent)),
+        )
+        old = self.agents.pop(agent.rank, None)
+        if old and old.stream:
+            await asyncio.to_thread(old.stream.stop)
+        self.agents[agent.rank] = agent
+
+    def _begin_step(self, msg: BeginStep) -> Msg:
+        agent = self._agent(msg.rank)
+        for s in msg.slices:
+            req = agent.sends.get(s.request)
+            if s.block_ids is None or req is None or req.state.terminal:
+                continue
+            blocks = _blocks(s.block_ids)
+            try:
+                check_block_ids(agent.desc, blocks, "prefill")
+            except OutOfBoundsError as e:
+                if req.finish(Status.FAILED, str(e)):
+                    self._spawn(self._send_done(req))
+                continue
+            req.blocks = blocks
+        agent.steps[msg.step] = StepState([(s.request, s.start, s.end) for s in msg.slices])
+        return Reply()
 
     def _pin(self, agent: Agent, ids: Sequence[str], delta: int) -> None:
         for rid in ids:
@@ -450,7 +538,8 @@ class Sidecar:
 
     async def _layer_ready(self, msg: LayerReady) -> None:
         agent = self._agent(msg.rank)
-        slices = agent.steps.get(msg.step, [])
+        step = agent.steps.get(msg.step)
+        slices = step.slices if step else []
         by_peer: dict[str, list[StepRequest]] = {}
         for rid, start, end in slices:
             req = agent.sends.get(rid)
@@ -482,8 +571,12 @@ class Sidecar:
             agent.stream.queue.put_nowait(task)
         except Exception:  # full: back-pressure the engine link without blocking the loop
             await asyncio.to_thread(agent.stream.put, task, self.settings.send_timeout_s)
-        if msg.layer in (agent.desc.placements[-1].layer, ALL_LAYERS):
-            agent.steps.pop(msg.step, None)
+        if step is not None:
+            step.seen.add(msg.layer)
+            # Engines signal layers in their own order (state layers only after the forward
+            # pass), so the step ends when every layer was signalled, not at the last index.
+            if ALL_LAYERS in step.seen or len(step.seen) >= len(agent.desc.placements):
+                agent.steps.pop(msg.step, None)
 
     def _layer_done(self, agent: Agent, res: LayerResult) -> None:
         self.layer_latency.append(res.latency_s)

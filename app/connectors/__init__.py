@@ -1,0 +1,1 @@
+"""Inference-engine connectors that drive a kv-sidecar."""

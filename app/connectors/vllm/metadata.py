@@ -1,0 +1,50 @@
+"""What the scheduler side tells the worker side each step (vLLM connector metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+BlockIds = list[list[int]]
+
+
+@dataclass(frozen=True)
+class Admit:
+    """A prefill request to admit at the sidecar: ``sid`` is the id both sidecars use."""
+
+    req_id: str
+    sid: str
+    prompt_len: int
+    block_ids: BlockIds
+    remote: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Prompt tokens ``[start, end)`` of a send computed this step; blocks when they grew."""
+
+    sid: str
+    start: int
+    end: int
+    block_ids: BlockIds | None = None
+
+
+@dataclass(frozen=True)
+class Target:
+    """A decode request's target, for the router once the worker ran the allocating step."""
+
+    router_url: str
+    transfer_id: str
+    target: dict[str, Any]
+
+
+@dataclass
+class KVSidecarMetadata(KVConnectorMetadata):
+    admits: list[Admit] = field(default_factory=list)
+    slices: list[Slice] = field(default_factory=list)
+    targets: list[Target] = field(default_factory=list)
+    # Decode requests the sidecar never took (it refused or did not answer): the worker
+    # reports them as loaded with errors so vLLM recomputes them instead of waiting forever.
+    failed_recvs: dict[str, BlockIds] = field(default_factory=dict)

@@ -1,0 +1,211 @@
+"""The scheduler side: which requests load remotely (decode) or send (prefill), and their blocks.
+
+Decode first (DESIGN §2): a decode request with ``do_remote_prefill`` loads the prompt minus the
+one token decode recomputes, asynchronously. Once its blocks are allocated the scheduler has the
+sidecar expect it on every rank (so no ``Done`` can arrive for an unknown request) and queues its
+target; a worker posts the target to the router after the step that allocated (and zeroed) the
+blocks ran, so the prefill's writes cannot land before vLLM's zeroing. A prefill request with
+``do_remote_decode`` is admitted at the sidecar by the workers and keeps its blocks until the
+sidecar reports the send ended.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from vllm.v1.request import RequestStatus
+
+from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.metadata import Admit, BlockIds, KVSidecarMetadata, Slice, Target
+from app.engine_link.client import EngineLink
+from app.errors import KVSidecarError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Send:
+    sid: str
+    remote: dict[str, Any]
+    prompt_len: int
+    block_ids: BlockIds
+    admitted: bool = False
+    grown: bool = False
+
+
+@dataclass
+class _State:
+    sends: dict[str, _Send] = field(default_factory=dict)  # vLLM request id -> send
+    unfinished_sends: set[str] = field(default_factory=set)  # kept blocks, awaiting the sidecar
+    recvs: dict[str, BlockIds] = field(default_factory=dict)  # decode requests expected
+    targets: list[Target] = field(default_factory=list)
+    failed_recvs: dict[str, BlockIds] = field(default_factory=dict)
+
+
+def _params(request: Any) -> dict[str, Any]:
+    return dict(getattr(request, "kv_transfer_params", None) or {})
+
+
+class SchedulerSide:
+    """Per engine (not per rank): talks to the sidecar on behalf of every local rank."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.state = _State()
+        self._links: list[EngineLink] | None = None
+        self.matched: dict[str, int] = {}  # tokens promised to each decode request (for tests)
+
+    @property
+    def links(self) -> list[EngineLink]:
+        if self._links is None:
+            self._links = [
+                EngineLink(
+                    self.config.sidecar,
+                    self.config.engine_id,
+                    rank,
+                    timeout_s=self.config.link_timeout_s,
+                )
+                for rank in range(self.config.tp_size)
+            ]
+        return self._links
+
+    # ---- vLLM hooks ------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        p = _params(request)
+        if not p.get("do_remote_prefill") or request.request_id in self.state.recvs:
+            return 0, False
+        # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
+        count = len(request.prompt_token_ids) - 1 - num_computed
+        if count <= 0:
+            return 0, False
+        self.matched[request.request_id] = count
+        return count, True
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
+        p = _params(request)
+        rid = request.request_id
+        ids = [list(map(int, g)) for g in blocks.get_block_ids()]
+        if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
+            self._expect(request, p, ids)
+        elif p.get("do_remote_decode") and rid not in self.state.sends:
+            remote = p.get("remote")
+            if not isinstance(remote, dict) or "request_id" not in remote:
+                log.error("request %s: do_remote_decode without a remote target; not sent", rid)
+                return
+            self.state.sends[rid] = _Send(
+                str(remote["request_id"]), remote, len(request.prompt_token_ids), ids
+            )
+
+    def _expect(self, request: Any, p: dict[str, Any], ids: BlockIds) -> None:
+        rid = request.request_id
+        self.state.recvs[rid] = ids
+        arrays = [np.asarray(g, np.int64) for g in ids]
+        try:
+            for link in self.links:
+                link.expect_receive(
+                    rid,
+                    len(request.prompt_token_ids),
+                    arrays,
+                    self.config.prefill_tp,
+                    timeout_s=self.config.recv_timeout_s,
+                )
+            info = self.links[0].sidecar_info()
+        except KVSidecarError as e:
+            log.error("request %s: the sidecar did not take it (%s); recomputing locally", rid, e)
+            self.state.failed_recvs[rid] = ids
+            return
+        router = p.get("router_url")
+        if not router:
+            log.warning("request %s: no router_url in kv_transfer_params; nobody will send", rid)
+            return
+        target = {
+            "request_id": rid,
+            "host": info["host"],
+            "port": info["port"],
+            "engine_id": info["engine_id"],
+            "epoch": info["epoch"],
+            "tp_size": self.config.tp_size,
+            "block_ids": ids,
+        }
+        self.state.targets.append(Target(str(router), str(p.get("transfer_id", rid)), target))
+
+    def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
+        st = self.state
+        meta = KVSidecarMetadata(targets=st.targets, failed_recvs=st.failed_recvs)
+        st.targets, st.failed_recvs = [], {}
+        computed: dict[str, int] = {}
+        for new in out.scheduled_new_reqs:
+            computed[new.req_id] = new.num_computed_tokens
+            send = st.sends.get(new.req_id)
+            if send is not None and not send.admitted:
+                send.block_ids = [list(map(int, g)) for g in new.block_ids]
+                meta.admits.append(
+                    Admit(new.req_id, send.sid, send.prompt_len, send.block_ids, send.remote)
+                )
+                send.admitted = True
+                st.unfinished_sends.add(new.req_id)
+        cached = out.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+            send = st.sends.get(rid)
+            grown = cached.new_block_ids[i]
+            if send is not None and grown:
+                for g, extra in enumerate(grown):
+                    send.block_ids[g].extend(int(b) for b in extra)
+                send.grown = True
+        for rid, n in out.num_scheduled_tokens.items():
+            send = st.sends.get(rid)
+            if send is None or not send.admitted or computed.get(rid, 0) >= send.prompt_len:
+                continue
+            start = computed[rid]
+            end = min(start + n, send.prompt_len)
+            meta.slices.append(Slice(send.sid, start, end, send.block_ids if send.grown else None))
+            send.grown = False
+        for rid in out.preempted_req_ids or ():
+            # A preempted prefill lost its blocks: the send cannot finish; decode recomputes.
+            self._abort_send(rid, "prefill request preempted")
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self.matched.pop(rid, None)
+        if self.state.recvs.pop(rid, None) is not None and (
+            request.status == RequestStatus.FINISHED_ABORTED
+        ):
+            self._abort_all(rid, "decode request aborted")
+        send = self.state.sends.pop(rid, None)
+        if send is None or not send.admitted:
+            return False, None
+        if request.status == RequestStatus.FINISHED_ABORTED:
+            self._abort_all(send.sid, "prefill request aborted")
+        # Keep the blocks until a worker reports the send ended (get_finished).
+        return rid in self.state.unfinished_sends, None
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in getattr(output, "finished_sending", None) or ():
+            self.state.unfinished_sends.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self.state.unfinished_sends)
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _abort_send(self, rid: str, reason: str) -> None:
+        send = self.state.sends.get(rid)
+        if send is not None and send.admitted:
+            self._abort_all(send.sid, reason)
+
+    def _abort_all(self, sid: str, reason: str) -> None:
+        for link in self.links:
+            try:
+                link.abort(sid, reason)
+            except KVSidecarError as e:
+                log.warning("abort of %s on rank %d failed: %s", sid, link.rank, e)
+
+    def close(self) -> None:
+        for link in self._links or ():
+            link.close(unlink=False)

@@ -1,0 +1,177 @@
+"""The worker side: registration, admissions, per-layer signals and completions for one rank.
+
+Prefill: each step's send slices go to the sidecar before the forward pass (``begin_step``);
+``save_kv_layer`` signals each attention/MLA layer as its KV is written, ``wait_for_save`` the
+layers vLLM does not call it for. Decode: nothing to do per layer (the prefill pushes); the
+sidecar's ``Finished`` tells which requests landed and which failed (their blocks go to vLLM as
+load errors, so it recomputes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import numpy as np
+
+from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.metadata import KVSidecarMetadata, Target
+from app.connectors.vllm.registration import build_registration
+from app.engine_link.client import EngineLink
+from app.errors import KVSidecarError
+from app.transfer.protocol import RemoteTarget
+
+log = logging.getLogger(__name__)
+
+
+def post_target(target: Target, timeout_s: float = 5.0) -> None:
+    """Hand a decode target to the router (which then sends the prompt to a prefill)."""
+    try:
+        r = httpx.post(
+            target.router_url,
+            json={"transfer_id": target.transfer_id, "target": target.target},
+            timeout=timeout_s,
+        )
+        if r.status_code != 200:
+            log.error("router refused target %s: %s %s", target.transfer_id, r.status_code, r.text)
+    except httpx.HTTPError as e:
+        log.error(
+            "router %s unreachable for target %s: %s", target.router_url, target.transfer_id, e
+        )
+
+
+class WorkerSide:
+    def __init__(self, config: ConnectorConfig, rank: int, vllm_config: Any, kv_cache_config: Any):
+        self.config = config
+        self.rank = rank
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.link = EngineLink(
+            config.sidecar, config.engine_id, rank, timeout_s=config.link_timeout_s
+        )
+        self.layer_index: dict[str, int] = {}
+        self._step = 0
+        self._active = False
+        self._signalled: set[int] = set()
+        self._vllm_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (sends)
+        self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
+        self._vllm_finished: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._failed_recvs: dict[str, list[list[int]]] = {}
+        self._posts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-router")
+        self._lock = threading.Lock()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        reg = build_registration(
+            vllm_config=self.vllm_config,
+            kv_cache_config=self.kv_cache_config,
+            kv_caches=kv_caches,
+            engine_id=self.config.engine_id,
+            rank=self.rank,
+            tp_size=self.config.tp_size,
+        )
+        self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
+        compat = self.link.register_engine(reg)
+        log.info(
+            "rank %d registered %d layers, %d groups, %d blocks with the sidecar (model %s)",
+            self.rank,
+            len(reg.layers),
+            len(reg.groups),
+            reg.num_blocks,
+            compat,
+        )
+
+    def start_load_kv(self, meta: KVSidecarMetadata) -> None:
+        for a in meta.admits:
+            r = a.remote
+            self._vllm_ids[a.sid] = a.req_id
+            try:
+                self.link.add_send_request(
+                    a.sid,
+                    a.prompt_len,
+                    [np.asarray(g, np.int64) for g in a.block_ids],
+                    RemoteTarget(
+                        host=str(r["host"]),
+                        port=int(r["port"]),
+                        engine_id=str(r["engine_id"]),
+                        epoch=str(r["epoch"]),
+                        tp_size=int(r["tp_size"]),
+                        block_ids=[list(map(int, g)) for g in r["block_ids"]],
+                    ),
+                )
+            except (KVSidecarError, KeyError, ValueError) as e:
+                # The sidecar reports the refusal in Finished (and tells decode); nothing to
+                # send for it this step.
+                log.error("request %s: the sidecar refused the send: %s", a.req_id, e)
+        self._active = bool(meta.slices)
+        self._signalled = set()
+        if self._active:
+            self._step += 1
+            self.link.begin_step(
+                self._step,
+                [(s.sid, s.start, s.end) for s in meta.slices],
+                {s.sid: s.block_ids for s in meta.slices if s.block_ids is not None},
+            )
+        with self._lock:
+            self._failed_recvs.update(meta.failed_recvs)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if not self._active:
+            return
+        index = self.layer_index.get(layer_name)
+        if index is not None and index not in self._signalled:
+            self._signalled.add(index)
+            self.link.layer_ready(self._step, index)
+
+    def wait_for_save(self, meta: KVSidecarMetadata | None) -> None:
+        if self._active:
+            # Layers vLLM never calls save_kv_layer for (state layers) are final now.
+            for index in range(len(self.layer_index)):
+                if index not in self._signalled:
+                    self.link.layer_ready(self._step, index)
+            self._active = False
+        if meta is not None and self.rank == 0:
+            for t in meta.targets:
+                self._posts.submit(post_target, t)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
+        fin = self.link.get_finished()
+        recving = set(fin.recving)
+        for sid in fin.sending:
+            self._sent.add(sid)
+        for f in fin.failed:
+            if f.request in self._vllm_ids:
+                log.warning("send %s ended %s: %s", f.request, f.status.name, f.error)
+                self._sent.add(f.request)
+            else:
+                log.warning(
+                    "load of %s ended %s: %s; recomputing", f.request, f.status.name, f.error
+                )
+                recving.add(f.request)
+                self._load_errors.update(b for g in f.block_ids for b in g)
+        with self._lock:
+            failed, self._failed_recvs = self._failed_recvs, {}
+        for rid, ids in failed.items():
+            recving.add(rid)
+            self._load_errors.update(b for g in ids for b in g)
+        sending = set()
+        for sid in list(self._sent):
+            rid = self._vllm_ids.get(sid, sid)
+            if rid in self._vllm_finished:
+                sending.add(rid)
+                self._sent.discard(sid)
+                self._vllm_finished.discard(rid)
+                self._vllm_ids.pop(sid, None)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def close(self) -> None:
+        self._posts.shutdown(wait=False)
+        self.link.close(unlink=False)
