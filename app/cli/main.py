@@ -9,6 +9,7 @@ import typer
 from app.cli.bench import bench_command
 from app.cli.demo import demo_command
 from app.cli.plan import plan_command
+from app.cli.proxy import proxy_command
 from app.cli.serve import serve_command
 from app.errors import KVSidecarError
 
@@ -22,6 +23,7 @@ app = typer.Typer(
 app.command("bench")(bench_command)
 app.command("demo")(demo_command)
 app.command("plan")(plan_command)
+app.command("proxy")(proxy_command)
 app.command("serve")(serve_command)
 
 
@@ -37,3 +39,7 @@ def main() -> None:
     except KVSidecarError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

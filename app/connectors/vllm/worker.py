@@ -20,7 +20,7 @@ import numpy as np
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata, Target
 from app.connectors.vllm.registration import build_registration
-from app.engine_link.client import EngineLink
+from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.transfer.protocol import RemoteTarget
 
@@ -110,11 +110,17 @@ class WorkerSide:
         self._signalled = set()
         if self._active:
             self._step += 1
-            self.link.begin_step(
-                self._step,
-                [(s.sid, s.start, s.end) for s in meta.slices],
-                {s.sid: s.block_ids for s in meta.slices if s.block_ids is not None},
-            )
+            try:
+                self.link.begin_step(
+                    self._step,
+                    [(s.sid, s.start, s.end) for s in meta.slices],
+                    {s.sid: s.block_ids for s in meta.slices if s.block_ids is not None},
+                )
+            except KVSidecarError as e:
+                # The forward pass goes on without the sidecar; decode recomputes on its own
+                # once its sidecar gives up waiting.
+                log.error("step %d not announced to the sidecar: %s", self._step, e)
+                self._active = False
         with self._lock:
             self._failed_recvs.update(meta.failed_recvs)
 
@@ -139,7 +145,11 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
-        fin = self.link.get_finished()
+        try:
+            fin = self.link.get_finished()
+        except KVSidecarError as e:
+            log.error("sidecar unreachable for get_finished: %s", e)
+            fin = FinishedRequests([], [], [])
         recving = set(fin.recving)
         for sid in fin.sending:
             self._sent.add(sid)

@@ -1,0 +1,288 @@
+"""A local P/D pair of real vLLM engines with their sidecars and the proxy, as processes.
+
+Used by the end-to-end tests and ``scripts/demo_vllm.sh``. The model is tiny with random
+weights written once with a fixed seed, so both engines load the same bytes and greedy outputs
+are distinct per prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.errors import ConfigError, DeadlineExceeded
+
+_COMMON = {
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "vocab_size": 1024,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
+    "initializer_range": 0.5,  # large enough for distinct greedy tokens
+}
+TINY_MODELS: dict[str, dict[str, Any]] = {
+    "llama": {  # GQA: 4 query heads over 2 KV heads
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "tie_word_embeddings": False,
+    },
+    "gemma3": {  # sliding window (64 tokens) + full attention, vLLM splits them by stride
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 4,
+        "sliding_window": 64,
+        "layer_types": [
+            "sliding_attention",
+            "full_attention",
+            "sliding_attention",
+            "full_attention",
+        ],
+        "query_pre_attn_scalar": 64,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.1,  # 0.5 saturates Gemma's soft-capping: one token forever
+    },
+}
+
+
+def write_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
+    """``config.json`` plus one safetensors file of random weights (idempotent)."""
+    if kind not in TINY_MODELS:
+        raise ConfigError(f"unknown tiny model {kind!r}; expected one of {sorted(TINY_MODELS)}")
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({**_COMMON, **TINY_MODELS[kind]}))
+    config = AutoConfig.from_pretrained(str(path))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    weights = {
+        k: v.clone().contiguous()
+        for k, v in model.state_dict().items()
+        if not (tied and k == "lm_head.weight")
+    }
+    save_file(weights, str(path / "model.safetensors.tmp"))
+    os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Instance:
+    role: str
+    vllm_port: int
+    admin_port: int
+    control_port: int
+    ipc: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.vllm_port}"
+
+    @property
+    def admin(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+
+@dataclass
+class LocalPD:
+    """Two sidecars, two vLLM API servers (P and D) and the proxy, on loopback."""
+
+    model: Path
+    work: Path
+    recv_timeout_s: float = 30.0
+    extra_vllm_args: Sequence[str] = ()
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    started_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.prefill = self._instance("prefill")
+        self.decode = self._instance("decode")
+        self.proxy_port = free_port()
+
+    def _instance(self, role: str) -> Instance:
+        return Instance(
+            role, free_port(), free_port(), free_port(), f"ipc://{self.work}/{role}.ipc"
+        )
+
+    @property
+    def proxy(self) -> str:
+        return f"http://127.0.0.1:{self.proxy_port}"
+
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
+        log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - the process owns it
+        self.procs[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
+
+    def start_sidecar(self, inst: Instance) -> None:
+        self._spawn(
+            f"sidecar-{inst.role}",
+            [
+                sys.executable,
+                "-m",
+                "app.cli.main",
+                "serve",
+                "--role",
+                inst.role,
+                "--engine-id",
+                inst.role,
+                "--ranks",
+                "0",
+                "--tp-size",
+                "1",
+                "--control-host",
+                "127.0.0.1",
+                "--control-port",
+                str(inst.control_port),
+                "--engine-ipc",
+                inst.ipc,
+                "--admin-port",
+                str(inst.admin_port),
+            ],
+            {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"},
+        )
+
+    def start(self, timeout_s: float = 400.0) -> LocalPD:
+        t0 = time.monotonic()
+        for inst in (self.prefill, self.decode):
+            self.start_sidecar(inst)
+        for inst in (self.prefill, self.decode):
+            self._wait(f"{inst.admin}/livez", f"sidecar-{inst.role}", 60)
+        for inst in (self.prefill, self.decode):
+            ktc = {
+                "kv_connector": "KVSidecarConnector",
+                "kv_connector_module_path": "app.connectors.vllm",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "sidecar": inst.ipc,
+                    "engine_id": inst.role,
+                    "recv_timeout_s": self.recv_timeout_s,
+                    "link_timeout_s": 3.0,
+                },
+            }
+            self._spawn(
+                f"vllm-{inst.role}",
+                [
+                    sys.executable,
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(self.model),
+                    "--served-model-name",
+                    "tiny",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(inst.vllm_port),
+                    "--skip-tokenizer-init",
+                    "--max-model-len",
+                    "2048",
+                    "--enforce-eager",
+                    "--no-enable-prefix-caching",
+                    "--max-num-seqs",
+                    "16",
+                    "--kv-transfer-config",
+                    json.dumps(ktc),
+                    *self.extra_vllm_args,
+                ],
+                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+            )
+        self._spawn(
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "app.cli.main",
+                "proxy",
+                "--prefill",
+                self.prefill.url,
+                "--decode",
+                self.decode.url,
+                "--port",
+                str(self.proxy_port),
+            ],
+        )
+        for inst in (self.prefill, self.decode):
+            self._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
+        self._wait(f"{self.proxy}/health", "proxy", 60)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def _wait(self, url: str, name: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            proc = self.procs[name]
+            if proc.poll() is not None:
+                tail = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
+                raise ConfigError(f"{name} exited with {proc.returncode}:\n{tail}")
+            try:
+                if httpx.get(url, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise DeadlineExceeded(f"{name} did not answer {url} within {timeout_s}s")
+
+    def complete(
+        self, base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0
+    ) -> list[int]:
+        """Greedy token ids of one completion through ``base`` (the proxy or an engine)."""
+        r = httpx.post(
+            f"{base}/v1/completions",
+            json={
+                "model": "tiny",
+                "prompt": list(prompt),
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+            timeout=timeout_s,
+        )
+        r.raise_for_status()
+        return list(r.json()["choices"][0]["token_ids"])
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        proc = self.procs[name]
+        if proc.poll() is None:
+            proc.send_signal(sig)
+            proc.wait(30)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
