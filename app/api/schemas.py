@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -177,6 +177,7 @@ class GroupsResponse(_Model):
 class GroupProgressView(_Model):
     group: int
     blocks: int = Field(description="Block ids of this request in this group.")
+    block_ids: list[int] = Field(description="This rank's block ids of the request, in order.")
     layers_sent: int | None = Field(
         description="Send: layer writes landed (one per layer per chunk); null on recv."
     )
@@ -247,6 +248,13 @@ class PeerView(_Model):
 
 class PeersResponse(_Model):
     peers: list[PeerView]
+
+
+class RegistrationResponse(_Model):
+    ranks: dict[str, Any] = Field(
+        description="Per rank registered from a real engine: its registration as the engine "
+        "sent it (shared-memory files, groups, each layer's tensor geometry)."
+    )
 
 
 class PoolResponse(_Model):

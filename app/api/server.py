@@ -35,6 +35,7 @@ from app.api.schemas import (
     PoolResponse,
     Readiness,
     RegionsResponse,
+    RegistrationResponse,
     RequestList,
     RequestLookup,
     RequestState,
@@ -143,6 +144,11 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
     async def get_regions() -> RegionsResponse:
         """The registered KV memory of each rank, as peers see it."""
         return views.regions(sidecar)
+
+    @app.get("/v1/registration", response_model=RegistrationResponse, tags=["state"])
+    async def get_registration() -> RegistrationResponse:
+        """What each rank's engine registered (ranks registered from presets are absent)."""
+        return views.registrations(sidecar)
 
     @app.get("/v1/groups", response_model=GroupsResponse, tags=["state"])
     async def get_groups() -> GroupsResponse:

@@ -17,6 +17,8 @@ from functools import cache
 from importlib import metadata
 from typing import Any
 
+import msgspec
+
 from app.api.schemas import (
     GroupProgressView,
     GroupsResponse,
@@ -29,6 +31,7 @@ from app.api.schemas import (
     RankStatus,
     RegionsResponse,
     RegionView,
+    RegistrationResponse,
     RequestState,
     RequestView,
     StatusResponse,
@@ -220,6 +223,7 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
                 GroupProgressView(
                     group=i,
                     blocks=int(b.size),
+                    block_ids=b.tolist(),
                     layers_sent=None,
                     bytes=None,
                     delivered=carriers <= done,
@@ -235,6 +239,7 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
                 GroupProgressView(
                     group=i,
                     blocks=int(b.size),
+                    block_ids=b.tolist(),
                     layers_sent=prog.layers_sent,
                     bytes=prog.bytes,
                     delivered=None,
@@ -290,6 +295,16 @@ def _find_on(agent: Agent, rid: str) -> list[Request]:
         if cur is not None:
             out[side_of(cur)] = cur
     return [out[s] for s in ("send", "recv") if s in out]
+
+
+def registrations(sidecar: Sidecar) -> RegistrationResponse:
+    return RegistrationResponse(
+        ranks={
+            str(rank): msgspec.to_builtins(agent.registration)
+            for rank, agent in sorted(sidecar.agents.items())
+            if agent.registration is not None
+        }
+    )
 
 
 def pool(sidecar: Sidecar) -> PoolResponse:

@@ -1,18 +1,26 @@
 """KV cache groups, unified page sizes and block counts, after vLLM's hybrid allocator.
 
-- Layers with equal specs are bucketed; buckets are cut into groups of ``group_size`` layers,
-  and layer i of every group shares tensor (slot) i, so one block id means one page in every slot.
+Follows vLLM 0.32 ``get_kv_cache_groups`` / ``get_kv_cache_config_from_groups`` exactly (checked
+against vLLM itself in ``tests/kvcache/test_groups_vs_vllm.py``):
+
+- Layers with equal specs are bucketed, buckets in order of their first layer. The group size is
+  the smallest bucket, or the largest when that is less than 1.5 times the smallest (padding
+  beats splitting). A bucket of ``n`` layers becomes ``cdiv(n, group_size)`` groups by stride:
+  group ``i`` takes ``layers[i::num_groups]``, so a pipeline stage's share of a bucket stays
+  balanced across its groups.
+- Layer ``i`` of every group shares tensor (slot) ``i`` -- one block id means one page in every
+  slot -- so there are as many slots as the largest group has layers.
 - All-MLA models (DeepSeek-V3.2 latent + indexer) form one group whose layers keep their own
   page sizes, each in its own slot (vLLM's ``UniformTypeKVCacheSpecs``).
 - With Mamba-style layers the block size is raised until one attention page holds the largest
-  state page, and state pages are padded up to it (vLLM 0.33 ``_align_hybrid_block_size``).
+  state page, and state pages are padded up to it (vLLM's ``Platform._align_hybrid_block_size``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from math import ceil
+from math import ceil, lcm
 
 from app.errors import ConfigError
 from app.kvcache.presets import CacheLayer, ModelSpec
@@ -94,7 +102,12 @@ def _check_block_size(model: ModelSpec, block_size: int) -> None:
 
 
 def hybrid_block_size(model: ModelSpec, tp: int, block_size: int) -> int:
-    """Raise the block size so one attention page holds the largest state page (vLLM 0.33)."""
+    """Raise the block size so one attention page holds the largest state page.
+
+    vLLM's ``Platform._align_hybrid_block_size``: the smallest multiple of
+    ``max(block size, kernel block)`` (at least 128 with MLA, for the MLA decode kernels) whose
+    attention page covers the state page, rounded up to every kernel's block.
+    """
     states = [c.spec for c in model.layers if isinstance(c.spec, MambaSpec)]
     attn = [c.spec for c in model.layers if not isinstance(c.spec, MambaSpec)]
     if not states or not attn:
@@ -105,18 +118,36 @@ def hybrid_block_size(model: ModelSpec, tp: int, block_size: int) -> int:
             "a hybrid with attention layers of different token sizes is not supported"
         )
     attn_1tok = per_token.pop()
-    align = max([block_size] + [_kernel(model, s, block_size) for s in attn])
+    kernels = [_kernel(model, s, block_size) for s in attn]
+    align = max([block_size, *kernels])
     if any(isinstance(s, MLASpec) for s in attn):
         align = max(align, 128)
     state_page = max(s.state_bytes(tp) for s in states)
-    return max(block_size, align * ceil(state_page / (align * attn_1tok)))
+    raised = align * ceil(state_page / (align * attn_1tok))
+    every_kernel = lcm(*kernels)
+    raised = every_kernel * ceil(raised / every_kernel)
+    return max(block_size, raised)
 
 
 def _bucket(model: ModelSpec) -> list[list[CacheLayer]]:
+    """Layers by spec, buckets in order of their first layer (vLLM's registration order)."""
     buckets: dict[LayerSpec, list[CacheLayer]] = {}
     for layer in model.layers:
         buckets.setdefault(layer.spec, []).append(layer)
     return list(buckets.values())
+
+
+def _groups_per_bucket(sizes: Sequence[int]) -> list[int]:
+    """How many groups vLLM cuts each bucket of ``sizes[b]`` layers into.
+
+    The group size is the smallest bucket, or the largest when that is below 1.5 times the
+    smallest: vLLM pads a few layers rather than doubling the groups (gpt-oss + EAGLE:
+    12 sliding + 13 full gives two groups of 13, not 12 + 12 + 1).
+    """
+    group_size = min(sizes)
+    if max(sizes) < group_size * 1.5:
+        group_size = max(sizes)
+    return [-(-n // group_size) for n in sizes]
 
 
 def build_cache_config(
@@ -145,27 +176,27 @@ def build_cache_config(
         ]
     else:
         buckets = _bucket(model)
-        sizes = [len(b) for b in buckets]
-        group_size = min(sizes)
-        if max(sizes) < group_size * 1.25:
-            group_size = max(sizes)
         page = max(c.spec.page_bytes(tp, bs) for c in model.layers)
-        for layers in buckets:
+        counts = _groups_per_bucket([len(b) for b in buckets])
+        for layers, num_groups in zip(buckets, counts, strict=True):
             spec = layers[0].spec
             if not isinstance(spec, MambaSpec) and spec.page_bytes(tp, bs) != page:
                 raise ConfigError(
                     f"layers {layers[0].name}.. have {spec.page_bytes(tp, bs)}-byte pages and "
                     f"others {page}; vLLM cannot share tensors between them"
                 )
-            for start in range(0, len(layers), group_size):
-                chunk = tuple(layers[start : start + group_size])
-                window = spec.sliding_window if isinstance(spec, AttentionSpec) else None
+            window = spec.sliding_window if isinstance(spec, AttentionSpec) else None
+            for i in range(num_groups):
+                # By stride, as vLLM: layers[i::n], not contiguous chunks.
+                members = tuple(layers[i::num_groups])
                 groups.append(
-                    KVGroup(len(groups), spec.kind, chunk, bs, _kernel(model, spec, bs), window)
+                    KVGroup(len(groups), spec.kind, members, bs, _kernel(model, spec, bs), window)
                 )
+        # vLLM's block holds the largest group's pages: one slot per layer position.
+        width = max(len(g.layers) for g in groups)
         slots = [
             Slot(i, page, tuple((g.index, g.layers[i].index) for g in groups if i < len(g.layers)))
-            for i in range(group_size)
+            for i in range(width)
         ]
 
     per_block = sum(s.page_bytes for s in slots)

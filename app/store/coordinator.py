@@ -1,30 +1,42 @@
-"""Cache-hit length across KV cache groups, as vLLM's hybrid KV cache coordinator computes it.
+"""Cache-hit length across KV cache groups, exactly as vLLM 0.32's KV cache coordinator.
 
 The pool holds blocks per group; a request can reuse a prefix of ``L`` tokens only when every
-group can resume at ``L``. Each kind of group has its own rule for "can resume at L" (DESIGN §9):
+group can resume at ``L``. Each kind of group has its own finder (vLLM's
+``SingleTypeKVCacheManager.find_longest_cache_hit``; DESIGN §9):
 
-* full attention / MLA: every block before ``L`` is in the pool (longest prefix of hits);
-* sliding window ``w``: the last ``ceil((w - 1) / bs)`` blocks before ``L`` are in the pool
-  (the right-most such run ending at or before the candidate), or ``L`` is covered by a run of
-  hits starting at block 0 (shorter than the window, but nothing earlier is needed);
-* chunked local attention with chunk ``c``: the blocks from the start of ``L``'s chunk up to
-  ``L`` are in the pool (blocks of earlier chunks are never read);
-* Mamba-style state ("align" mode): the state block ending exactly at ``L`` is in the pool
-  (right-most aligned hit).
+* full attention / MLA: the longest prefix of hits;
+* sliding window ``w``: the right-most run of ``ceil((w - 1) / bs)`` hits whose end is aligned,
+  or, when there is none, the run of hits starting at block 0 (shorter than the window, but
+  nothing earlier is needed), aligned down;
+* chunked local attention with chunk ``c``: the hits from the start of ``L``'s chunk up to
+  ``L`` (blocks of earlier chunks are never read);
+* Mamba-style state ("align" mode): the right-most hit whose end is aligned.
 
-``L`` must be a multiple of the lcm of the group block sizes (no partial block hits) and at most
-``num_tokens - 1`` (the last prompt token is always recomputed, for its logits). Groups with
-identical specs share one lookup (a block counts only if present for all of them). The search
-runs each group's finder on the current candidate, full attention first; any group can only
-shrink the candidate, so repeating until nothing shrinks reaches a fixed point where every rule
-holds. With EAGLE/MTP each attention group drops one block once per candidate length (its
-finder gets one block of margin and drops it); Mamba never drops (draft models have no Mamba
-layers) and EAGLE with chunked local attention is refused, as in vLLM.
+``L`` is a multiple of the lcm of the group block sizes and at most ``num_tokens - 1`` (the last
+prompt token is always recomputed, for its logits). Groups with identical specs share one
+lookup (a block counts only if present for all of them). With one group this is vLLM's
+``UnitaryKVCacheCoordinator``: one finder call. With more it is ``HybridKVCacheCoordinator``:
+finders run on the current candidate, full attention first (its prefix is cached and only cut
+afterwards); any group can only shrink the candidate, so passes repeat until none shrinks (after
+one pass when the only groups are full attention and one other spec).
 
-Two deliberate generalisations over vLLM, which asserts them away: a chunked-local group whose
-block size is not the lcm re-runs its rule at the aligned-down candidate, and a sliding-window
-group under EAGLE checks alignment at the run's end *after* the dropped block, so every result is
-lcm-aligned.
+EAGLE/MTP, as vLLM: the EAGLE groups are the ones named (all groups when none are). An EAGLE
+spec group drops one block once per candidate length: full attention drops its last matched
+block, then aligns down; sliding window needs one more block in its run, aligns the run's end
+*after* the drop, and on the run from block 0 aligns, drops, and aligns again. With two or more
+groups the finder looks one block past the candidate first (capped at the request's whole hash
+blocks), so the drop lands back on it; a single group looks only up to ``num_tokens - 1``. A
+Mamba group counts among the EAGLE groups -- it takes its one verification per candidate, so a
+cut it makes does not make the other groups drop again -- but looks no block ahead and drops
+nothing (the draft model has no Mamba layers). The margin, the cap and the per-candidate
+bookkeeping make results that a stricter reading would not give, e.g. a sliding window verified
+at a longer candidate is not dropped again after Mamba cuts the candidate.
+
+Where vLLM refuses, so do we: EAGLE with chunked local attention, and a chunked-local group whose
+block size is not the lcm. vLLM 0.32 can also land hits between block boundaries ("partial hash
+hits": a Mamba group in align mode with blocks larger than the hash block); the pool stores whole
+blocks, so its lengths are vLLM's with those off -- which is what vLLM does whenever every
+group's block size equals the hash block size, the default for hybrid Mamba models.
 
 Masks. ``load_masks`` say which blocks of each group to fetch for a hit of ``L`` tokens: all of
 them for full attention, the window tail for sliding window, the current chunk for chunked local,
@@ -35,8 +47,9 @@ attention every full block up to ``C``, sliding window only the window tail befo
 chunked local only ``C``'s chunk, Mamba only the state block ending at ``C``. Blocks past ``C``
 are not stored: no hit can use them, since hits are lcm-aligned and need every group. With
 EAGLE, attention groups also store the one block after ``C`` (when it is full), because a later
-EAGLE lookup matches one block past the boundary before dropping it. When every group has the
-same block size and no EAGLE, ``C`` is all full blocks and full attention stores every one.
+EAGLE lookup matches one block past the boundary before dropping it; Mamba looks no block ahead,
+so it stores none. When every group has the same block size and no EAGLE, ``C`` is all full
+blocks and full attention stores every one.
 """
 
 from __future__ import annotations
@@ -143,6 +156,13 @@ def _hit(mask: Mask, i: int) -> bool:
     return i < len(mask) and mask[i]
 
 
+def _align_down(n: int, bs: int, align: int) -> int:
+    """Largest ``k <= n`` blocks whose length ``k * bs`` is a multiple of ``align``."""
+    while n > 0 and (n * bs) % align:
+        n -= 1
+    return n
+
+
 def _find_full(mask: Mask, bs: int, max_len: int, drop: bool, align: int) -> int:
     limit = min(max_len // bs, len(mask))
     n = 0
@@ -150,9 +170,7 @@ def _find_full(mask: Mask, bs: int, max_len: int, drop: bool, align: int) -> int
         n += 1
     if drop and n > 0:
         n -= 1
-    while n > 0 and (n * bs) % align:
-        n -= 1
-    return n * bs
+    return _align_down(n, bs, align) * bs
 
 
 def _find_sliding(mask: Mask, spec: PoolGroup, max_len: int, drop: bool, align: int) -> int:
@@ -171,16 +189,15 @@ def _find_sliding(mask: Mask, spec: PoolGroup, max_len: int, drop: bool, align: 
                 return (i + run - shift) * bs
         else:
             run = 0
-    # No full window anywhere: a run touching block 0 is still a hit.
-    n = run
+    # No full window anywhere: the run touching block 0 is still a hit. vLLM aligns it, then
+    # drops the EAGLE block, then aligns again (so a drop can cost more than one block).
+    n = _align_down(run, bs, align)
     if drop and n > 0:
-        n -= 1
-    while n > 0 and (n * bs) % align:
-        n -= 1
+        n = _align_down(n - 1, bs, align)
     return n * bs
 
 
-def _chunk_rule(mask: Mask, spec: PoolGroup, max_len: int) -> int:
+def _find_chunked(mask: Mask, spec: PoolGroup, max_len: int) -> int:
     assert spec.attention_chunk_size is not None
     bs = spec.block_size
     chunk_start = (max_len // spec.attention_chunk_size) * spec.attention_chunk_size
@@ -189,16 +206,6 @@ def _chunk_rule(mask: Mask, spec: PoolGroup, max_len: int) -> int:
     while n < limit and _hit(mask, n):
         n += 1
     return n * bs
-
-
-def _find_chunked(mask: Mask, spec: PoolGroup, max_len: int, align: int) -> int:
-    length = max_len
-    while True:
-        got = _chunk_rule(mask, spec, length)
-        if got % align == 0:
-            return got
-        # Aligning down moves the resume point, possibly into an earlier chunk: re-check there.
-        length = (got // align) * align
 
 
 def _find_mamba(mask: Mask, bs: int, max_len: int, align: int) -> int:
@@ -263,7 +270,8 @@ class PoolCoordinator:
         self.use_eagle = use_eagle
         eagle_ids: frozenset[int] = frozenset()
         if use_eagle:
-            # No explicit draft groups: every group gets the drop (vLLM's conservative default).
+            # No explicit draft groups: every group is an EAGLE group, Mamba included (vLLM's
+            # conservative default).
             eagle_ids = frozenset(
                 range(len(self.groups)) if eagle_group_ids is None else eagle_group_ids
             )
@@ -276,10 +284,17 @@ class PoolCoordinator:
                     f"EAGLE/MTP with chunked local attention (groups {chunked}) is not supported; "
                     "vLLM refuses this combination too"
                 )
-        # Mamba groups never drop a block: draft models have no Mamba layers.
-        self.eagle_group_ids: frozenset[int] = frozenset(
-            i for i in eagle_ids if self.groups[i].kind != "mamba"
-        )
+        odd_chunked = [
+            i
+            for i, g in enumerate(self.groups)
+            if g.kind == "chunked_local" and g.block_size != self.lcm_block_size
+        ]
+        if odd_chunked:
+            raise ConfigError(
+                f"chunked local attention groups {odd_chunked} need the block size every group's "
+                f"block size divides ({self.lcm_block_size}); vLLM supports no other"
+            )
+        self.eagle_group_ids: frozenset[int] = eagle_ids
         self._spec_groups = self._split_by_spec()
 
     def _split_by_spec(self) -> tuple[_SpecGroup, ...]:
@@ -310,7 +325,9 @@ class PoolCoordinator:
         if spec.kind == "sliding_window":
             return _find_sliding(mask, spec, max_len, drop, align)
         if spec.kind == "chunked_local":
-            return _find_chunked(mask, spec, max_len, align)
+            # Its block size is the lcm (checked at construction), so no alignment is needed.
+            return _find_chunked(mask, spec, max_len)
+        # Mamba's finder takes no EAGLE drop: the draft model has no Mamba layers.
         return _find_mamba(mask, spec.block_size, max_len, align)
 
     def find_longest_cache_hit(
@@ -328,6 +345,13 @@ class PoolCoordinator:
         masks = tuple(tuple(bool(x) for x in m) for m in hit_masks)
         max_len = max(0, num_tokens - 1)
         merged = [self._merged_mask(masks, sg.group_ids) for sg in self._spec_groups]
+        if len(self.groups) == 1:
+            # vLLM's unitary coordinator: one lookup up to num_tokens - 1, no look-ahead.
+            (sg,) = self._spec_groups
+            hit = self._find(sg, merged[0], max_len, sg.use_eagle)
+            return self._result(hit, num_tokens, 1)
+        # The look-ahead may reach past num_tokens - 1, up to the request's last whole hash block.
+        lookahead_cap = (num_tokens // self.hash_block_size) * self.hash_block_size
         full_hit: dict[int, int] = {}
         simple_hybrid = len(self._spec_groups) == 2 and self._spec_groups[0].spec.is_full
         eagle_verified: set[int] = set()
@@ -343,11 +367,12 @@ class PoolCoordinator:
                     continue
                 drop = sg.use_eagle and idx not in eagle_verified
                 limit = curr
-                if drop:
+                if drop and sg.spec.kind != "mamba":
                     # Match one block past the candidate, then drop it: lands back on curr.
-                    limit = min(curr + sg.spec.block_size, max_len)
+                    limit = min(curr + sg.spec.block_size, lookahead_cap)
                 got = self._find(sg, merged[idx], limit, drop)
                 if drop:
+                    # Verified at this candidate, Mamba too: its cut clears nothing.
                     eagle_verified.add(idx)
                 elif got < curr:
                     # The candidate moved: earlier EAGLE drops must be applied again there.
@@ -361,9 +386,12 @@ class PoolCoordinator:
             if simple_hybrid:
                 # Full attention then one other kind: the second finder's answer is final.
                 break
+        return self._result(hit_length, num_tokens, iterations)
+
+    def _result(self, hit_tokens: int, num_tokens: int, iterations: int) -> CacheHit:
         return CacheHit(
-            hit_tokens=hit_length,
-            load_masks=self.load_masks(hit_length),
+            hit_tokens=hit_tokens,
+            load_masks=self.load_masks(hit_tokens),
             store_masks=self.store_masks(num_tokens),
             iterations=iterations,
         )
@@ -390,7 +418,8 @@ class PoolCoordinator:
             num_full = max(0, num_computed_tokens) // g.block_size
             chosen = set(_needed_blocks(g, cacheable))
             lookahead = cacheable // g.block_size
-            if gid in self.eagle_group_ids and lookahead < num_full:
+            # Mamba's lookup takes no look-ahead block, so it needs none stored.
+            if gid in self.eagle_group_ids and g.kind != "mamba" and lookahead < num_full:
                 chosen.add(lookahead)
             out.append(tuple(i in chosen for i in range(num_full)))
         return tuple(out)

@@ -23,6 +23,7 @@ import torch
 from app.devices import Event
 from app.errors import DeadlineExceeded, KVSidecarError, TransferError
 from app.kvcache.desc import LayoutDesc
+from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 from app.transfer.protocol import FailedRequest, Status
@@ -251,6 +252,7 @@ class Agent:
     def __init__(self, layout: RankLayout | None, desc: LayoutDesc, engine_id: str) -> None:
         self.layout = layout  # None when the engine registered its own tensors
         self.memory: list[torch.Tensor] = []  # mappings of engine memory kept alive with the agent
+        self.registration: EngineRegistration | None = None
         self.desc = desc
         self.engine_id = engine_id
         self.rank = desc.rank

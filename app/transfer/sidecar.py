@@ -372,6 +372,7 @@ class Sidecar:
         await asyncio.to_thread(self.engine.register_many, spans)
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
+        agent.registration = reg
         await self._install(agent)
         self.compat_hash = desc.compat_hash
         self.tp_size = reg.tp_size

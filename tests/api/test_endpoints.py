@@ -323,6 +323,7 @@ def test_openapi(prefill: httpx.Client) -> None:
         "/readyz",
         "/metrics",
         "/v1/status",
+        "/v1/registration",
         "/v1/regions",
         "/v1/groups",
         "/v1/requests",

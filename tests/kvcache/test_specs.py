@@ -104,10 +104,15 @@ def test_state_page_padded_to_attention_page() -> None:
 
 def test_groups_follow_vllm_bucketing() -> None:
     gemma = build_cache_config(load_preset("gemma-3-27b"), 1, 16, num_blocks=4)
-    assert [len(g.layers) for g in gemma.groups] == [10, 10, 10, 10, 10, 2, 10]
+    # 52 sliding + 10 full: groups of 10, so the sliding bucket becomes cdiv(52, 10) = 6 groups
+    # cut by stride (layers[i::6]: 9, 9, 9, 9, 8, 8 layers), not contiguous 10s and a 2.
+    assert [len(g.layers) for g in gemma.groups] == [9, 9, 9, 9, 8, 8, 10]
+    assert [c.index for c in gemma.groups[0].layers] == [0, 7, 14, 21, 28, 36, 43, 50, 57]
+    assert [c.index for c in gemma.groups[6].layers] == list(range(5, 62, 6))
     assert len(gemma.slots) == 10
-    # Layer i of every group shares slot i.
+    # Layer i of every group shares slot i; only the full group has a tenth layer.
     assert gemma.slots[1].members[0] == (0, gemma.groups[0].layers[1].index)
+    assert gemma.slots[9].members == ((6, 59),)
     gpt = build_cache_config(load_preset("gpt-oss-20b"), 2, 16, num_blocks=4)
     assert [(g.kind.value, len(g.layers)) for g in gpt.groups] == [
         ("sliding_window", 12),

@@ -148,10 +148,10 @@ def test_eagle_drops_one_block() -> None:
 
 
 def test_eagle_drops_once_per_candidate_length() -> None:
-    # full + sliding (1 block) + Mamba, EAGLE. Pass 1: full 40 -> 36 (drop), sliding 36,
-    # Mamba cuts to 24. Pass 2 re-applies the sliding drop *with one block of margin*
-    # (blocks 5 and 6 pooled) and lands on 24 again. Dropping without the margin, or on
-    # every pass, would fall to 20 or lower.
+    # full + sliding (1 block) + Mamba, EAGLE. Pass 1: full 40 -> 36 (drop), sliding 36 (its
+    # run of 2 ends at block 9, one dropped), Mamba cuts to 24. Mamba is an EAGLE group too
+    # (vLLM counts every group when none is flagged), so its cut does not clear the sliding
+    # group's verification: pass 2 checks sliding at 24 without a drop and settles.
     sw = PoolGroup("sliding_window", 4, sliding_window=5)
     mamba = PoolGroup("mamba", 4)
     mamba_mask = hits(10, missing=(0, 1, 2, 3, 4, 6, 7, 8, 9))
@@ -162,19 +162,59 @@ def test_eagle_drops_once_per_candidate_length() -> None:
     assert r.iterations == 2
 
 
-def test_eagle_drop_is_applied_again_after_the_candidate_moves() -> None:
+def test_a_mamba_cut_does_not_make_eagle_groups_drop_again() -> None:
     # As above, but the sliding group misses block 6 and Mamba holds states at 16 and 24.
-    # Pass 2 must drop again at 24 (its run then needs blocks 5 and 6): 20, Mamba 16; pass 3
-    # settles on 16. Keeping the pass-1 verification after the candidate moved would say 24,
-    # a hit whose EAGLE block was never checked.
+    # vLLM verified the sliding drop at 40 and Mamba, an EAGLE group itself, cut to 24 without
+    # clearing that: pass 2 checks sliding at 24 with no drop (block 5 suffices) -> 24. (This
+    # used to re-apply the drop at 24 and settle on 16; vLLM 0.32 does not.)
     sw = PoolGroup("sliding_window", 4, sliding_window=5)
     mamba = PoolGroup("mamba", 4)
-    mamba_mask = hits(10, missing=(0, 1, 2, 4, 6, 7, 8, 9))
-    r = find_longest_cache_hit(
-        [FULL4, sw, mamba], [hits(10), hits(10, missing=(6,)), mamba_mask], 41, use_eagle=True
-    )
+    masks = [hits(10), hits(10, missing=(6,)), hits(10, missing=(0, 1, 2, 4, 6, 7, 8, 9))]
+    r = find_longest_cache_hit([FULL4, sw, mamba], masks, 41, use_eagle=True)
+    assert r.hit_tokens == 24
+    assert r.iterations == 2
+
+
+def test_eagle_drop_is_applied_again_after_a_non_eagle_group_moves_the_candidate() -> None:
+    # Same pool, but only the attention groups are the drafter's: Mamba's cut to 24 clears the
+    # verifications, so sliding drops again there (its run then needs blocks 5 and 6): 20,
+    # Mamba 16; pass 3 settles on 16.
+    sw = PoolGroup("sliding_window", 4, sliding_window=5)
+    mamba = PoolGroup("mamba", 4)
+    masks = [hits(10), hits(10, missing=(6,)), hits(10, missing=(0, 1, 2, 4, 6, 7, 8, 9))]
+    coord = PoolCoordinator([FULL4, sw, mamba], use_eagle=True, eagle_group_ids=(0, 1))
+    r = coord.find_longest_cache_hit(masks, 41)
     assert r.hit_tokens == 16
     assert r.iterations == 3
+
+
+def test_eagle_look_ahead_needs_two_groups() -> None:
+    # 32 tokens, every block pooled. One group (vLLM's unitary coordinator) looks up to 31
+    # tokens: one block, dropped -> 0. Two groups look one block past the candidate, up to the
+    # request's last whole hash block (32): two blocks, one dropped -> 16.
+    full16 = PoolGroup("full_attention", 16)
+    assert find_longest_cache_hit([full16], [hits(2)], 32, use_eagle=True).hit_tokens == 0
+    r = find_longest_cache_hit([full16, full16], [hits(2), hits(2)], 32, use_eagle=True)
+    assert r.hit_tokens == 16
+
+
+def test_eagle_sliding_run_from_block_zero_aligns_drops_and_aligns_again() -> None:
+    # Sliding window in blocks of 4 next to full attention in blocks of 8 (lcm 8); the window
+    # needs 4 blocks (+1 with EAGLE) and only blocks 0..2 are pooled. The run from block 0 is
+    # 3 blocks: aligned to 2 (8 tokens), one dropped (1), aligned again -> 0.
+    sw = PoolGroup("sliding_window", 4, sliding_window=17)
+    full8 = PoolGroup("full_attention", 8)
+    masks = [hits(5), hits(10, missing=tuple(range(3, 10)))]
+    assert find_longest_cache_hit([full8, sw], masks, 41, use_eagle=True).hit_tokens == 0
+    # Without EAGLE the same run gives its aligned 8 tokens.
+    assert find_longest_cache_hit([full8, sw], masks, 41).hit_tokens == 8
+
+
+def test_chunked_local_needs_the_lcm_block_size() -> None:
+    # vLLM asserts a chunked-local group's block size is the hit alignment; so do we.
+    chunked = PoolGroup("chunked_local", 4, attention_chunk_size=16)
+    with pytest.raises(ConfigError, match="chunked local"):
+        PoolCoordinator([PoolGroup("full_attention", 8), chunked])
 
 
 def test_eagle_with_chunked_local_is_refused() -> None:
@@ -216,7 +256,7 @@ def test_store_masks_with_eagle_add_the_lookahead_block() -> None:
     masks = coord.store_masks(53)  # cacheable 48 (lcm 16); block 12 of the 4-token groups is full
     assert indices(masks[0]) == tuple(range(13))
     assert indices(masks[1]) == (10, 11, 12)
-    assert indices(masks[2]) == (2,)  # Mamba never drops, so no lookahead
+    assert indices(masks[2]) == (2,)  # Mamba looks no block ahead, so it stores none
     # What was stored is enough for an EAGLE lookup of a longer prompt to hit all of it...
     assert coord.find_longest_cache_hit(masks, 70).hit_tokens == 48
     # ...and without the lookahead block nothing hits: full attention falls to 32, where no
@@ -243,10 +283,13 @@ KIND_SPECS = st.sampled_from(
 @st.composite
 def scenarios(draw: st.DrawFn, allow_eagle: bool = True) -> tuple:
     n_groups = draw(st.integers(1, 4))
+    kinds = [draw(KIND_SPECS) for _ in range(n_groups)]
+    sizes = [draw(st.sampled_from([4, 8, 16])) for _ in range(n_groups)]
     groups: list[PoolGroup] = []
-    for _ in range(n_groups):
-        kind, window, chunk_blocks = draw(KIND_SPECS)
-        bs = draw(st.sampled_from([4, 8, 16]))
+    for (kind, window, chunk_blocks), bs in zip(kinds, sizes, strict=True):
+        if kind == "chunked_local":
+            # vLLM supports chunked local attention only with the lcm block size.
+            bs = reduce(math.lcm, sizes)
         groups.append(
             PoolGroup(
                 kind,  # type: ignore[arg-type]

@@ -1,0 +1,236 @@
+"""The pool's hit length against vLLM's own KV cache coordinator, on seeded random hit patterns.
+
+vLLM's side is real: ``get_kv_cache_coordinator`` builds a ``UnitaryKVCacheCoordinator`` or
+``HybridKVCacheCoordinator`` over a real ``BlockPool`` whose prefix cache holds a block for
+every pooled (group, block) of the pattern, under the request's chained block hashes; the
+request asks with ``num_tokens - 1`` as vLLM's ``KVCacheManager.get_computed_blocks`` does.
+
+Hashes are computed at the gcd of the block sizes (vLLM's ``hash_block_size``); a group with
+larger blocks is keyed by the hash of its last fine block (vLLM's
+``BlockHashListWithBlockSize``). When block sizes differ and a Mamba group's blocks are larger
+than the hash block, vLLM 0.32 would by default land hits between block boundaries ("partial
+hash hits"); the pool stores whole blocks, so those configurations are compared with
+``allow_partial_hash_hits=False``. With equal block sizes (the default for hybrid Mamba
+models) vLLM's default is already off, which the test checks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from functools import reduce
+from typing import Any
+
+import pytest
+
+from app.store.coordinator import PoolCoordinator, PoolGroup
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the oracle is vLLM itself")
+
+from vllm.v1.core.kv_cache_coordinator import get_kv_cache_coordinator  # noqa: E402
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+
+CASES_PER_CONFIG = 80
+MAX_TOKENS = 400
+DTYPE = torch.bfloat16
+
+
+def vllm_spec(g: PoolGroup) -> KVCacheSpec:
+    common: dict[str, Any] = {"block_size": g.block_size, "num_kv_heads": 1, "dtype": DTYPE}
+    if g.kind == "full_attention":
+        return FullAttentionSpec(head_size=8, **common)
+    if g.kind == "mla":
+        return MLAAttentionSpec(head_size=8, **common)
+    if g.kind == "sliding_window":
+        assert g.sliding_window is not None
+        return SlidingWindowSpec(head_size=8, sliding_window=g.sliding_window, **common)
+    if g.kind == "chunked_local":
+        assert g.attention_chunk_size is not None
+        return ChunkedLocalAttentionSpec(
+            head_size=8, attention_chunk_size=g.attention_chunk_size, **common
+        )
+    assert g.kind == "mamba"
+    return MambaSpec(
+        block_size=g.block_size, shapes=((4,),), dtypes=(DTYPE,), mamba_cache_mode="align"
+    )
+
+
+@dataclass(frozen=True)
+class Config:
+    """A model's groups as the pool sees them; ``eagle_groups``: the drafter's, if flagged."""
+
+    groups: tuple[PoolGroup, ...]
+    eagle_groups: tuple[int, ...] | None = None
+
+
+class VllmOracle:
+    """vLLM's coordinator for one configuration, with its prefix cache filled per case."""
+
+    def __init__(self, config: Config, use_eagle: bool) -> None:
+        groups = config.groups
+        self.hash_block_size = reduce(math.gcd, (g.block_size for g in groups))
+        self.block_sizes = [g.block_size for g in groups]
+        flagged = set(config.eagle_groups or ())
+        kv_cache_config = KVCacheConfig(
+            num_blocks=64,
+            kv_cache_tensors=[],
+            kv_cache_groups=[
+                KVCacheGroupSpec([f"model.layers.{i}.attn"], vllm_spec(g), i in flagged)
+                for i, g in enumerate(groups)
+            ],
+        )
+        self.coordinator: Any = get_kv_cache_coordinator(
+            kv_cache_config,
+            max_model_len=4096,
+            max_in_flight_tokens=4096,
+            use_eagle=use_eagle,
+            enable_caching=True,
+            enable_kv_cache_events=False,
+            dcp_world_size=1,
+            pcp_world_size=1,
+            scheduler_block_size=reduce(math.lcm, self.block_sizes),
+            hash_block_size=self.hash_block_size,
+            # Whole-block hits only (see the module docstring); a no-op when sizes are equal.
+            allow_partial_hash_hits=False,
+        )
+        self.pool = self.coordinator.block_pool
+        self._block = self.pool.blocks[1]
+        self._next = 0
+
+    def hit(self, masks: list[list[bool]], num_tokens: int) -> int:
+        # Fresh hashes per case: earlier cases' blocks can never match.
+        base = self._next
+        num_hashes = num_tokens // self.hash_block_size
+        self._next += num_hashes
+        hashes = [BlockHash((base + i).to_bytes(8, "little")) for i in range(num_hashes)]
+        for gid, (mask, bs) in enumerate(zip(masks, self.block_sizes, strict=True)):
+            scale = bs // self.hash_block_size
+            for i, pooled in enumerate(mask):
+                if pooled:
+                    key = make_block_hash_with_group_id(hashes[(i + 1) * scale - 1], gid)
+                    self.pool.cached_block_hash_to_block.insert(key, self._block)
+        _, hit_length, _ = self.coordinator.find_longest_cache_hit(hashes, num_tokens - 1)
+        return int(hit_length)
+
+
+def full(bs: int) -> PoolGroup:
+    return PoolGroup("full_attention", bs)
+
+
+def sliding(bs: int, window: int) -> PoolGroup:
+    return PoolGroup("sliding_window", bs, sliding_window=window)
+
+
+def mamba(bs: int) -> PoolGroup:
+    return PoolGroup("mamba", bs)
+
+
+CONFIGS = {
+    "full": Config((full(16),)),
+    "sliding alone": Config((sliding(16, 48),)),
+    "mamba alone": Config((mamba(16),)),
+    "full+full (one spec, two groups)": Config((full(16), full(16))),
+    "full+sliding": Config((full(16), sliding(16, 33))),
+    "full+sliding, wide window": Config((full(16), sliding(16, 129))),
+    "full 16 + sliding 32": Config((full(16), sliding(32, 65))),
+    "full 32 + sliding 16": Config((full(32), sliding(16, 40))),
+    "full+mamba": Config((full(16), mamba(16))),
+    "full 16 + mamba 64": Config((full(16), mamba(64))),
+    "full 32 + mamba 64": Config((full(32), mamba(64))),
+    "full+sliding+mamba": Config((full(16), sliding(16, 33), mamba(16))),
+    "full 16 + sliding 16 + mamba 32": Config((full(16), sliding(16, 17), mamba(32))),
+    "full 16 + sliding 32 + mamba 64": Config((full(16), sliding(32, 50), mamba(64))),
+    "qwen3-next-like (3 mamba + full)": Config((mamba(16), mamba(16), mamba(16), full(16))),
+    "mla+sliding": Config((PoolGroup("mla", 16), sliding(16, 33))),
+    "full+chunked local": Config(
+        (full(16), PoolGroup("chunked_local", 16, attention_chunk_size=64))
+    ),
+    "drafter flagged: full+sliding+mamba, eagle on full": Config(
+        (full(16), sliding(16, 33), mamba(16)), eagle_groups=(0,)
+    ),
+    "drafter flagged: mamba+full, eagle on full": Config((mamba(16), full(16)), eagle_groups=(1,)),
+}
+
+
+def random_masks(rng: random.Random, groups: tuple[PoolGroup, ...], n: int) -> list[list[bool]]:
+    """Per group, pooled blocks: dense, a pooled prefix, a prefix with holes, or sparse.
+
+    Groups usually share the case's style (a pool's groups are stored together), sometimes not.
+    """
+    shared = rng.choice(["dense", "prefix", "holes", "sparse"])
+    cut_frac = rng.random()
+    masks: list[list[bool]] = []
+    for g in groups:
+        blocks = n // g.block_size
+        style = shared if rng.random() < 0.7 else rng.choice(["dense", "prefix", "holes", "sparse"])
+        if style == "dense":
+            mask = [True] * blocks
+        elif style == "prefix":
+            cut = round(cut_frac * blocks) if rng.random() < 0.7 else rng.randint(0, blocks)
+            mask = [i < cut for i in range(blocks)]
+        elif style == "holes":
+            p = rng.choice([0.6, 0.85, 0.95])
+            mask = [rng.random() < p for _ in range(blocks)]
+        else:
+            mask = [rng.random() < 0.3 for _ in range(blocks)]
+        masks.append(mask)
+    return masks
+
+
+@pytest.mark.parametrize("use_eagle", [False, True], ids=["no-eagle", "eagle"])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_hit_length_matches_vllm(name: str, use_eagle: bool) -> None:
+    config = CONFIGS[name]
+    if use_eagle and any(g.kind == "chunked_local" for g in config.groups):
+        pytest.skip("vLLM refuses EAGLE with chunked local attention (so does the pool)")
+    if not use_eagle and config.eagle_groups is not None:
+        pytest.skip("drafter groups only matter with EAGLE")
+    oracle = VllmOracle(config, use_eagle)
+    ours = PoolCoordinator(config.groups, use_eagle=use_eagle, eagle_group_ids=config.eagle_groups)
+    rng = random.Random(f"{name}/{use_eagle}")
+    lcm = ours.lcm_block_size
+    for case in range(CASES_PER_CONFIG):
+        # Lengths around block boundaries matter most (the num_tokens - 1 cap, the look-ahead).
+        n = rng.choice([rng.randint(1, MAX_TOKENS), lcm * rng.randint(1, MAX_TOKENS // lcm) + 1])
+        if case % 5 == 0:
+            n = lcm * rng.randint(1, MAX_TOKENS // lcm)
+        masks = random_masks(rng, config.groups, n)
+        want = oracle.hit(masks, n)
+        got = ours.find_longest_cache_hit(masks, n).hit_tokens
+        assert got == want, f"case {case}: num_tokens={n} masks={masks}"
+
+
+def test_equal_block_sizes_use_whole_block_hits_by_default() -> None:
+    # The pool's whole-block hits are vLLM's default when block sizes are equal, as they are
+    # for hybrid Mamba models (vLLM sets the Mamba block size to the attention block size).
+    groups = (full(16), mamba(16))
+    kv_cache_config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], vllm_spec(g)) for i, g in enumerate(groups)],
+    )
+    coordinator: Any = get_kv_cache_coordinator(
+        kv_cache_config,
+        max_model_len=4096,
+        max_in_flight_tokens=4096,
+        use_eagle=True,
+        enable_caching=True,
+        enable_kv_cache_events=False,
+        dcp_world_size=1,
+        pcp_world_size=1,
+        scheduler_block_size=16,
+        hash_block_size=16,
+    )
+    assert coordinator.enable_partial_hash_hits is False
