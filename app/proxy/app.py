@@ -1,0 +1,146 @@
+"""The proxy's FastAPI app: OpenAI-compatible routes, the target callback, health, records."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+
+from app.proxy.balancer import HealthChecker, Pool, is_connection_failure
+from app.proxy.config import ProxyConfig
+from app.proxy.errors import NoHealthyInstance, error_response
+from app.proxy.flow import DecodeFirstFlow, describe, forwarded_headers, read_json_object
+from app.proxy.records import TransferLog
+from app.proxy.targets import TargetRendezvous
+
+log = logging.getLogger(__name__)
+
+_REFUSED_KIND = {404: "not_found", 409: "conflict"}
+
+
+def _health_body(pools: dict[str, Pool]) -> tuple[int, dict[str, Any]]:
+    ok = all(p.any_healthy for p in pools.values())
+    body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
+    for role, pool in pools.items():
+        body[role] = [dataclasses.asdict(i.status()) for i in pool.instances]
+    return (200 if ok else 503), body
+
+
+def create_proxy(cfg: ProxyConfig) -> FastAPI:
+    """The proxy app; it probes every instance once before serving, then every interval."""
+    pools = {
+        "prefill": Pool("prefill", cfg.prefill, cfg.policy),
+        "decode": Pool("decode", cfg.decode, cfg.policy),
+    }
+    targets = TargetRendezvous(remember=cfg.transfer_log_size)
+    transfers = TransferLog(cfg.transfer_log_size)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+        # Unbounded: a streamed answer holds its connection for the whole decode.
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        # Engines are reached directly; an HTTP(S)_PROXY meant for the outside must not apply.
+        trust_env=False,
+    )
+    flow = DecodeFirstFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client)
+    checker = HealthChecker(
+        list(pools.values()), client, cfg.health_interval_s, cfg.health_timeout_s
+    )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await checker.probe_all()
+        for role, pool in pools.items():
+            if not pool.any_healthy:
+                down = "; ".join(f"{i.url}: {i.last_error}" for i in pool.instances)
+                log.warning("starting with no healthy %s instance (%s)", role, down)
+        task = asyncio.create_task(checker.run())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await flow.close()
+            await client.aclose()
+
+    app = FastAPI(title="kv-sidecar proxy", lifespan=lifespan)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await flow.handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await flow.handle(request, "/v1/chat/completions")
+
+    @app.post("/v1/kv_targets")
+    async def kv_targets(request: Request) -> Response:
+        """Decode's connector: ``{"transfer_id", "target": {...}}`` or ``{..., "error"}``."""
+        body = await read_json_object(request)
+        if isinstance(body, Response):
+            return body
+        tid, target, error = body.get("transfer_id"), body.get("target"), body.get("error")
+        if not isinstance(tid, str) or not tid:
+            return error_response(400, "transfer_id: expected a string", "invalid_request_error")
+        if isinstance(target, dict):
+            delivery = targets.deliver(tid, target)
+        elif target is None and error is not None:
+            delivery = targets.fail(tid, str(error))
+        else:
+            return error_response(
+                400,
+                "expected a target (a JSON object) or an error (a sentence)",
+                "invalid_request_error",
+            )
+        if not delivery.accepted:
+            log.warning("target post refused: %s", delivery.message)
+            kind = _REFUSED_KIND.get(delivery.status, "invalid_request_error")
+            return error_response(delivery.status, delivery.message, kind)
+        return JSONResponse({"ok": True})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        code, body = _health_body(pools)
+        return JSONResponse(body, status_code=code)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            d = pools["decode"].first_healthy()
+        except NoHealthyInstance as e:
+            return error_response(503, str(e), "service_unavailable")
+        try:
+            r = await client.get(f"{d.url}/v1/models", headers=forwarded_headers(request))
+        except httpx.HTTPError as e:
+            if is_connection_failure(e):
+                d.mark(False, f"connection failed: {describe(e)}")
+            if isinstance(e, httpx.TimeoutException) and not is_connection_failure(e):
+                return error_response(
+                    504, f"decode instance {d.url} did not answer: {describe(e)}", "gateway_timeout"
+                )
+            msg = f"decode instance {d.url} could not be reached: {describe(e)}"
+            return error_response(502, msg, "bad_gateway")
+        headers = {k: r.headers[k] for k in ("content-type",) if k in r.headers}
+        return Response(r.content, status_code=r.status_code, headers=headers)
+
+    @app.get("/v1/transfers")
+    async def list_transfers(limit: int | None = Query(None, ge=0)) -> JSONResponse:
+        """The last transfers, oldest first (at most ``limit``)."""
+        return JSONResponse(
+            {"transfers": [dataclasses.asdict(r) for r in transfers.records(limit)]}
+        )
+
+    @app.get("/v1/transfers/{transfer_id}")
+    async def get_transfer(transfer_id: str) -> JSONResponse:
+        record = transfers.get(transfer_id)
+        if record is None:
+            return error_response(404, f"no recent transfer {transfer_id!r}", "not_found")
+        return JSONResponse(dataclasses.asdict(record))
+
+    return app

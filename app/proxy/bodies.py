@@ -1,0 +1,40 @@
+"""The request bodies the proxy sends to decode and prefill (pure functions)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def decode_body(body: dict[str, Any], transfer_id: str, router_url: str) -> dict[str, Any]:
+    """The client's request, asking decode to take its prompt's KV from a remote prefill.
+
+    Any ``kv_transfer_params`` the client sent are replaced: clients do not steer transfers.
+    """
+    return {
+        **body,
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "transfer_id": transfer_id,
+            "router_url": router_url,
+        },
+    }
+
+
+def prefill_body(body: dict[str, Any], transfer_id: str, target: dict[str, Any]) -> dict[str, Any]:
+    """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``target``."""
+    # min_tokens above 1 would make vLLM refuse max_tokens=1; stream_options needs a stream.
+    out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["kv_transfer_params"] = {
+        "do_remote_decode": True,
+        "transfer_id": transfer_id,
+        "remote": target,
+    }
+    return out
+
+
+def is_streamed(body: dict[str, Any]) -> bool:
+    return bool(body.get("stream", False))

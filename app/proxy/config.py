@@ -1,0 +1,70 @@
+"""The proxy's settings, one frozen value built by the CLI (or a test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from app.errors import ConfigError
+
+
+class Policy(StrEnum):
+    """How an instance is picked among the healthy ones of a role."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Instances, public callback address, policy and every timeout the proxy uses."""
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    public_url: str
+    policy: Policy = Policy.ROUND_ROBIN
+    target_timeout_s: float = 30.0
+    # Longest wait for any one read from an upstream (a whole non-streamed answer, or the
+    # gap between two streamed chunks); decode waits for the KV before its first token.
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 5.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 3.0
+    transfer_log_size: int = 1000
+
+    def __post_init__(self) -> None:
+        # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
+        object.__setattr__(self, "prefill", tuple(u.rstrip("/") for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(u.rstrip("/") for u in self.decode))
+        object.__setattr__(self, "public_url", self.public_url.rstrip("/"))
+        try:
+            object.__setattr__(self, "policy", Policy(self.policy))
+        except ValueError:
+            choices = ", ".join(p.value for p in Policy)
+            raise ConfigError(f"--policy {self.policy!r}: expected one of {choices}") from None
+        for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
+            if not urls:
+                raise ConfigError(f"no {role} instance: give at least one --{role} URL")
+            for url in urls:
+                if not url.startswith(("http://", "https://")):
+                    raise ConfigError(f"--{role} {url!r}: expected an http:// or https:// URL")
+            if len(set(urls)) != len(urls):
+                raise ConfigError(f"--{role} lists the same URL twice: {', '.join(urls)}")
+        if not self.public_url.startswith(("http://", "https://")):
+            raise ConfigError(f"--public-url {self.public_url!r}: expected an http(s):// URL")
+        for name in (
+            "target_timeout_s",
+            "request_timeout_s",
+            "connect_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.transfer_log_size < 1:
+            raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
+
+    @property
+    def router_url(self) -> str:
+        """Where decode's connector posts its target for a transfer."""
+        return f"{self.public_url}/v1/kv_targets"

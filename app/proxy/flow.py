@@ -1,0 +1,338 @@
+"""The decode-first flow for one client request (DESIGN §2).
+
+1. The client's body goes to a decode instance with ``kv_transfer_params = {do_remote_prefill,
+   transfer_id, router_url}``; decode's answer is the client's answer, relayed as it comes.
+2. Decode's connector posts its target to ``router_url`` once its blocks are allocated; only
+   then does the prompt go to a prefill instance (``max_tokens=1``, not streamed,
+   ``kv_transfer_params = {do_remote_decode, transfer_id, remote: target}``).
+3. No target in time, or decode ended first (it failed, or had the prompt cached): no prefill.
+   A failed prefill is only logged: decode's sidecar times out and decode recomputes.
+4. A client that goes away closes both upstream connections, which vLLM turns into aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.types import Receive
+
+from app.proxy.balancer import Lease, Pool, is_connection_failure
+from app.proxy.bodies import decode_body, is_streamed, prefill_body
+from app.proxy.config import ProxyConfig
+from app.proxy.errors import NoHealthyInstance, TargetError, error_response
+from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
+from app.proxy.targets import TargetRendezvous
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Passed on to the engines: vLLM's --api-key checks Authorization.
+FORWARDED_HEADERS = ("authorization",)
+TRANSFER_ID_HEADER = "x-kv-transfer-id"
+# nginx's code for "the client closed the request"; nobody reads it, the log does.
+CLIENT_GONE = 499
+
+
+def describe(e: BaseException) -> str:
+    text = str(e)
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+def forwarded_headers(request: Request) -> dict[str, str]:
+    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
+
+
+async def read_json_object(request: Request) -> dict[str, Any] | JSONResponse:
+    """The body as a JSON object, or the 400 to answer."""
+    try:
+        body = await request.json()
+    except ValueError:
+        return error_response(400, "request body is not valid JSON", "invalid_request_error")
+    if not isinstance(body, dict):
+        return error_response(400, "request body must be a JSON object", "invalid_request_error")
+    return body
+
+
+async def until_disconnected(receive: Receive) -> None:
+    """Returns when the client closes its connection (its body was already read)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def first_or_none(aw: Awaitable[T], disconnected: asyncio.Task[None]) -> T | None:
+    """``aw``'s result, or None if the client went away first (``aw`` is then cancelled)."""
+    task = asyncio.ensure_future(aw)
+    try:
+        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            # Cancelling an httpx call closes its connection: that is what aborts upstream.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return None if task.cancelled() else task.result()
+
+
+class _Exchange:
+    """One client request: decode's lease and response, the prefill side task, the record."""
+
+    def __init__(self, tracker: TransferTracker, decode: Lease, prefill: asyncio.Task[None]):
+        self.tracker = tracker
+        self.decode = decode
+        self.prefill = prefill
+        self.upstream: httpx.Response | None = None
+        self._ended = False
+
+    async def end(self, outcome: DecodeOutcome, error: str | None = None) -> None:
+        """Decode's side is over (idempotent: the first caller's outcome counts)."""
+        if self._ended:
+            return
+        self._ended = True
+        t = self.tracker
+        t.decode_outcome = outcome
+        t.total_s = t.since_start()
+        if error is not None:
+            t.note_error(error)
+        self.decode.release()
+        # A prefill still waiting for its target is pointless now. One already sent is left
+        # to finish when decode answered (it is about done), and cut off if the client left.
+        if outcome == "client_gone" or t.target_s is None:
+            self.prefill.cancel()
+        if self.upstream is not None:
+            await self.upstream.aclose()
+
+
+class DecodeFirstFlow:
+    """Routes completions requests decode first; owns the prefill side tasks."""
+
+    def __init__(
+        self,
+        cfg: ProxyConfig,
+        prefill: Pool,
+        decode: Pool,
+        targets: TargetRendezvous,
+        transfers: TransferLog,
+        client: httpx.AsyncClient,
+    ) -> None:
+        self.cfg = cfg
+        self.prefill = prefill
+        self.decode = decode
+        self.targets = targets
+        self.transfers = transfers
+        self.client = client
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(self, request: Request, path: str) -> Response:
+        body = await read_json_object(request)
+        if isinstance(body, Response):
+            return body
+        try:
+            d = self.decode.acquire()
+        except NoHealthyInstance as e:
+            return error_response(503, str(e), "service_unavailable")
+        try:
+            p = self.prefill.acquire()
+        except NoHealthyInstance as e:
+            d.release()
+            return error_response(503, str(e), "service_unavailable")
+        tid = uuid.uuid4().hex
+        t = self.transfers.start(tid, path, d.url, p.url)
+        headers = forwarded_headers(request)
+        # Open before decode hears of the id: its target may come back at once.
+        self.targets.open(tid)
+        x = _Exchange(t, d, self._spawn_prefill(t, p, body, path, headers))
+        disconnected = asyncio.create_task(until_disconnected(request.receive))
+        try:
+            return await self._answer(x, body, path, headers, disconnected)
+        except asyncio.CancelledError:
+            with anyio.CancelScope(shield=True):
+                await x.end("client_gone")
+            raise
+        finally:
+            # A streamed answer's disconnects are Starlette's to watch from here on.
+            disconnected.cancel()
+            await asyncio.gather(disconnected, return_exceptions=True)
+
+    async def _answer(
+        self,
+        x: _Exchange,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        disconnected: asyncio.Task[None],
+    ) -> Response:
+        t = x.tracker
+        req = self.client.build_request(
+            "POST",
+            f"{x.decode.url}{path}",
+            json=decode_body(body, t.transfer_id, self.cfg.router_url),
+            headers=headers,
+        )
+        try:
+            upstream = await first_or_none(self.client.send(req, stream=True), disconnected)
+        except httpx.HTTPError as e:
+            return await self._decode_failed(x, e)
+        if upstream is None:
+            await x.end("client_gone")
+            return Response(status_code=CLIENT_GONE)
+        x.upstream = upstream
+        t.decode_status = upstream.status_code
+        out_headers = {TRANSFER_ID_HEADER: t.transfer_id}
+        if "content-type" in upstream.headers:
+            out_headers["content-type"] = upstream.headers["content-type"]
+        if is_streamed(body):
+            return StreamingResponse(
+                self._relay(x),
+                status_code=upstream.status_code,
+                headers=out_headers,
+                # Runs even when the client left before the first chunk was asked for.
+                background=BackgroundTask(x.end, "client_gone"),
+            )
+        try:
+            content = await first_or_none(upstream.aread(), disconnected)
+        except httpx.HTTPError as e:
+            return await self._decode_failed(x, e)
+        if content is None:
+            await x.end("client_gone")
+            return Response(status_code=CLIENT_GONE)
+        await x.end(*self._verdict(x))
+        return Response(content, status_code=upstream.status_code, headers=out_headers)
+
+    def _verdict(self, x: _Exchange) -> tuple[DecodeOutcome, str | None]:
+        code = x.tracker.decode_status
+        if code == 200:
+            return "ok", None
+        return "failed", f"decode instance {x.decode.url} answered {code}"
+
+    async def _relay(self, x: _Exchange) -> AsyncIterator[bytes]:
+        assert x.upstream is not None
+        outcome: DecodeOutcome = "client_gone"  # unless the loop below ends on its own
+        error: str | None = None
+        try:
+            async for chunk in x.upstream.aiter_bytes():
+                yield chunk
+            outcome, error = self._verdict(x)
+        except httpx.HTTPError as e:
+            outcome = "broken"
+            error = f"decode instance {x.decode.url} broke off its answer: {describe(e)}"
+            log.error("transfer %s: %s", x.tracker.transfer_id, error)
+            if x.upstream.headers.get("content-type", "").startswith("text/event-stream"):
+                # Headers are out; an error event is how vLLM itself reports this mid-stream.
+                event = {"error": {"message": error, "type": "bad_gateway", "code": 502}}
+                yield f"data: {json.dumps(event)}\n\n".encode()
+        finally:
+            # Shielded: on a disconnect this runs inside a cancelled scope.
+            with anyio.CancelScope(shield=True):
+                await x.end(outcome, error)
+
+    async def _decode_failed(self, x: _Exchange, e: httpx.HTTPError) -> JSONResponse:
+        url = x.decode.url
+        outcome: DecodeOutcome
+        if is_connection_failure(e):
+            x.decode.instance.mark(False, f"connection failed: {describe(e)}")
+            status, kind, outcome = 502, "bad_gateway", "unreachable"
+            msg = f"decode instance {url} could not be reached: {describe(e)}"
+        elif isinstance(e, httpx.TimeoutException):
+            status, kind, outcome = 504, "gateway_timeout", "timeout"
+            msg = (
+                f"decode instance {url} did not answer within "
+                f"{self.cfg.request_timeout_s:g} s: {describe(e)}"
+            )
+        else:
+            status, kind, outcome = 502, "bad_gateway", "broken"
+            msg = f"decode instance {url} failed: {describe(e)}"
+        log.error("transfer %s: %s", x.tracker.transfer_id, msg)
+        await x.end(outcome, msg)
+        return error_response(status, msg, kind)
+
+    def _spawn_prefill(
+        self,
+        t: TransferTracker,
+        p: Lease,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+    ) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._prefill(t, p, body, path, headers))
+        self._tasks.add(task)
+
+        def done(task: asyncio.Task[None]) -> None:
+            # Here, not in _prefill: a task cancelled before it ran never enters its body.
+            self._tasks.discard(task)
+            p.release()
+            self.targets.close(t.transfer_id, "its request already ended")
+            if t.prefill_outcome is None:
+                t.prefill_outcome = "no_target" if t.target_s is None else "cancelled"
+            if not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "transfer %s: prefill side crashed", t.transfer_id, exc_info=task.exception()
+                )
+
+        task.add_done_callback(done)
+        return task
+
+    async def _prefill(
+        self,
+        t: TransferTracker,
+        p: Lease,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+    ) -> None:
+        tid, timeout = t.transfer_id, self.cfg.target_timeout_s
+        try:
+            target = await self.targets.wait(tid, timeout)
+        except TimeoutError:
+            t.prefill_outcome = "target_timeout"
+            msg = f"no target from decode {t.decode} within {timeout:g} s; prefill skipped"
+            t.note_error(msg)
+            log.warning("transfer %s: %s (decode computes the prompt itself)", tid, msg)
+            self.targets.close(tid, f"no target came within {timeout:g} s")
+            return
+        except TargetError as e:
+            t.prefill_outcome = "target_error"
+            t.note_error(str(e))
+            log.warning("transfer %s: %s", tid, e)
+            return
+        t.target_s = t.since_start()
+        self.targets.close(tid, "its target already arrived")
+        t0 = time.monotonic()
+        try:
+            r = await self.client.post(
+                f"{p.url}{path}", json=prefill_body(body, tid, target), headers=headers
+            )
+        except httpx.HTTPError as e:
+            if is_connection_failure(e):
+                p.instance.mark(False, f"connection failed: {describe(e)}")
+            t.prefill_outcome = "prefill_failed"
+            msg = f"prefill instance {p.url} failed: {describe(e)}"
+            t.note_error(msg)
+            log.error("transfer %s: %s (decode recomputes after its sidecar gives up)", tid, msg)
+            return
+        finally:
+            t.prefill_s = time.monotonic() - t0
+        t.prefill_status = r.status_code
+        if r.status_code == 200:
+            t.prefill_outcome = "ok"
+            return
+        t.prefill_outcome = "prefill_failed"
+        msg = f"prefill instance {p.url} answered {r.status_code}: {r.text[:300]}"
+        t.note_error(msg)
+        log.error("transfer %s: %s", tid, msg)
+
+    async def close(self) -> None:
+        """Cut off every prefill still running (shutdown)."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

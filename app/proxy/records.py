@@ -1,0 +1,119 @@
+"""Per-transfer timings and outcomes, kept for operators (``GET /v1/transfers``)."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+DecodeOutcome = Literal["ok", "failed", "unreachable", "timeout", "broken", "client_gone"]
+PrefillOutcome = Literal[
+    "ok", "prefill_failed", "target_timeout", "target_error", "no_target", "cancelled"
+]
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One request through the proxy, as ``/v1/transfers`` shows it (times in ms).
+
+    ``status``: ``pending`` until both sides ended; then ``client_gone``, ``decode_failed``
+    (decode answered non-200 or failed), else the prefill side's outcome: ``ok``,
+    ``prefill_failed``, ``target_timeout``, ``target_error`` or ``no_target`` (decode ended
+    before it posted a target, e.g. it had the whole prompt cached).
+    """
+
+    transfer_id: str
+    path: str
+    decode: str
+    prefill: str
+    status: str
+    target_ms: float | None
+    prefill_ms: float | None
+    total_ms: float | None
+    decode_status: int | None
+    prefill_status: int | None
+    error: str | None
+    started_at: float
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
+
+
+@dataclass
+class TransferTracker:
+    """The live state of one transfer, filled in by the flow as events arrive."""
+
+    transfer_id: str
+    path: str
+    decode: str
+    prefill: str
+    started: float = field(default_factory=time.monotonic)
+    started_at: float = field(default_factory=time.time)
+    target_s: float | None = None
+    prefill_s: float | None = None
+    total_s: float | None = None
+    decode_status: int | None = None
+    prefill_status: int | None = None
+    decode_outcome: DecodeOutcome | None = None
+    prefill_outcome: PrefillOutcome | None = None
+    error: str | None = None
+
+    def since_start(self) -> float:
+        return time.monotonic() - self.started
+
+    def note_error(self, message: str) -> None:
+        """Keep the first error: later ones are usually its consequences."""
+        if self.error is None:
+            self.error = message
+
+    @property
+    def status(self) -> str:
+        if self.decode_outcome is None or self.prefill_outcome is None:
+            return "pending"
+        if self.decode_outcome == "client_gone":
+            return "client_gone"
+        if self.decode_outcome != "ok":
+            return "decode_failed"
+        return self.prefill_outcome
+
+    def record(self) -> TransferRecord:
+        return TransferRecord(
+            transfer_id=self.transfer_id,
+            path=self.path,
+            decode=self.decode,
+            prefill=self.prefill,
+            status=self.status,
+            target_ms=_ms(self.target_s),
+            prefill_ms=_ms(self.prefill_s),
+            total_ms=_ms(self.total_s),
+            decode_status=self.decode_status,
+            prefill_status=self.prefill_status,
+            error=self.error,
+            started_at=round(self.started_at, 3),
+        )
+
+
+class TransferLog:
+    """The last ``size`` transfers, oldest first."""
+
+    def __init__(self, size: int) -> None:
+        self._items: deque[TransferTracker] = deque(maxlen=size)
+
+    def start(self, transfer_id: str, path: str, decode: str, prefill: str) -> TransferTracker:
+        t = TransferTracker(transfer_id, path, decode, prefill)
+        self._items.append(t)
+        return t
+
+    def records(self, limit: int | None = None) -> list[TransferRecord]:
+        items = list(self._items)
+        if limit is not None:
+            items = items[-limit:] if limit > 0 else []
+        return [t.record() for t in items]
+
+    def get(self, transfer_id: str) -> TransferRecord | None:
+        for t in reversed(self._items):
+            if t.transfer_id == transfer_id:
+                return t.record()
+        return None

@@ -1,0 +1,91 @@
+"""The rendezvous where decode's connector hands over its target for a transfer id.
+
+The flow opens a transfer id before it sends the request to decode; decode's connector POSTs
+``{"transfer_id", "target"}`` (or ``{"transfer_id", "error"}``) to ``/v1/kv_targets`` once its
+blocks are allocated; the flow, waiting on that id, then sends the prompt to prefill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from app.proxy.errors import TargetError
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """The answer to one POST: HTTP status and a sentence for the connector's log."""
+
+    status: int
+    message: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.status == 200
+
+
+class TargetRendezvous:
+    """Waiters by transfer id; the first target (or error) posted for an id resolves it."""
+
+    def __init__(self, remember: int = 1000) -> None:
+        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        # Why recent ids stopped waiting, so a late post gets a useful answer instead of 404.
+        self._closed: OrderedDict[str, str] = OrderedDict()
+        self._remember = remember
+
+    def open(self, transfer_id: str) -> None:
+        self._waiting[transfer_id] = asyncio.get_running_loop().create_future()
+
+    def deliver(self, transfer_id: str, target: dict[str, Any]) -> Delivery:
+        return self._resolve(transfer_id, target, None)
+
+    def fail(self, transfer_id: str, error: str) -> Delivery:
+        return self._resolve(transfer_id, None, error)
+
+    def _resolve(
+        self, transfer_id: str, target: dict[str, Any] | None, error: str | None
+    ) -> Delivery:
+        fut = self._waiting.get(transfer_id)
+        if fut is None:
+            why = self._closed.get(transfer_id)
+            if why is not None:
+                return Delivery(409, f"transfer {transfer_id!r} is no longer waiting: {why}")
+            return Delivery(
+                404,
+                f"unknown transfer {transfer_id!r}: this proxy did not issue it "
+                f"(or it is older than the last {self._remember})",
+            )
+        if fut.done():
+            return Delivery(409, f"transfer {transfer_id!r} already has a target")
+        if error is not None:
+            fut.set_exception(TargetError(f"decode gave no target: {error}"))
+        else:
+            assert target is not None
+            fut.set_result(target)
+        return Delivery(200, "ok")
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> dict[str, Any]:
+        """The target, or ``TimeoutError`` / ``TargetError``."""
+        fut = self._waiting[transfer_id]
+        async with asyncio.timeout(timeout_s):
+            # Shielded: a timeout must not cancel the future a concurrent post resolves.
+            return await asyncio.shield(fut)
+
+    def close(self, transfer_id: str, reason: str) -> None:
+        """Stop waiting for ``transfer_id``; later posts for it are told ``reason``."""
+        fut = self._waiting.pop(transfer_id, None)
+        if fut is None:
+            return
+        if fut.done() and not fut.cancelled():
+            fut.exception()  # retrieved, so asyncio does not log an unobserved TargetError
+        else:
+            fut.cancel()
+        self._closed[transfer_id] = reason
+        while len(self._closed) > self._remember:
+            self._closed.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._waiting)

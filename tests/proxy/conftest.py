@@ -1,0 +1,332 @@
+"""Real HTTP servers for the proxy tests: the proxy, and fake vLLM prefill/decode instances.
+
+Every server is uvicorn in a thread on its own pre-bound loopback port. The fake decode does
+what the real connector does: on ``do_remote_prefill`` it posts its target to ``router_url``,
+then waits until the fake prefill has received the prompt before it answers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from app.proxy import ProxyConfig, create_proxy
+
+TARGET_BLOCKS = [[3, 4, 5], [9]]
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 5.0) -> Any:
+    """Poll ``fn`` until it returns something truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.02)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+
+
+class ServerThread:
+    """uvicorn serving ``app`` in a daemon thread on an already bound loopback socket."""
+
+    def __init__(self, app: FastAPI, sock: socket.socket) -> None:
+        self.sock = sock
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
+        )
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        wait_for(f"{self.url} to start", lambda: self.server.started or not self.thread.is_alive())
+        assert self.server.started, f"{self.url} failed to start"
+        return self
+
+    def signal_stop(self) -> None:
+        self.server.should_exit = True
+
+    def stop(self) -> None:
+        self.signal_stop()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def bound_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+@dataclass
+class Behaviour:
+    """What a fake instance does; tests change it before (or between) requests."""
+
+    health_status: int = 200
+    status: int = 200  # answer to completions requests
+    post_target: bool = True  # decode: post a target when asked for a remote prefill
+    post_delay_s: float = 0.0  # decode: wait this long before posting it
+    target_error: str | None = None  # decode: post this error instead of a target
+    prefill_wait_s: float = 5.0  # decode: longest wait for prefill to receive the prompt
+    delay_s: float = 0.0  # before answering (watching for the client going away)
+    hold: threading.Event | None = None  # before answering, wait for this
+    chunks: int = 4
+    chunk_delay_s: float = 0.0
+
+
+@dataclass
+class Seen:
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+
+
+@dataclass
+class Shared:
+    """State the fakes share: which transfer ids prefill received, and who served in order."""
+
+    prefill_seen: dict[str, threading.Event] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def seen(self, tid: str) -> threading.Event:
+        with self.lock:
+            return self.prefill_seen.setdefault(tid, threading.Event())
+
+
+class FakeVLLM:
+    """A vLLM OpenAI server's outside: /health, /v1/models, (chat) completions, SSE streams."""
+
+    def __init__(self, role: str, name: str, shared: Shared) -> None:
+        self.role, self.name, self.shared = role, name, shared
+        self.behaviour = Behaviour()
+        self.requests: list[Seen] = []
+        self.posts: list[tuple[dict[str, Any], int, dict[str, Any]]] = []  # body, status, answer
+        self.answers: list[bytes] = []  # exact bytes of each answer (streams: joined)
+        # Decode: whether prefill had the prompt before we answered, by transfer id.
+        self.prefill_first: dict[str, bool] = {}
+        self.disconnected = threading.Event()
+        self.app = self._build()
+        self.server: ServerThread | None = None
+        self._client: httpx.AsyncClient | None = None  # made on the server's own loop
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    def start(self) -> FakeVLLM:
+        self.server = ServerThread(self.app, bound_socket()).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+    def _build(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=self.behaviour.health_status)
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{"id": "tiny", "owned_by": self.name}]})
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self._complete(request, "/v1/completions")
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request) -> Response:
+            return await self._complete(request, "/v1/chat/completions")
+
+        return app
+
+    async def _complete(self, request: Request, path: str) -> Response:
+        body = await request.json()
+        self.requests.append(Seen(path, body, dict(request.headers)))
+        with self.shared.lock:
+            self.shared.order.append(self.name)
+        b = self.behaviour
+        kv = body.get("kv_transfer_params") or {}
+        if kv.get("do_remote_decode"):
+            self.shared.seen(kv["transfer_id"]).set()
+        if kv.get("do_remote_prefill") and b.post_target:
+            await self._post_target(kv)
+        if b.hold is not None:
+            await asyncio.to_thread(b.hold.wait, 10)
+        if b.delay_s and await self._gone_within(request, b.delay_s):
+            return Response(status_code=499)
+        if b.status != 200:
+            return self._answer({"error": {"message": f"{self.name} says no", "code": b.status}})
+        if body.get("stream"):
+            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+        return self._answer(self._completion(body, 0, final=True))
+
+    async def _post_target(self, kv: dict[str, Any]) -> None:
+        b, tid = self.behaviour, kv["transfer_id"]
+        await asyncio.sleep(b.post_delay_s)
+        target = {
+            "request_id": f"{self.name}-{tid}",
+            "host": "127.0.0.1",
+            "port": 4242,
+            "engine_id": self.name,
+            "epoch": 7,
+            "tp_size": 1,
+            "block_ids": TARGET_BLOCKS,
+        }
+        payload = (
+            {"transfer_id": tid, "error": b.target_error}
+            if b.target_error
+            else {"transfer_id": tid, "target": target}
+        )
+        if self._client is None:
+            self._client = httpx.AsyncClient(trust_env=False)
+        r = await self._client.post(kv["router_url"], json=payload, timeout=5)
+        self.posts.append((payload, r.status_code, r.json()))
+        if r.status_code == 200 and "target" in payload:
+            seen = await asyncio.to_thread(self.shared.seen(tid).wait, b.prefill_wait_s)
+            self.prefill_first[tid] = seen
+
+    async def _gone_within(self, request: Request, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                self.disconnected.set()
+                return True
+            await asyncio.sleep(0.02)
+        return False
+
+    def _answer(self, payload: dict[str, Any]) -> Response:
+        raw = json.dumps(payload).encode()
+        self.answers.append(raw)
+        return Response(raw, status_code=self.behaviour.status, media_type="application/json")
+
+    def _completion(self, body: dict[str, Any], index: int, final: bool) -> dict[str, Any]:
+        kv = body.get("kv_transfer_params") or {}
+        return {
+            "id": f"cmpl-{self.name}",
+            "object": "text_completion",
+            "model": body.get("model", "tiny"),
+            "served_by": self.name,
+            "choices": [{"index": 0, "text": f"tok{index}", "finish_reason": None}],
+            # vLLM answers with kv_transfer_params too; the proxy must pass them through.
+            "kv_transfer_params": {"echo": kv.get("transfer_id")} if final else None,
+        }
+
+    async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
+        b, sent, done = self.behaviour, bytearray(), False
+        try:
+            for i in range(b.chunks):
+                event = f"data: {json.dumps(self._completion(body, i, i == b.chunks - 1))}\n\n"
+                sent += event.encode()
+                yield event.encode()
+                await asyncio.sleep(b.chunk_delay_s)
+            sent += b"data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            self.answers.append(bytes(sent))
+            if not done:
+                self.disconnected.set()  # cancelled: the proxy closed our connection
+
+
+@dataclass
+class Cluster:
+    prefill: list[FakeVLLM]
+    decode: list[FakeVLLM]
+    shared: Shared
+    proxy: ServerThread | None = None
+    # One client for the test's calls (a new one per call costs tens of ms for its TLS setup).
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(trust_env=False))
+
+    @property
+    def url(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    def start_proxy(self, **cfg: Any) -> Cluster:
+        """Start the proxy over the fakes (after the test set their health, if it needs)."""
+        sock = bound_socket()
+        config = ProxyConfig(
+            prefill=tuple(f.url for f in self.prefill),
+            decode=tuple(f.url for f in self.decode),
+            public_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
+            **{"target_timeout_s": 5.0, "request_timeout_s": 10.0, "health_interval_s": 30.0} | cfg,
+        )
+        self.proxy = ServerThread(create_proxy(config), sock).start()
+        return self
+
+    def post(
+        self, path: str = "/v1/completions", timeout: float = 10, **body: Any
+    ) -> httpx.Response:
+        """A request from a client: ``body`` plus the model name."""
+        url, payload = f"{self.url}{path}", {"model": "tiny", **body}
+        return self.client.post(url, json=payload, timeout=timeout)
+
+    def get(self, path: str) -> httpx.Response:
+        return self.client.get(f"{self.url}{path}", timeout=5)
+
+    def record(self, tid: str) -> dict[str, Any]:
+        """The proxy's record of one transfer, once it is no longer pending."""
+
+        def settled() -> dict[str, Any] | None:
+            r = self.get(f"/v1/transfers/{tid}").json()
+            return None if r["status"] == "pending" else r
+
+        return dict(wait_for(f"transfer {tid} to settle", settled))
+
+    def stop(self) -> None:
+        # Signalled together: each server takes up to 0.1 s to notice.
+        servers = [f.server for f in (*self.prefill, *self.decode)] + [self.proxy]
+        live = [s for s in servers if s is not None]
+        for s in live:
+            s.signal_stop()
+        for s in live:
+            s.stop()
+        self.client.close()
+
+
+@pytest.fixture
+def make_cluster() -> Iterator[Callable[..., Cluster]]:
+    """``make_cluster(n_prefill, n_decode)``: started fakes; the test starts the proxy."""
+    made: list[Cluster] = []
+
+    def make(n_prefill: int = 1, n_decode: int = 1) -> Cluster:
+        shared = Shared()
+        c = Cluster(
+            prefill=[FakeVLLM("prefill", f"p{i}", shared).start() for i in range(n_prefill)],
+            decode=[FakeVLLM("decode", f"d{i}", shared).start() for i in range(n_decode)],
+            shared=shared,
+        )
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def cluster(make_cluster: Callable[..., Cluster]) -> Cluster:
+    """One prefill, one decode, and the proxy over them."""
+    return make_cluster().start_proxy()

@@ -1,0 +1,73 @@
+"""Settings and flags: what ``kv-sidecar proxy`` refuses, and how the policies pick."""
+
+from __future__ import annotations
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from app.cli.proxy import proxy_command
+from app.errors import ConfigError
+from app.proxy import Policy, ProxyConfig
+from app.proxy.balancer import Pool
+
+
+def config(**kw: object) -> ProxyConfig:
+    base: dict[str, object] = {
+        "prefill": ("http://p:8000",),
+        "decode": ("http://d:8000/",),
+        "public_url": "http://r:9000/",
+    }
+    return ProxyConfig(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_urls_are_normalized() -> None:
+    cfg = config(policy="least_outstanding")
+    assert cfg.decode == ("http://d:8000",)
+    assert cfg.router_url == "http://r:9000/v1/kv_targets"
+    assert cfg.policy is Policy.LEAST_OUTSTANDING
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"decode": ()}, "no decode instance"),
+        ({"prefill": ("p:8000",)}, "expected an http"),
+        ({"decode": ("http://d", "http://d/")}, "same URL twice"),
+        ({"policy": "random"}, "expected one of round_robin, least_outstanding"),
+        ({"target_timeout_s": 0}, "target_timeout_s must be positive"),
+        ({"public_url": "r:9000"}, "--public-url"),
+    ],
+)
+def test_bad_settings_say_what_to_change(kw: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        config(**kw)
+
+
+def test_cli_refuses_an_unknown_policy() -> None:
+    app = typer.Typer()
+    app.command()(proxy_command)
+    out = CliRunner().invoke(
+        app, ["--prefill", "http://p", "--decode", "http://d", "--policy", "random"]
+    )
+    assert out.exit_code == 2
+    assert "round_robin" in out.output
+
+
+def test_policies_rotate_among_equals_and_skip_unhealthy() -> None:
+    rr = Pool("decode", ["http://a", "http://b", "http://c"], Policy.ROUND_ROBIN)
+    for inst in rr.instances:
+        inst.mark(True)
+    rr.instances[1].mark(False, "down")
+    assert [rr.pick().url for _ in range(4)] == ["http://a", "http://c"] * 2
+
+    lo = Pool("decode", ["http://a", "http://b"], Policy.LEAST_OUTSTANDING)
+    for inst in lo.instances:
+        inst.mark(True)
+    assert [lo.pick().url for _ in range(3)] == ["http://a", "http://b", "http://a"]
+    busy = lo.acquire()  # b (the rotation's turn) now has a request in flight
+    assert busy.url == "http://b"
+    assert [lo.pick().url for _ in range(3)] == ["http://a"] * 3
+    busy.release()
+    busy.release()  # idempotent
+    assert lo.instances[1].outstanding == 0
