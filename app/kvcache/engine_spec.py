@@ -72,7 +72,8 @@ class EngineGroup(msgspec.Struct):
     kernel_block_size: int
     layers: list[str]
     sliding_window: int | None = None
-    mamba_mode: str = "none"
+    mamba_mode: str = "none"  # vLLM's mamba_cache_mode: where the final state lives
+    num_spec: int = 0  # speculative state blocks after it (align mode)
 
 
 class MemorySpan(msgspec.Struct, array_like=True):

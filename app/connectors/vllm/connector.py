@@ -6,6 +6,7 @@ One class, two roles as vLLM instantiates it: in the scheduler process it delega
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -20,6 +21,8 @@ from app.connectors.vllm.metadata import KVSidecarMetadata
 from app.connectors.vllm.scheduler import SchedulerSide
 from app.connectors.vllm.worker import WorkerSide
 
+log = logging.getLogger(__name__)
+
 
 class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     """Decode-first, layer-wise push of KV through the kv-sidecar next to each engine."""
@@ -30,7 +33,12 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(config)
+            self.scheduler = SchedulerSide(config, kv_cache_config)
+            if getattr(self._kv_transfer_config, "kv_load_failure_policy", "") == "fail":
+                log.warning(
+                    "kv_load_failure_policy is 'fail': a request whose KV transfer fails ends "
+                    "with an error; set it to 'recompute' to have decode recompute it instead"
+                )
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -59,6 +59,48 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "initializer_range": 0.1,  # 0.5 saturates Gemma's soft-capping: one token forever
     },
+    "qwen3next": {  # Gated DeltaNet (3 layers) + full attention (1), MoE
+        "architectures": ["Qwen3NextForCausalLM"],
+        "model_type": "qwen3_next",
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 4,
+        "tie_word_embeddings": False,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 128,  # vLLM's CPU GDN kernels take 128
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "decoder_sparse_step": 1,
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000.0,
+        # Sharp logits: with 0.5 the random model has near-ties that the bf16 difference
+        # between one 300-token prefill and 299 + 1 tokens (the N-1 convention) can flip.
+        "initializer_range": 1.5,
+    },
+    "deepseek": {  # MLA, latent 512 + rope 64 (what vLLM's CPU MLA backend takes)
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_key_value_heads": 4,
+        "num_hidden_layers": 2,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_rope_head_dim": 64,
+        "qk_nope_head_dim": 128,
+        "v_head_dim": 128,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "first_k_dense_replace": 2,
+        "moe_layer_freq": 1,
+        "n_shared_experts": 1,
+        "tie_word_embeddings": False,
+    },
 }
 
 
@@ -119,6 +161,8 @@ class LocalPD:
     work: Path
     recv_timeout_s: float = 30.0
     extra_vllm_args: Sequence[str] = ()
+    allow_cpu_mla: bool = False
+    kind: str = ""  # which tiny model, for callers that treat kinds differently
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
 
@@ -182,11 +226,13 @@ class LocalPD:
                 "kv_connector": "KVSidecarConnector",
                 "kv_connector_module_path": "app.connectors.vllm",
                 "kv_role": "kv_both",
+                "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
                     "sidecar": inst.ipc,
                     "engine_id": inst.role,
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
+                    "allow_cpu_mla": self.allow_cpu_mla,
                 },
             }
             self._spawn(
@@ -256,6 +302,17 @@ class LocalPD:
         self, base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0
     ) -> list[int]:
         """Greedy token ids of one completion through ``base`` (the proxy or an engine)."""
+        return list(self.completion(base, prompt, max_tokens, timeout_s)["choices"][0]["token_ids"])
+
+    def completion(
+        self,
+        base: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        timeout_s: float = 120.0,
+        **extra: Any,
+    ) -> dict[str, Any]:
+        """The whole greedy completion response through ``base``; ``extra`` joins the body."""
         r = httpx.post(
             f"{base}/v1/completions",
             json={
@@ -264,11 +321,12 @@ class LocalPD:
                 "max_tokens": max_tokens,
                 "temperature": 0,
                 "return_token_ids": True,
+                **extra,
             },
             timeout=timeout_s,
         )
         r.raise_for_status()
-        return list(r.json()["choices"][0]["token_ids"])
+        return dict(r.json())
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs[name]

