@@ -23,7 +23,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from app.errors import DeadlineExceeded
+from app.cli.demo_vllm import print_summary, run_vllm_demo
+from app.errors import ConfigError, DeadlineExceeded
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.sim.cluster import (
     Cluster,
@@ -70,8 +71,24 @@ def demo_command(
             help="Print one JSON object (with --keep-alive: first the admin URLs, then it).",
         ),
     ] = False,
+    engine: Annotated[
+        str, typer.Option(help="sim (simulated engines) or vllm (two real vLLM engines).")
+    ] = "sim",
+    vllm_model: Annotated[
+        str, typer.Option(help="With --engine vllm: llama, gemma3, qwen3next or deepseek.")
+    ] = "llama",
+    max_tokens: Annotated[int, typer.Option(help="With --engine vllm: tokens to generate.")] = 8,
 ) -> None:
-    """Start a P and a D sidecar with simulated engines, transfer, verify, summarize."""
+    """Start a P and a D sidecar with simulated engines (or real vLLM ones), transfer, verify,
+    summarize."""
+    if engine == "vllm":
+        result = run_vllm_demo(vllm_model, requests, prompt_tokens, max_tokens, None)
+        print_summary(result, as_json)
+        if result["matches_reference"] != result["requests"]:
+            raise typer.Exit(1)
+        return
+    if engine != "sim":
+        raise ConfigError(f"--engine {engine!r}: expected sim or vllm")
     pool_tokens = pool_prompt_tokens(
         ClusterSpec(model=model, layers=layers, prefill_tp=prefill_tp, decode_tp=decode_tp),
         prompt_tokens,

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.connectors.vllm.local_pd import LocalPD, write_tiny_model
+from app.connectors.local_pd import LocalPD, write_tiny_model
 
 
 @pytest.fixture(scope="module")

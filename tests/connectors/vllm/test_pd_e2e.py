@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from app.connectors.vllm.local_pd import LocalPD
+from app.connectors.local_pd import LocalPD
 from tests.connectors.vllm.conftest import (
     EngineKV,
     TargetCatcher,
