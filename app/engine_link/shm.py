@@ -29,6 +29,16 @@ def _path(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
 
+def _open(name: str) -> int:
+    try:
+        return os.open(_path(name), os.O_RDWR)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"shared memory {name!r} does not exist; is the engine alive and sharing /dev/shm "
+            "with the sidecar?"
+        ) from None
+
+
 def _map(fd: int, size: int) -> torch.Tensor:
     mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     return torch.frombuffer(mm, dtype=torch.uint8)
@@ -68,13 +78,7 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
         if not queue:
             raise ConfigError(f"engine registered {len(names)} segments, the layout needs more")
         name = queue.pop(0)
-        try:
-            fd = os.open(_path(name), os.O_RDWR)
-        except FileNotFoundError:
-            raise ConfigError(
-                f"shared memory {name!r} does not exist; is the engine alive and "
-                "sharing /dev/shm with the sidecar?"
-            ) from None
+        fd = _open(name)
         try:
             size = os.fstat(fd).st_size
             if size != nbytes:
@@ -91,13 +95,7 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
 
 def map_engine_file(name: str, min_size: int) -> torch.Tensor:
     """Map a shared-memory file the engine made (e.g. torch's own shared storage) whole."""
-    try:
-        fd = os.open(_path(name), os.O_RDWR)
-    except FileNotFoundError:
-        raise ConfigError(
-            f"shared memory {name!r} does not exist; is the engine alive and sharing /dev/shm "
-            "with the sidecar?"
-        ) from None
+    fd = _open(name)
     try:
         size = os.fstat(fd).st_size
         if size < min_size:

@@ -354,7 +354,7 @@ class Sidecar:
 
     async def _register_engine(self, reg: EngineRegistration) -> Msg:
         """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
-        self._check_rank(reg.rank, reg.tp_size)
+        self._check_rank(reg.rank)
         buffers = [map_engine_file(span.name, span.offset + span.size) for span in reg.memory]
         desc = describe_engine(
             reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
@@ -394,7 +394,7 @@ class Sidecar:
             }
         )
 
-    def _check_rank(self, rank: int, tp_size: int) -> None:
+    def _check_rank(self, rank: int) -> None:
         if rank not in self.settings.ranks:
             raise ConfigError(
                 f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "

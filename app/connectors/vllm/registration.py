@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from app.engine_link.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
     Axis,
@@ -35,7 +36,6 @@ from app.kvcache.engine_spec import (
     StateTensor,
 )
 
-SHM_DIR = "/dev/shm"
 # vLLM 0.32 hands connectors one 4D logical view per attention layer: [B, H, N, C], with K's
 # head_size channels followed by V's inside C.
 ATTENTION_ROLES = ("block", "head", "token", "channel")

@@ -67,7 +67,6 @@ class SchedulerSide:
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
         self._links: list[EngineLink] | None = None
-        self.matched: dict[str, int] = {}  # tokens promised to each decode request (for tests)
 
     @property
     def links(self) -> list[EngineLink]:
@@ -96,7 +95,6 @@ class SchedulerSide:
         count = len(request.prompt_token_ids) - 1 - num_computed
         if count <= 0:
             return 0, False
-        self.matched[request.request_id] = count
         return count, True
 
     def _truncate(self, request: Any) -> None:
@@ -204,7 +202,6 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self.matched.pop(rid, None)
         if self.state.recvs.pop(rid, None) is not None:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self._abort_all(rid, "decode request aborted")
