@@ -81,8 +81,10 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
             str(i), str(out), *(f"{t[k] or 0:.1f}" for k in ("target_ms", "prefill_ms", "total_ms"))
         )
     console.print(table)
+    s = summary
     console.print(
-        f"{summary['matches_reference']}/{summary['requests']} equal the prefill engine's own "
-        f"output; {summary['bytes']:,} B in {summary['descriptors']:,} descriptors; engines up "
-        f"in {summary['engine_start_s']} s; logs in {summary['logs']}"
+        f"{s['matches_reference']}/{s['requests']} equal the prefill engine's own output; "
+        f"{s['bytes']:,} B in "
+        f"{s['descriptors']:,} descriptors; engines up in {s['engine_start_s']} s; "
+        f"logs in {s['logs']}"
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import httpx
 import pytest
@@ -37,50 +36,20 @@ BYTE_LENGTHS = (300, 700)
 MAX_TOKENS = 8
 
 
-# Recurrent-state models: decode continues from a state computed over N-1 tokens plus one step,
-# the reference from N tokens at once. In bf16 that may flip a greedy choice where the
-# reference's two best logprobs are exactly tied (measured: every divergence was at a gap of
-# 0.0, every other position agreed with top logprobs within 0.16). So the comparison stops at
-# the first exact tie, and at least half of all positions must have been compared.
-STATE_MODELS = {"qwen3next"}
-
-
-def completions(pd: LocalPD, base: str, prompts: list[list[int]]) -> list[dict[str, object]]:
-    def one(p: list[int]) -> dict[str, object]:
-        answer = pd.completion(base, p, MAX_TOKENS, logprobs=2, return_tokens_as_token_ids=True)
-        return dict(answer["choices"][0])
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
-def compared_prefix(ref: dict[str, Any], got: dict[str, Any], stop_at_ties: bool) -> int:
-    """Positions compared; asserts each of them equal."""
-    tokens = ref["token_ids"]
-    for k, token in enumerate(tokens):
-        top = sorted(ref["logprobs"]["top_logprobs"][k].values(), reverse=True)
-        if stop_at_ties and len(top) > 1 and top[0] == top[1]:
-            return k
-        assert got["token_ids"][k] == token, (k, ref["token_ids"], got["token_ids"])
-    return len(tokens)
-
-
-@pytest.mark.parametrize("pd", ["llama", "gemma3", "qwen3next"], indirect=True)
+@pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
 def test_decode_equals_reference(pd: LocalPD) -> None:
     prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
-    # The reference: the prefill engine itself, one at a time, no transfer involved.
-    reference = [completions(pd, pd.prefill.url, [p])[0] for p in prompts]
-    tokens = [tuple(r["token_ids"]) for r in reference]
-    assert len(set(tokens)) == len(prompts), "tiny model is not distinctive"
+    # The reference: the prefill engine itself, no transfer involved.
+    reference = [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+    assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
     before = prompt_tokens_by_source(pd.decode.url)
     d_before = group_counters(pd.decode.admin)
     p_before = group_counters(pd.prefill.admin)
 
-    got = completions(pd, pd.proxy, prompts)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
 
-    ties = pd.kind in STATE_MODELS
-    compared = sum(compared_prefix(r, g, ties) for r, g in zip(reference, got, strict=True))
-    assert compared >= len(prompts) * MAX_TOKENS // (2 if ties else 1)
+    assert got == reference
     after = prompt_tokens_by_source(pd.decode.url)
     # Decode computed exactly the one token per prompt the protocol leaves to it.
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(prompts)
@@ -94,7 +63,7 @@ def test_decode_equals_reference(pd: LocalPD) -> None:
         assert a["bytes"] > b["bytes"], a
 
 
-@pytest.mark.parametrize("pd", ["llama", "gemma3", "qwen3next", "deepseek"], indirect=True)
+@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek"], indirect=True)
 def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
     """Requests go one at a time: a finished send frees its prefill blocks and a later request
     may reuse them, so both caches are read right after each request."""
@@ -108,8 +77,6 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
         d_ids = block_ids(pd.decode.admin, rid, "recv")
         for name, layer in d_kv.layers.items():
             g = layer["group"]
-            if d_kv.groups[g]["kind"] == "mamba":
-                continue  # decode's own step rewrites the state in place: output equality covers it
             blocks = read_blocks(d_kv.groups[g], d_kv.kernel_block_size(name), n)
             want = p_kv.pages(name, p_ids[g], blocks) if blocks else None
             got = d_kv.pages(name, d_ids[g], blocks) if blocks else None
@@ -123,6 +90,24 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
             )
             checked += len(blocks)
     assert checked > 0
+
+
+@pytest.mark.parametrize("pd", ["qwen3next"], indirect=True)
+def test_state_model_is_computed_by_decode(pd: LocalPD) -> None:
+    """Mamba-style state transfer is not verified (see the scheduler side): for Qwen3-Next
+    (GDN + attention) decode computes every prompt itself, answers exactly as the engine does
+    alone, and no prefill is asked for."""
+    prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
+    reference = [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+    before = prompt_tokens_by_source(pd.decode.url)
+    p_before = group_counters(pd.prefill.admin)
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
+    assert got == reference
+    after = prompt_tokens_by_source(pd.decode.url)
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == sum(LENGTHS)
+    assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
+    assert group_counters(pd.prefill.admin) == p_before
 
 
 @pytest.mark.parametrize("pd", ["llama"], indirect=True)
