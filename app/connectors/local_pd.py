@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Any
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded
+from app.store.master import free_port
 
 _COMMON = {
     "hidden_size": 256,
@@ -126,12 +126,6 @@ def write_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
     save_file(weights, str(path / "model.safetensors.tmp"))
     os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

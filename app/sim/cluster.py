@@ -11,7 +11,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,15 +30,9 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.presets import load_preset
 from app.sim.engine import Command, SimRequest
 from app.sim.reference import BlockAllocator, blocks_needed
-from app.store.master import MasterProcess, start_master, stop_master
+from app.store.master import MasterProcess, free_port, start_master, stop_master
 from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

@@ -13,7 +13,7 @@ from app.api.server import AdminServer
 from app.config import SidecarSettings
 from app.engine_link.client import CacheParams, EngineLink
 from app.errors import ConfigError
-from app.sim.cluster import free_port
+from app.store.master import free_port
 from app.transfer.sidecar import Sidecar
 
 PARAMS = CacheParams("llama-3.1-8b", tp_size=1, block_size=16, num_blocks=8, layers=2)

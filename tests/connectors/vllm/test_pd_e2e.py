@@ -36,20 +36,27 @@ BYTE_LENGTHS = (300, 700)
 MAX_TOKENS = 8
 
 
+def references(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
+    """The prefill engine's own answers, one at a time, no transfer involved."""
+    return [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+
+
+def through_proxy(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
+    """The same prompts, concurrently, through the proxy (decode first)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
+
+
 @pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
 def test_decode_equals_reference(pd: LocalPD) -> None:
     prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
-    # The reference: the prefill engine itself, no transfer involved.
-    reference = [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+    reference = references(pd, prompts)
     assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
     before = prompt_tokens_by_source(pd.decode.url)
     d_before = group_counters(pd.decode.admin)
     p_before = group_counters(pd.prefill.admin)
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
-
-    assert got == reference
+    assert through_proxy(pd, prompts) == reference
     after = prompt_tokens_by_source(pd.decode.url)
     # Decode computed exactly the one token per prompt the protocol leaves to it.
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(prompts)
@@ -98,12 +105,10 @@ def test_state_model_is_computed_by_decode(pd: LocalPD) -> None:
     (GDN + attention) decode computes every prompt itself, answers exactly as the engine does
     alone, and no prefill is asked for."""
     prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
-    reference = [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+    reference = references(pd, prompts)
     before = prompt_tokens_by_source(pd.decode.url)
     p_before = group_counters(pd.prefill.admin)
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
-    assert got == reference
+    assert through_proxy(pd, prompts) == reference
     after = prompt_tokens_by_source(pd.decode.url)
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == sum(LENGTHS)
     assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
