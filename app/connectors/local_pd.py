@@ -212,7 +212,7 @@ class LocalPD:
         for inst in (self.prefill, self.decode):
             self.start_sidecar(inst)
         for inst in (self.prefill, self.decode):
-            self._wait(f"{inst.admin}/livez", f"sidecar-{inst.role}", 60)
+            self._wait_sidecar(inst)
         for inst in (self.prefill, self.decode):
             ktc = {
                 "kv_connector": "KVSidecarConnector",
@@ -274,6 +274,20 @@ class LocalPD:
         self._wait(f"{self.proxy}/health", "proxy", 60)
         self.started_s = time.monotonic() - t0
         return self
+
+    def _wait_sidecar(self, inst: Instance, attempts: int = 3) -> None:
+        name = f"sidecar-{inst.role}"
+        for attempt in range(1, attempts + 1):
+            try:
+                self._wait(f"{inst.admin}/livez", name, 60)
+                return
+            except ConfigError as e:
+                # free_port() only says a port was free when asked; another process may take it
+                # before the sidecar binds. Anything else is a real failure.
+                if attempt == attempts or "Address already in use" not in str(e):
+                    raise
+            inst.admin_port, inst.control_port = free_port(), free_port()
+            self.start_sidecar(inst)
 
     def _wait(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -214,8 +214,26 @@ class Cluster:
             side.sockets.append(sock)
         return side.sockets[0]
 
-    def wait_ready(self, side: Side, timeout: float = 180.0) -> None:
-        side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
+    def wait_ready(self, side: Side, timeout: float = 180.0, attempts: int = 3) -> None:
+        """Wait until every rank registered; a sidecar that lost its ports gets fresh ones."""
+        for attempt in range(1, attempts + 1):
+            try:
+                side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
+                return
+            except KVSidecarError:
+                if attempt == attempts or not self._lost_port_race(side):
+                    raise
+            # free_port() only says a port was free when asked: an outgoing connection or
+            # another test's process may take it before the sidecar binds.
+            self.kill_side(side)
+            side.control_port, side.admin_port = free_port(), free_port()
+            self.start_side(side)
+
+    def _lost_port_race(self, side: Side) -> bool:
+        if side.sidecar is None or side.sidecar.poll() is None:
+            return False
+        log = self.log_dir / f"{side.role}-sidecar.log"
+        return b"Address already in use" in log.read_bytes()[-4096:]
 
     def send(self, side: Side, cmd: Command) -> None:
         self._socket(side).send(msgspec.json.encode(cmd))
