@@ -2,8 +2,8 @@
 
 A tiny random-weight model (written once), two vLLM OpenAI servers with ``KVSidecarConnector``,
 two sidecars, the proxy, Mooncake over loopback. Each prompt is answered once by the prefill
-engine alone (the reference) and once through the proxy; the summary says whether they match
-and what moved.
+engine alone (the reference, on decode's compute path: ``LocalPD.reference``) and once through
+the proxy; the summary says whether they match and what moved.
 """
 
 from __future__ import annotations
@@ -32,14 +32,14 @@ def run_vllm_demo(
         raise ConfigError(f"--vllm-model {kind!r}: expected one of {sorted(TINY_MODELS)}")
     root = work or Path(tempfile.mkdtemp(prefix="kvs-vllm-demo-"))
     model = write_tiny_model(root / f"model-{kind}", kind)
-    pd = LocalPD(model, root / "run", kind=kind, allow_cpu_mla=kind == "deepseek")
+    pd = LocalPD(model, root / "run", kind=kind)
     try:
         pd.start()
-        prompts = [
-            [(i * 37 + r * 101) % 1000 + 1 for i in range(prompt_tokens + 17 * r)]
+        seeds = [
+            [(i * 37 + r * 101) % 1000 + 1 for i in range(prompt_tokens - 1 + 17 * r)]
             for r in range(requests)
         ]
-        reference = [pd.complete(pd.prefill.url, p, max_tokens) for p in prompts]
+        prompts, reference = zip(*(pd.reference(s, max_tokens) for s in seeds), strict=True)
         t0 = time.monotonic()
         answers = [pd.completion(pd.proxy, p, max_tokens) for p in prompts]
         seconds = time.monotonic() - t0

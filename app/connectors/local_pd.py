@@ -153,7 +153,6 @@ class LocalPD:
     work: Path
     recv_timeout_s: float = 30.0
     extra_vllm_args: Sequence[str] = ()
-    allow_cpu_mla: bool = False
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -224,7 +223,6 @@ class LocalPD:
                     "engine_id": inst.role,
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
-                    "allow_cpu_mla": self.allow_cpu_mla,
                 },
             }
             self._spawn(
@@ -303,6 +301,19 @@ class LocalPD:
                 pass
             time.sleep(1)
         raise DeadlineExceeded(f"{name} did not answer {url} within {timeout_s}s")
+
+    def reference(self, seed: Sequence[int], max_tokens: int) -> tuple[list[int], list[int]]:
+        """A prompt and the prefill engine's own answer to it, computed the way decode will.
+
+        Decode computes only a prompt's last token, as one decode step over the KV (and state)
+        of the rest. A full prefill runs other kernels for that token, and vLLM's GDN and MLA
+        prefill kernels round differently from their decode kernels, enough to flip greedy
+        tokens of random tiny models (measured). So the prompt is ``seed`` plus the engine's own
+        first token after it, and the answer is the rest of the engine's own generation: the
+        same computation, done by one engine with no transfer.
+        """
+        tokens = self.complete(self.prefill.url, seed, max_tokens + 1)
+        return [*seed, tokens[0]], tokens[1:]
 
     def complete(
         self, base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0

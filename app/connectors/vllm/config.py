@@ -16,8 +16,6 @@ class ConnectorConfig:
     prefill_tp: int  # TP size of the prefill instances this decode instance receives from
     recv_timeout_s: float | None
     link_timeout_s: float
-    allow_cpu_mla: bool = False  # diagnostics: see registration.CPU_MLA_REFUSAL
-    allow_state_transfer: bool = False  # diagnostics: see scheduler.SchedulerSide
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -38,6 +36,4 @@ class ConnectorConfig:
             prefill_tp=int(extra.get("prefill_tp", tp)),
             recv_timeout_s=None if timeout is None else float(timeout),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
-            allow_cpu_mla=bool(extra.get("allow_cpu_mla", False)),
-            allow_state_transfer=bool(extra.get("allow_state_transfer", False)),
         )

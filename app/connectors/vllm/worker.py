@@ -72,7 +72,6 @@ class WorkerSide:
             engine_id=self.config.engine_id,
             rank=self.rank,
             tp_size=self.config.tp_size,
-            allow_cpu_mla=self.config.allow_cpu_mla,
         )
         self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
         try:

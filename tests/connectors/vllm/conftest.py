@@ -29,10 +29,7 @@ def pd(
     kind = request.param
     root = tmp_path_factory.mktemp(f"pd-{kind}")
     model = write_tiny_model(root / "model", kind)
-    # MLA runs only for the byte check: vLLM's CPU MLA cannot decode over a loaded context.
-    stack = LocalPD(
-        model, root / "run", recv_timeout_s=15.0, allow_cpu_mla=kind == "deepseek", kind=kind
-    )
+    stack = LocalPD(model, root / "run", recv_timeout_s=15.0, kind=kind)
     shm_before = set(os.listdir("/dev/shm"))
     try:
         stack.start()

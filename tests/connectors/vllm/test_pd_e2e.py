@@ -2,13 +2,12 @@
 prefilled itself, and what it reads is byte-equal to what prefill computed. Both behaviours
 share one engine pair per model (engine start dominates the cost).
 
-Output equality (the engine's own output without a transfer is the reference) catches KV
-written to the wrong blocks, layers, heads or groups; a transfer that silently did not happen
-(decode would compute the whole prompt: vLLM's local_compute counter); a sliding window sent
-from the wrong blocks (gemma3, prompts longer than its 64-token window); a lost partial last
-block (lengths not a multiple of the block size). Byte equality catches the same at the byte
-level and checks MLA, whose decode output vLLM's CPU backend cannot reproduce over a loaded
-context.
+Output equality (the engine's own output without a transfer is the reference) catches KV or
+state written to the wrong blocks, layers, heads or groups; a transfer that silently did not
+happen (decode would compute the whole prompt: vLLM's local_compute counter); a sliding window
+sent from the wrong blocks (gemma3, prompts longer than its 64-token window); a lost partial
+last block (lengths not a multiple of the block size); a GDN state that is not the one after
+the prompt minus its last token (qwen3next). Byte equality catches the same at the byte level.
 """
 
 from __future__ import annotations
@@ -36,21 +35,26 @@ BYTE_LENGTHS = (300, 700)
 MAX_TOKENS = 8
 
 
-def references(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
-    """The prefill engine's own answers, one at a time, no transfer involved."""
-    return [pd.complete(pd.prefill.url, p, MAX_TOKENS) for p in prompts]
+def references(pd: LocalPD, seeds: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompts and the prefill engine's own answers on decode's compute path, no transfer."""
+    pairs = [pd.reference(seed, MAX_TOKENS) for seed in seeds]
+    return [p for p, _ in pairs], [a for _, a in pairs]
 
 
 def through_proxy(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
-    """The same prompts, concurrently, through the proxy (decode first)."""
+    """The same prompts through the proxy (decode first), concurrently where the engine's
+    output does not depend on its batch: vLLM's CPU MLA answers the same prompts differently
+    batched than alone, from the first token (measured: 4 of 4 differ), so MLA goes one by one.
+    """
+    if pd.kind == "deepseek":
+        return [pd.complete(pd.proxy, p, MAX_TOKENS) for p in prompts]
     with ThreadPoolExecutor(len(prompts)) as pool:
         return list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
 
 
-@pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
+@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", "qwen3next"], indirect=True)
 def test_decode_equals_reference(pd: LocalPD) -> None:
-    prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
-    reference = references(pd, prompts)
+    prompts, reference = references(pd, [prompt(n, i) for i, n in enumerate(LENGTHS)])
     assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
     before = prompt_tokens_by_source(pd.decode.url)
     d_before = group_counters(pd.decode.admin)
@@ -61,7 +65,7 @@ def test_decode_equals_reference(pd: LocalPD) -> None:
     # Decode computed exactly the one token per prompt the protocol leaves to it.
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(prompts)
     assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == sum(
-        n - 1 for n in LENGTHS
+        len(p) - 1 for p in prompts
     )
     # Every group of every request completed at decode, and prefill wrote bytes for each.
     for b, a in zip(d_before, group_counters(pd.decode.admin), strict=True):
@@ -70,10 +74,11 @@ def test_decode_equals_reference(pd: LocalPD) -> None:
         assert a["bytes"] > b["bytes"], a
 
 
-@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek"], indirect=True)
+@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", "qwen3next"], indirect=True)
 def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
     """Requests go one at a time: a finished send frees its prefill blocks and a later request
-    may reuse them, so both caches are read right after each request."""
+    may reuse them, so both caches are read right after each request. State pages are left to
+    the output test: decode's own step has already advanced them when they can be read."""
     p_kv = EngineKV(pd.prefill.admin, pd.procs["sidecar-prefill"].pid)
     d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
     checked = 0
@@ -84,6 +89,8 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
         d_ids = block_ids(pd.decode.admin, rid, "recv")
         for name, layer in d_kv.layers.items():
             g = layer["group"]
+            if d_kv.groups[g]["kind"] == "mamba":
+                continue
             blocks = read_blocks(d_kv.groups[g], d_kv.kernel_block_size(name), n)
             want = p_kv.pages(name, p_ids[g], blocks) if blocks else None
             got = d_kv.pages(name, d_ids[g], blocks) if blocks else None
@@ -97,22 +104,6 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
             )
             checked += len(blocks)
     assert checked > 0
-
-
-@pytest.mark.parametrize("pd", ["qwen3next"], indirect=True)
-def test_state_model_is_computed_by_decode(pd: LocalPD) -> None:
-    """Mamba-style state transfer is not verified (see the scheduler side): for Qwen3-Next
-    (GDN + attention) decode computes every prompt itself, answers exactly as the engine does
-    alone, and no prefill is asked for."""
-    prompts = [prompt(n, i) for i, n in enumerate(LENGTHS)]
-    reference = references(pd, prompts)
-    before = prompt_tokens_by_source(pd.decode.url)
-    p_before = group_counters(pd.prefill.admin)
-    assert through_proxy(pd, prompts) == reference
-    after = prompt_tokens_by_source(pd.decode.url)
-    assert after.get("local_compute", 0) - before.get("local_compute", 0) == sum(LENGTHS)
-    assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
-    assert group_counters(pd.prefill.admin) == p_before
 
 
 @pytest.mark.parametrize("pd", ["llama"], indirect=True)
