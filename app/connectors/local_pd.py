@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded
-from app.store.master import free_port
+from app.store.master import MasterProcess, free_port, start_master, stop_master
 
 _COMMON = {
     "hidden_size": 256,
@@ -102,8 +102,13 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
 }
 
 
-def write_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
-    """``config.json`` plus one safetensors file of random weights (idempotent)."""
+def write_tiny_model(
+    path: Path, kind: str, seed: int = 0, overrides: Mapping[str, Any] | None = None
+) -> Path:
+    """``config.json`` plus one safetensors file of random weights (idempotent).
+
+    ``overrides`` replace keys of the tiny config (e.g. a preset's KV geometry at a few layers).
+    """
     if kind not in TINY_MODELS:
         raise ConfigError(f"unknown tiny model {kind!r}; expected one of {sorted(TINY_MODELS)}")
     if (path / "model.safetensors").exists():
@@ -113,7 +118,9 @@ def write_tiny_model(path: Path, kind: str, seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({**_COMMON, **TINY_MODELS[kind]}))
+    (path / "config.json").write_text(
+        json.dumps({**_COMMON, **TINY_MODELS[kind], **(overrides or {})})
+    )
     config = AutoConfig.from_pretrained(str(path))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
@@ -154,6 +161,8 @@ class LocalPD:
     recv_timeout_s: float = 30.0
     extra_vllm_args: Sequence[str] = ()
     kind: str = ""  # which tiny model, for callers that treat kinds differently
+    pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
+    master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
 
@@ -179,6 +188,14 @@ class LocalPD:
         )
 
     def start_sidecar(self, inst: Instance) -> None:
+        env = {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"}
+        if self.master is not None:
+            env |= {
+                "KVSIDECAR_POOL__ENABLED": "true",
+                "KVSIDECAR_POOL__MASTER_ADDRESS": self.master.rpc_address,
+                "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(256 << 20),
+                "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
+            }
         self._spawn(
             f"sidecar-{inst.role}",
             [
@@ -203,11 +220,13 @@ class LocalPD:
                 "--admin-port",
                 str(inst.admin_port),
             ],
-            {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"},
+            env,
         )
 
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
+        if self.pool:
+            self.master = start_master(0, log_path=self.work / "mooncake-master.log")
         for inst in (self.prefill, self.decode):
             self.start_sidecar(inst)
         for inst in (self.prefill, self.decode):
@@ -223,6 +242,7 @@ class LocalPD:
                     "engine_id": inst.role,
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
+                    "pool": self.pool,
                 },
             }
             self._spawn(
@@ -361,3 +381,6 @@ class LocalPD:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        if self.master is not None:
+            stop_master(self.master)
+            self.master = None

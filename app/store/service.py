@@ -19,6 +19,8 @@ from typing import Literal
 import numpy as np
 
 from app.errors import ConfigError
+from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
 from app.kvcache.specs import AttentionSpec, RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
@@ -51,64 +53,99 @@ _NS_KIND: dict[RegionKind, Literal["split", "replicate", "state"]] = {
 
 
 class RankPool:
-    """Keys, coordinator and addresses of one engine rank's cache."""
+    """Keys, coordinator and page addresses of one engine rank's cache."""
 
-    def __init__(self, layout: RankLayout) -> None:
+    def __init__(
+        self,
+        desc: LayoutDesc,
+        prefixes: dict[int, KeyPrefix],
+        page_bytes: dict[int, int],
+        spans: list[tuple[int, int]],
+    ) -> None:
+        self.desc = desc
+        self.prefixes = prefixes
+        self.page_bytes = page_bytes
+        self.spans = spans
+        self.coordinator = PoolCoordinator(
+            [
+                PoolGroup(g.kind.value, g.block_size, sliding_window=g.sliding_window)
+                for g in desc.groups
+            ]
+        )
+
+    @classmethod
+    def from_layout(cls, layout: RankLayout) -> RankPool:
+        """A rank whose cache the sidecar built from a preset (the simulated engine)."""
         if layout.heads_major:
             raise ConfigError(
                 "the KV pool needs a layer's page contiguous: heads-major "
                 "cross-layer blocks are not supported; use per_layer or cross_layer"
             )
-        self.layout = layout
         cfg = layout.config
-        self.coordinator = PoolCoordinator(
-            [
-                PoolGroup(
-                    g.kind.value if g.kind.value != "mla" else "mla",
-                    g.block_size,
-                    sliding_window=g.sliding_window,
-                )
-                for g in cfg.groups
-            ]
-        )
         model = cfg.model
         layout_name = f"{layout.mode.value}.{layout.kv_layout.value}.bs{cfg.block_size}"
-        self.prefixes: dict[int, KeyPrefix] = {}
+        prefixes: dict[int, KeyPrefix] = {}
         for c in model.layers:
             spec = c.spec
             heads = spec.num_kv_heads if isinstance(spec, AttentionSpec) else None
             ns = tp_namespace(
-                _NS_KIND[spec.region_kind],
-                tp_size=cfg.tp,
-                rank=layout.rank,
-                num_kv_heads=heads,
+                _NS_KIND[spec.region_kind], tp_size=cfg.tp, rank=layout.rank, num_kv_heads=heads
             )
-            self.prefixes[c.index] = KeyPrefix(
+            prefixes[c.index] = KeyPrefix(
                 f"{model.name}.{model.compat_hash()[:8]}", model.dtype, layout_name, ns
             )
+        pages = {c.index: cfg.slot_of(c.index).page_bytes for c in model.layers}
+        return cls(describe(layout), prefixes, pages, layout.spans())
+
+    @classmethod
+    def from_engine(
+        cls, desc: LayoutDesc, reg: EngineRegistration, spans: list[tuple[int, int]]
+    ) -> RankPool:
+        """A rank registered by a real engine: pages, dtypes and heads are the engine's own.
+
+        A layer's page of a block is its block stride (vLLM gives every layer its own
+        block-major tensor; hybrid pages are padded alike), so a stored page is what the
+        engine holds for that block, padding included.
+        """
+        layout_name = f"engine.{desc.kv_layout}.bs{max(g.block_size for g in desc.groups)}"
+        prefixes: dict[int, KeyPrefix] = {}
+        pages: dict[int, int] = {}
+        kinds = {layer: r.kind for r in desc.regions for layer in r.layers}
+        for pl in desc.placements:
+            layer = reg.layers[pl.layer]
+            ns = tp_namespace(
+                _NS_KIND[kinds[pl.layer]],
+                tp_size=desc.tp,
+                rank=desc.rank,
+                num_kv_heads=layer.total_heads or None,
+            )
+            prefixes[pl.layer] = KeyPrefix(
+                f"{reg.model}.{desc.compat_hash[:8]}", layer.dtype, layout_name, ns
+            )
+            pages[pl.layer] = pl.block_stride
+        return cls(desc, prefixes, pages, spans)
 
     def group_hashes(
         self, token_ids: Sequence[int], extra_keys: Sequence[str]
     ) -> list[list[bytes]]:
         bs = self.coordinator.hash_block_size
         fine = hash_blocks(list(token_ids), bs, extra_keys=tuple(extra_keys))
-        return group_block_hashes(fine, bs, [g.block_size for g in self.layout.config.groups])
+        return group_block_hashes(fine, bs, [g.block_size for g in self.desc.groups])
 
     def keys(
         self, hashes: list[list[bytes]], group: int, blocks: Sequence[int]
     ) -> list[tuple[int, int, str]]:
         """(layer, block index, key) for ``blocks`` of ``group`` in every layer of it."""
-        g = self.layout.config.groups[group]
         out: list[tuple[int, int, str]] = []
-        for c in g.layers:
-            keys = block_keys(self.prefixes[c.index], c.index, [hashes[group][b] for b in blocks])
-            out.extend((c.index, b, k) for b, k in zip(blocks, keys, strict=True))
+        for layer in self.desc.groups[group].layers:
+            keys = block_keys(self.prefixes[layer], layer, [hashes[group][b] for b in blocks])
+            out.extend((layer, b, k) for b, k in zip(blocks, keys, strict=True))
         return out
 
     def page(self, layer: int, block_id: int) -> tuple[int, int]:
         """(address, bytes) of one layer's page of a manager block."""
-        pl = self.layout.placements[layer]
-        return (pl.base + block_id * pl.block_stride, self.layout.config.slot_of(layer).page_bytes)
+        pl = self.desc.placement(layer)
+        return (pl.base + block_id * pl.block_stride, self.page_bytes[layer])
 
 
 class PoolService:
@@ -126,9 +163,10 @@ class PoolService:
     async def stop(self) -> None:
         await self.client.close_async()
 
-    async def register(self, layout: RankLayout) -> None:
-        self.ranks[layout.rank] = RankPool(layout)
-        for ptr, length in layout.spans():
+    async def register(self, rank: RankPool) -> None:
+        """Register a rank's memory with the store client (again after a re-registration)."""
+        self.ranks[rank.desc.rank] = rank
+        for ptr, length in rank.spans:
             await self.client.register_async(ptr, length)
 
     def _rank(self, rank: int) -> RankPool:

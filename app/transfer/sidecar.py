@@ -37,7 +37,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, allocate
 from app.kvcache.presets import load_preset
 from app.store.pool import PoolConfig
-from app.store.service import PoolService
+from app.store.service import PoolService, RankPool
 from app.transfer.agent import (
     ALL_LAYERS,
     Agent,
@@ -340,7 +340,7 @@ class Sidecar:
         assert self.engine is not None
         await asyncio.to_thread(self.engine.register_many, layout.spans())
         if self.pool is not None:
-            await self.pool.register(layout)
+            await self.pool.register(RankPool.from_layout(layout))
         await self._install(Agent(layout, describe(layout), msg.engine_id))
         self.compat_hash = model.compat_hash()
         self.tp_size = msg.tp_size
@@ -370,6 +370,8 @@ class Sidecar:
             (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
         ]
         await asyncio.to_thread(self.engine.register_many, spans)
+        if self.pool is not None:
+            await self.pool.register(RankPool.from_engine(desc, reg, spans))
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
         agent.registration = reg

@@ -16,6 +16,7 @@ class ConnectorConfig:
     prefill_tp: int  # TP size of the prefill instances this decode instance receives from
     recv_timeout_s: float | None
     link_timeout_s: float
+    pool: bool = False  # load prefix hits from / store prompts into the sidecar's KV pool
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -36,4 +37,5 @@ class ConnectorConfig:
             prefill_tp=int(extra.get("prefill_tp", tp)),
             recv_timeout_s=None if timeout is None else float(timeout),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
+            pool=bool(extra.get("pool", False)),
         )

@@ -42,6 +42,17 @@ class Target:
     target: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class PoolJob:
+    """Load ``tokens`` pool-hit tokens into, or store the first ``tokens`` tokens from, a
+    request's blocks (per group)."""
+
+    req_id: str
+    token_ids: list[int]
+    block_ids: BlockIds
+    tokens: int
+
+
 @dataclass
 class KVSidecarMetadata(KVConnectorMetadata):
     admits: list[Admit] = field(default_factory=list)
@@ -50,3 +61,5 @@ class KVSidecarMetadata(KVConnectorMetadata):
     # Decode requests the sidecar never took (it refused or did not answer): the worker
     # reports them as loaded with errors so vLLM recomputes them instead of waiting forever.
     failed_recvs: dict[str, BlockIds] = field(default_factory=dict)
+    pool_loads: list[PoolJob] = field(default_factory=list)
+    pool_saves: list[PoolJob] = field(default_factory=list)

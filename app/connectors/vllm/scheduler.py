@@ -7,6 +7,10 @@ target; a worker posts the target to the router after the step that allocated (a
 blocks ran, so the prefill's writes cannot land before vLLM's zeroing. A prefill request with
 ``do_remote_decode`` is admitted at the sidecar by the workers and keeps its blocks until the
 sidecar reports the send ended.
+
+With ``"pool": true`` any other request (and a prefill's before it computes) first asks the
+sidecar's KV pool for the longest prefix hit and loads it asynchronously; a finished request's
+prompt is stored into the pool before its blocks go back to vLLM.
 """
 
 from __future__ import annotations
@@ -20,7 +24,14 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.metadata import Admit, BlockIds, KVSidecarMetadata, Slice, Target
+from app.connectors.vllm.metadata import (
+    Admit,
+    BlockIds,
+    KVSidecarMetadata,
+    PoolJob,
+    Slice,
+    Target,
+)
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError
 
@@ -35,6 +46,7 @@ class _Send:
     block_ids: BlockIds
     admitted: bool = False
     grown: bool = False
+    sliced: bool = False
 
 
 @dataclass
@@ -44,6 +56,10 @@ class _State:
     recvs: dict[str, BlockIds] = field(default_factory=dict)  # decode requests expected
     targets: list[Target] = field(default_factory=list)
     failed_recvs: dict[str, BlockIds] = field(default_factory=dict)
+    pool_hits: dict[str, int] = field(default_factory=dict)  # tokens to load, by request
+    pool_loads: list[PoolJob] = field(default_factory=list)
+    pool_saves: list[PoolJob] = field(default_factory=list)
+    unfinished_saves: set[str] = field(default_factory=set)  # kept blocks, being stored
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -88,14 +104,32 @@ class SchedulerSide:
         p = _params(request)
         if p.get("do_remote_decode") and self.truncate:
             self._truncate(request)
-            return 0, False
-        if not p.get("do_remote_prefill") or request.request_id in self.state.recvs:
+        if not p.get("do_remote_prefill"):
+            return self._pool_hit(request, num_computed)
+        if request.request_id in self.state.recvs:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
         count = len(request.prompt_token_ids) - 1 - num_computed
         if count <= 0:
             return 0, False
         return count, True
+
+    def _pool_hit(self, request: Any, num_computed: int) -> tuple[int, bool]:
+        """Tokens the KV pool serves beyond what vLLM has; at least the last prompt token is
+        left to compute (vLLM needs its logits)."""
+        rid = request.request_id
+        self.state.pool_hits.pop(rid, None)
+        if not self.config.pool:
+            return 0, False
+        try:
+            hit = self.links[0].pool_lookup(rid, request.prompt_token_ids[:-1])
+        except KVSidecarError as e:
+            log.warning("request %s: KV pool lookup failed (%s); computing it", rid, e)
+            return 0, False
+        if hit <= num_computed:
+            return 0, False
+        self.state.pool_hits[rid] = hit
+        return hit - num_computed, True
 
     def _truncate(self, request: Any) -> None:
         """Prefill stops one token short: decode recomputes the last prompt token."""
@@ -111,6 +145,10 @@ class SchedulerSide:
         p = _params(request)
         rid = request.request_id
         ids = [list(map(int, g)) for g in blocks.get_block_ids()]
+        hit = self.state.pool_hits.pop(rid, None)
+        if hit is not None and num_external > 0:
+            tokens = list(request.prompt_token_ids[:hit])
+            self.state.pool_loads.append(PoolJob(rid, tokens, ids, hit))
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             self._expect(request, p, ids)
         elif p.get("do_remote_decode") and rid not in self.state.sends:
@@ -157,8 +195,13 @@ class SchedulerSide:
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
-        meta = KVSidecarMetadata(targets=st.targets, failed_recvs=st.failed_recvs)
-        st.targets, st.failed_recvs = [], {}
+        meta = KVSidecarMetadata(
+            targets=st.targets,
+            failed_recvs=st.failed_recvs,
+            pool_loads=st.pool_loads,
+            pool_saves=st.pool_saves,
+        )
+        st.targets, st.failed_recvs, st.pool_loads, st.pool_saves = [], {}, [], []
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -191,36 +234,58 @@ class SchedulerSide:
             send = st.sends.get(rid)
             if send is None or not send.admitted or computed.get(rid, 0) >= send.prompt_len:
                 continue
-            start = computed[rid]
-            end = min(start + n, send.prompt_len)
+            end = min(computed[rid] + n, send.prompt_len)
+            # Tokens loaded from the pool were never computed in a step: the first slice
+            # carries them (they are final before this step runs).
+            start = computed[rid] if send.sliced else 0
             meta.slices.append(Slice(send.sid, start, end, send.block_ids if send.grown else None))
-            send.grown = False
+            send.grown, send.sliced = False, True
         for rid in out.preempted_req_ids or ():
             # A preempted prefill lost its blocks: the send cannot finish; decode recomputes.
             self._abort_send(rid, "prefill request preempted")
         return meta
 
-    def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self.state.pool_hits.pop(rid, None)
         if self.state.recvs.pop(rid, None) is not None:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self._abort_all(rid, "decode request aborted")
             # The id both sidecars know the transfer by, for curl on their admin APIs.
             return False, {"kv_sidecar_request_id": rid}
+        keep = self._pool_save(request, block_ids)
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
-            return False, None
+            return keep, None
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._abort_all(send.sid, "prefill request aborted")
         # Keep the blocks until a worker reports the send ended (get_finished).
-        return rid in self.state.unfinished_sends, None
+        return keep or rid in self.state.unfinished_sends, None
+
+    def _pool_save(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:
+        """Queue the computed prompt for the pool; True when the blocks must stay until then."""
+        if not self.config.pool or request.status == RequestStatus.FINISHED_ABORTED:
+            return False
+        tokens = min(int(request.num_computed_tokens), len(request.prompt_token_ids))
+        if tokens < 1 or not any(block_ids):
+            return False
+        rid = request.request_id
+        ids = [list(map(int, g)) for g in block_ids]
+        self.state.pool_saves.append(
+            PoolJob(rid, list(request.prompt_token_ids[:tokens]), ids, tokens)
+        )
+        self.state.unfinished_saves.add(rid)
+        return True
 
     def update_connector_output(self, output: Any) -> None:
         for rid in getattr(output, "finished_sending", None) or ():
             self.state.unfinished_sends.discard(rid)
+            self.state.unfinished_saves.discard(rid)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self.state.unfinished_sends)
+        return bool(self.state.unfinished_sends or self.state.unfinished_saves)
 
     # ---- helpers ---------------------------------------------------------------------------
 

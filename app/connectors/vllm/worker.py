@@ -4,7 +4,8 @@ Prefill: each step's send slices go to the sidecar before the forward pass (``be
 ``save_kv_layer`` signals each attention/MLA layer as its KV is written, ``wait_for_save`` the
 layers vLLM does not call it for. Decode: nothing to do per layer (the prefill pushes); the
 sidecar's ``Finished`` tells which requests landed and which failed (their blocks go to vLLM as
-load errors, so it recomputes them).
+load errors, so it recomputes them). Pool loads and stores run on their own thread
+(``pool.PoolJobs``) and end through ``get_finished`` the same way.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata, Target
+from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, unlink_spans
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
@@ -62,6 +64,8 @@ class WorkerSide:
         self._load_errors: set[int] = set()
         self._failed_recvs: dict[str, list[list[int]]] = {}
         self._posts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-router")
+        self.pool = PoolJobs(config, rank) if config.pool else None
+        self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
         self._lock = threading.Lock()
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -148,9 +152,18 @@ class WorkerSide:
                 if index not in self._signalled:
                     self.link.layer_ready(self._step, index)
             self._active = False
-        if meta is not None and self.rank == 0:
+        if meta is None:
+            return
+        if self.rank == 0:
             for t in meta.targets:
                 self._posts.submit(post_target, t)
+        if self.pool is not None:
+            # After the forward pass: vLLM has zeroed newly allocated blocks by now.
+            for job in meta.pool_loads:
+                self.pool.load(job)
+            for job in meta.pool_saves:
+                self._saving.add(job.req_id)
+                self.pool.save(job)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
@@ -178,9 +191,16 @@ class WorkerSide:
             recving.add(rid)
             self._load_errors.update(b for g in ids for b in g)
         sending = set()
+        if self.pool is not None:
+            loaded, saved, errors = self.pool.drain()
+            recving |= loaded
+            self._load_errors |= errors
+            self._saving -= saved
+            # A request that also sends ends when both are done (below, for the send).
+            sending |= saved - set(self._vllm_ids.values())
         for sid in list(self._sent):
             rid = self._vllm_ids.get(sid, sid)
-            if rid in self._vllm_finished:
+            if rid in self._vllm_finished and rid not in self._saving:
                 sending.add(rid)
                 self._sent.discard(sid)
                 self._vllm_finished.discard(rid)
@@ -193,4 +213,6 @@ class WorkerSide:
 
     def close(self) -> None:
         self._posts.shutdown(wait=False)
+        if self.pool is not None:
+            self.pool.close()
         self.link.close(unlink=False)

@@ -26,10 +26,11 @@ from app.connectors.local_pd import LocalPD, write_tiny_model
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
-    kind = request.param
-    root = tmp_path_factory.mktemp(f"pd-{kind}")
+    # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars).
+    kind, _, pool = str(request.param).partition("+")
+    root = tmp_path_factory.mktemp(f"pd-{kind}{pool}")
     model = write_tiny_model(root / "model", kind)
-    stack = LocalPD(model, root / "run", recv_timeout_s=15.0, kind=kind)
+    stack = LocalPD(model, root / "run", recv_timeout_s=15.0, kind=kind, pool=pool == "pool")
     shm_before = set(os.listdir("/dev/shm"))
     try:
         stack.start()

@@ -1,0 +1,74 @@
+"""The KV pool from a real vLLM engine: a finished prompt is stored, a later one that shares its
+prefix loads it instead of computing it (vLLM's own prefix cache is off, so only the pool can
+serve it), and a prefill that loaded its prefix from the pool still pushes the whole prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from app.connectors.local_pd import LocalPD
+from tests.connectors.vllm.conftest import prompt, prompt_tokens_by_source
+
+MAX_TOKENS = 8
+
+
+def pool_stats(admin: str) -> dict[str, int]:
+    return dict(httpx.get(f"{admin}/v1/pool", timeout=10).json())
+
+
+def wait_stored(admin: str, keys_before: int, timeout_s: float = 30.0) -> None:
+    """Stores run after the response (the blocks stay pinned until then)."""
+    deadline = time.monotonic() + timeout_s
+    while pool_stats(admin)["keys_put"] <= keys_before:
+        assert time.monotonic() < deadline, f"nothing stored in the pool: {pool_stats(admin)}"
+        time.sleep(0.2)
+
+
+def block_size(admin: str) -> int:
+    reg = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    (size,) = {g["block_size"] for g in reg["groups"]}
+    return int(size)
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_repeated_prompt_loads_its_full_blocks_from_the_pool(pd: LocalPD) -> None:
+    p = prompt(300, 11)
+    admin, url = pd.prefill.admin, pd.prefill.url
+    stats = pool_stats(admin)
+    first = pd.complete(url, p, MAX_TOKENS)
+    wait_stored(admin, stats["keys_put"])
+
+    before, stats = prompt_tokens_by_source(url), pool_stats(admin)
+    second = pd.complete(url, p, MAX_TOKENS)
+    after = prompt_tokens_by_source(url)
+    # Whole blocks of all but the last token: that one the engine computes for its logits.
+    hit = (len(p) - 1) // block_size(admin) * block_size(admin)
+    assert hit > 0
+    assert after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0) == hit
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(p) - hit
+    assert pool_stats(admin)["keys_got"] > stats["keys_got"]
+    assert second == first
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_prefill_that_loaded_from_the_pool_pushes_the_whole_prompt(pd: LocalPD) -> None:
+    """The reference stores the seed's blocks; the prefill of seed + one token then loads them
+    from the pool, computes the rest, and decode still finishes exactly as the engine alone."""
+    admin = pd.prefill.admin
+    stats = pool_stats(admin)
+    x, reference = pd.reference(prompt(300, 12), MAX_TOKENS)
+    wait_stored(admin, stats["keys_put"])
+    p_before, stats = prompt_tokens_by_source(pd.prefill.url), pool_stats(admin)
+    d_before = prompt_tokens_by_source(pd.decode.url)
+
+    assert pd.complete(pd.proxy, x, MAX_TOKENS) == reference
+    p_after = prompt_tokens_by_source(pd.prefill.url)
+    d_after = prompt_tokens_by_source(pd.decode.url)
+    assert p_after.get("external_kv_transfer", 0) > p_before.get("external_kv_transfer", 0)
+    assert pool_stats(admin)["keys_got"] > stats["keys_got"]
+    # Decode still computed only the last token: every earlier one arrived from prefill.
+    assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 1
