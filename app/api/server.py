@@ -22,6 +22,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+try:  # what uvicorn's "auto" picks when it is installed
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
+except ImportError:  # pragma: no cover - h11 always ships with uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPProtocol  # type: ignore[assignment]
 
 from app.api import views
 from app.api.metrics import SidecarMetrics
@@ -46,6 +52,16 @@ from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
+
+# Probes and scrapes are small; past this many requests in flight the API answers 503 instead of
+# queueing work on the loop that also runs the control plane.
+_MAX_INFLIGHT = 64
+# An idle connection (before its first request or between requests) is closed after this long.
+_IDLE_TIMEOUT_S = 5
+# Never limited: a sidecar busy serving its API is still alive, and a liveness probe that fails
+# under load gets a healthy process restarted.
+_EXEMPT = frozenset({"/livez"})
+_OVERLOAD_LOG_INTERVAL_S = 5.0
 
 _RequestId = Annotated[str, Path(description="The request id the engine admitted.")]
 
@@ -246,6 +262,66 @@ def _unknown(rid: str) -> str:
     return f"request {rid} is not known to this sidecar (neither in flight nor recently ended)"
 
 
+class _InflightLimit:
+    """ASGI wrapper: 503 past ``limit`` requests in flight, except for ``_EXEMPT`` paths.
+
+    uvicorn's own ``limit_concurrency`` counts open connections, idle keep-alive ones included:
+    63 idle sockets turned /livez into 503 for as long as they stayed open. This counts requests.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self._app = app
+        self._limit = limit
+        self._inflight = 0
+        self._next_log = 0.0
+        self._held = 0
+        self.refused = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _EXEMPT:
+            await self._app(scope, receive, send)
+            return
+        if self._inflight >= self._limit:
+            self.refused += 1
+            self._log_refusal()
+            body = {"detail": f"the admin API has {self._inflight} requests in flight; retry"}
+            await JSONResponse(body, 503, headers={"Retry-After": "1"})(scope, receive, send)
+            return
+        self._inflight += 1
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            self._inflight -= 1
+
+    def _log_refusal(self) -> None:
+        # One line per interval: whoever overloads the API must not flood the log as well.
+        now = time.monotonic()
+        if now < self._next_log:
+            self._held += 1
+            return
+        self._next_log = now + _OVERLOAD_LOG_INTERVAL_S
+        held, self._held = self._held, 0
+        log.warning(
+            "admin API: %d requests in flight, answered 503 (%d more since the last line)",
+            self._inflight,
+            held,
+        )
+
+
+class _IdleBoundedHTTP(_HTTPProtocol):
+    """uvicorn's HTTP protocol with its keep-alive timer armed from the connection's start.
+
+    uvicorn arms it only after a response, so a connection that never sent a request stayed
+    open for good; now every idle connection is closed after ``timeout_keep_alive``.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+
 class _EmbeddedServer(uvicorn.Server):
     """uvicorn without its signal handlers: the sidecar's process owns SIGTERM/SIGINT."""
 
@@ -272,6 +348,7 @@ class AdminServer:
         self.sidecar = sidecar
         self.settings = settings
         self.app = create_app(sidecar, settings)
+        self.inflight_limit = _InflightLimit(self.app, _MAX_INFLIGHT)
         self.host = settings.admin_host
         self.port = settings.admin_port
         self._server: _EmbeddedServer | None = None
@@ -291,14 +368,15 @@ class AdminServer:
             raise
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
-            self.app,
+            self.inflight_limit,
+            http=_IdleBoundedHTTP,
             log_config=None,  # keep the sidecar's logging setup
             log_level=self.settings.log_level,
             access_log=self.settings.log_level == "debug",
             lifespan="off",
-            # Probes and scrapes are small; past this uvicorn answers 503 instead of queueing
-            # work on the loop that also runs the control plane.
-            limit_concurrency=64,
+            # Not uvicorn's limit_concurrency: it counts idle connections (see _InflightLimit).
+            limit_concurrency=None,
+            timeout_keep_alive=_IDLE_TIMEOUT_S,
             timeout_graceful_shutdown=2,
         )
         self._server = _EmbeddedServer(config)

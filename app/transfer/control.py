@@ -13,23 +13,32 @@ Framing, fixed:
 - ``corr_id`` of 8 zero bytes (``ONE_WAY``) marks a one-way message: the server never answers
   it, whatever the handler returns, even when it is malformed or the handler raises (those are
   counted and logged). Engines send their high-rate ``LayerReady`` this way.
-- A frame that does not fit (wrong frame count, ``corr_id`` not 8 bytes, a payload that does not
-  decode, an unknown version) is counted in ``rejected`` and answered with ``Error(reason)``
-  under the sender's ``corr_id`` when it has one, else under an empty ``corr_id`` frame (which a
-  ``PeerClient`` drops as unknown and a raw socket can still read).
+- A frame that does not fit (wrong frame count, ``corr_id`` not 8 bytes, a payload over
+  ``max_frame_bytes``, a payload that does not decode or breaks a field's bounds, an unknown
+  version) is counted in ``rejected`` and answered with ``Error(reason)`` under the sender's
+  ``corr_id`` when it has one, else under an empty ``corr_id`` frame (which a ``PeerClient``
+  drops as unknown and a raw socket can still read). A frame part over ``_HARD_CAP_FACTOR``
+  times the cap never reaches this process: ZMQ drops the connection that sent it (uncounted;
+  the sender's DEALER reconnects, and that request ends at its deadline).
+- Log lines about bad frames, failing handlers and bad replies are throttled per kind of problem
+  (one line per ``_LOG_INTERVAL_S``, saying how many were held back): a peer that floods bad
+  frames must not flood the log too.
 - A handler that raises is answered with ``Error(reason=str(exc))``; a handler that returns
   ``None`` to a request (not one-way) is answered with ``Error`` too, so the caller fails now
   instead of at its deadline.
 
 Replies are matched by ``corr_id`` only, so one client may have many requests in flight; a reply
-that comes after its request's deadline is dropped and counted. A request sent while the peer is
-down waits in the DEALER's queue (no ``IMMEDIATE``) and goes out when the peer comes up, even if
-its deadline has passed by then; the late reply is dropped like any other.
+that comes after its request's deadline is dropped and counted. A reply that is over the cap or
+does not decode fails only the request it answers (or is dropped when it answers none); the
+client stays usable for every later request. A request sent while the peer is down waits in the
+DEALER's queue (no ``IMMEDIATE``) and goes out when the peer comes up, even if its deadline has
+passed by then; the late reply is dropped like any other.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import struct
@@ -41,9 +50,11 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ConfigError, DeadlineExceeded, KVSidecarError, ProtocolError
-from app.transfer.protocol import AnyMsg, Error, Msg, decode, encode
+from app.transfer.protocol import AnyMsg, Error, Msg, decode, describe, encode
 
 __all__ = [
+    "DEFAULT_ENGINE_FRAME_BYTES",
+    "DEFAULT_MAX_FRAME_BYTES",
     "ONE_WAY",
     "ClientClosed",
     "ControlServer",
@@ -63,6 +74,16 @@ _CORR = struct.Struct(">Q")
 _NOTIFY_TIMEOUT_S = 5.0
 # Engines must not stall the forward pass for long on a sidecar that stopped reading.
 _SYNC_NOTIFY_TIMEOUT_S = 1.0
+# Peers send handshakes, Done and Abort: kilobytes. A frame far past that is an attack or a bug,
+# and decoding it would hold the event loop (an 8 MiB frame stalled /livez for seconds).
+DEFAULT_MAX_FRAME_BYTES = 1 << 20
+# Engines are local and send token id lists of whole prompts (PoolSave of a 1M-token prompt is
+# about 5 MiB), so their socket gets more room.
+DEFAULT_ENGINE_FRAME_BYTES = 64 << 20
+# Parts up to this multiple of the cap are read and answered with Error, so an honest sender
+# learns why; past it ZMQ drops the connection before the bytes are buffered in this process.
+_HARD_CAP_FACTOR = 4
+_LOG_INTERVAL_S = 5.0
 
 
 class ClientClosed(KVSidecarError):
@@ -70,22 +91,36 @@ class ClientClosed(KVSidecarError):
 
 
 class _Throttle:
-    """At most one log line per ``interval`` seconds; says how many were held back."""
+    """At most one log line per ``interval`` seconds per kind; says how many were held back.
 
-    def __init__(self, interval: float = 1.0) -> None:
+    Kinds are a few fixed words chosen by the code, never the peer's identity or the reason text:
+    both are the sender's to vary, and one key per value would let it flood the log again.
+    """
+
+    def __init__(self, interval: float = _LOG_INTERVAL_S) -> None:
         self._interval = interval
-        self._next = 0.0
-        self._suppressed = 0
+        self._next: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
 
-    def allow(self) -> int | None:
-        """Number of lines suppressed since the last one allowed, or None to stay quiet."""
+    def allow(self, kind: str = "") -> int | None:
+        """Number of lines of ``kind`` held back since the last one allowed, or None to stay
+        quiet."""
         now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
+        if now < self._next.get(kind, 0.0):
+            self._suppressed[kind] = self._suppressed.get(kind, 0) + 1
             return None
-        self._next = now + self._interval
-        held, self._suppressed = self._suppressed, 0
-        return held
+        self._next[kind] = now + self._interval
+        return self._suppressed.pop(kind, 0)
+
+    def log(self, kind: str, msg: str, *args: object, exc_info: bool = False) -> None:
+        """``log.warning`` unless ``kind`` was logged within the interval."""
+        held = self.allow(kind)
+        if held is None:
+            return
+        if held:
+            msg += " (%d more like it in the last %gs not logged)"
+            args = (*args, held, self._interval)
+        log.warning(msg, *args, exc_info=exc_info, stacklevel=2)
 
 
 def _corr_ids() -> Callable[[], bytes]:
@@ -108,6 +143,9 @@ def _ipc_prepare(endpoint: str) -> None:
 class ControlServer:
     """ROUTER that decodes each frame and answers through ``handler``, one task per message.
 
+    ``max_frame_bytes`` caps a payload (default: ``DEFAULT_MAX_FRAME_BYTES`` for a ``tcp://``
+    endpoint, which peers reach, ``DEFAULT_ENGINE_FRAME_BYTES`` for the engines' ``ipc://``).
+
     At most ``max_inflight`` handlers run at once; past that the receive loop stops reading, so
     a flood backs up into ZMQ's bounded queues instead of this process's memory. Messages of an
     ``inline`` type are answered in the receive loop itself, without a task: their handler must
@@ -124,9 +162,16 @@ class ControlServer:
         name: str = "control",
         max_inflight: int = 256,
         inline: tuple[type[Msg], ...] = (),
+        max_frame_bytes: int | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ConfigError(f"{name}: max_inflight must be >= 1, got {max_inflight}")
+        if max_frame_bytes is None:
+            tcp = endpoint.startswith("tcp://")
+            max_frame_bytes = DEFAULT_MAX_FRAME_BYTES if tcp else DEFAULT_ENGINE_FRAME_BYTES
+        if max_frame_bytes < 1:
+            raise ConfigError(f"{name}: max_frame_bytes must be >= 1, got {max_frame_bytes}")
+        self.max_frame_bytes = max_frame_bytes
         self._ctx = ctx
         self._endpoint = endpoint
         self._handler = handler
@@ -166,6 +211,7 @@ class ControlServer:
             _ipc_prepare(self._endpoint)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes * _HARD_CAP_FACTOR)
         try:
             sock.bind(self._endpoint)
         except zmq.ZMQError as e:
@@ -199,13 +245,29 @@ class ControlServer:
                 log.error("%s: receive loop stopped: %s", self.name, e)
                 return
             self.frames += 1
+            rejected = self.rejected
             try:
                 await self._dispatch(sock, frames)
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                # Whatever one frame does, the loop keeps serving the others.
-                log.exception("%s: unexpected error handling a frame", self.name)
+            except Exception as e:
+                # Whatever one frame does, the loop keeps serving the others, and the frame is
+                # still counted and answered like any other rejection.
+                if self.rejected == rejected:
+                    self.rejected += 1
+                self._throttle.log(
+                    "internal",
+                    "%s: unexpected error handling a frame from %r: %r",
+                    self.name,
+                    frames[0],
+                    e,
+                    exc_info=True,
+                )
+                corr = frames[1] if len(frames) == 3 and len(frames[1]) == 8 else b""
+                if corr != ONE_WAY:
+                    with contextlib.suppress(Exception):
+                        reason = f"{self.name}: internal error on this frame: {e!r}"[:300]
+                        await self._send(sock, frames[0], corr, Error(reason=reason))
 
     async def _dispatch(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -215,13 +277,20 @@ class ControlServer:
                 f"expected frames [corr_id(8 bytes), payload], got {len(frames) - 1} frame(s) "
                 f"of {[len(f) for f in frames[1:5]]} bytes"
             )
-            await self._reject(sock, identity, corr, reason)
+            await self._reject(sock, identity, corr, reason, "framing")
             return
         corr, payload = frames[1], frames[2]
+        if len(payload) > self.max_frame_bytes:
+            reason = (
+                f"frame too large: expected at most {self.max_frame_bytes} bytes, got "
+                f"{describe(payload)}"
+            )
+            await self._reject(sock, identity, corr, reason, "oversized")
+            return
         try:
             msg = decode(payload)
         except ProtocolError as e:
-            await self._reject(sock, identity, corr, str(e))
+            await self._reject(sock, identity, corr, str(e), "malformed")
             return
         if isinstance(msg, self._inline):
             await self._handle(sock, identity, corr, msg)
@@ -239,13 +308,10 @@ class ControlServer:
         self._sem.release()
 
     async def _reject(
-        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reason: str
+        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reason: str, kind: str
     ) -> None:
         self.rejected += 1
-        held = self._throttle.allow()
-        if held is not None:
-            more = f" ({held} similar suppressed)" if held else ""
-            log.warning("%s: rejected a frame from %r: %s%s", self.name, identity, reason, more)
+        self._throttle.log(kind, "%s: rejected a frame from %r: %s", self.name, identity, reason)
         if corr != ONE_WAY:
             await self._send(sock, identity, corr, Error(reason=reason))
 
@@ -260,13 +326,18 @@ class ControlServer:
             raise
         except Exception as exc:
             self.handler_errors += 1
-            log.warning("%s: handler failed on %s from %r: %r", self.name, kind, identity, exc)
+            # A peer can make a handler fail at will (an unknown request id): throttled too.
+            self._throttle.log(
+                "handler", "%s: handler failed on %s from %r: %r", self.name, kind, identity, exc
+            )
             reply = Error(reason=str(exc) or type(exc).__name__)
         if corr == ONE_WAY:
             return
         if reply is None:
             self.handler_errors += 1
-            log.warning("%s: handler returned no reply to request %s", self.name, kind)
+            self._throttle.log(
+                "handler", "%s: handler returned no reply to request %s", self.name, kind
+            )
             reply = Error(reason=f"{self.name}: no reply to {kind}")
         await self._send(sock, identity, corr, reply)
 
@@ -286,11 +357,24 @@ class ControlServer:
 class PeerClient:
     """Asyncio DEALER to one endpoint; many requests may be in flight. Event loop only."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str) -> None:
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        endpoint: str,
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+    ) -> None:
+        if max_frame_bytes < 1:
+            raise ConfigError(f"{endpoint}: max_frame_bytes must be >= 1, got {max_frame_bytes}")
         self.endpoint = endpoint
+        self.max_frame_bytes = max_frame_bytes
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No MAXMSGSIZE here: a DEALER that hits it drops its connection and (libzmq 4.3.5, as
+        # tested) does not come back, which would break the client for good. Replies over the
+        # cap are refused after receipt instead.
         self._sock.connect(endpoint)
+        self._throttle = _Throttle()
         self._next_corr = _corr_ids()
         self._pending: dict[bytes, asyncio.Future[AnyMsg]] = {}
         self._reader: asyncio.Task[None] | None = None
@@ -313,7 +397,9 @@ class PeerClient:
     async def request(self, msg: Msg, timeout: float) -> AnyMsg:
         """Send ``msg`` and wait for its reply; ``Error`` replies are returned, not raised."""
         self._check_open()
-        if self._reader is None:
+        # A reader that stopped (its socket errored) is started again: one bad moment must not
+        # leave every later request to wait out its deadline.
+        if self._reader is None or self._reader.done():
             self._reader = asyncio.get_running_loop().create_task(
                 self._read(), name=f"peer-reader-{self.endpoint}"
             )
@@ -370,21 +456,49 @@ class PeerClient:
             except zmq.ZMQError as e:  # waiting requests still end at their deadlines
                 log.error("reader for %s stopped: %s", self.endpoint, e)
                 return
-            if len(frames) != 2:
-                self.malformed += 1
-                log.warning("reply from %s has %d frames, not 2", self.endpoint, len(frames))
-                continue
-            corr, payload = frames
-            fut = self._pending.get(corr)
-            if fut is None or fut.done():
-                self.dropped += 1  # late (past its deadline) or not ours
-                continue
             try:
-                fut.set_result(decode(payload))
-                self.replies += 1
-            except ProtocolError as e:
+                self._on_reply(frames)
+            except Exception as e:
+                # Whatever one reply holds, the reader lives on for the next ones.
                 self.malformed += 1
-                fut.set_exception(ProtocolError(f"reply from {self.endpoint}: {e}"))
+                self._throttle.log(
+                    "internal",
+                    "reply from %s broke the reader: %r",
+                    self.endpoint,
+                    e,
+                    exc_info=True,
+                )
+
+    def _on_reply(self, frames: list[bytes]) -> None:
+        if len(frames) != 2:
+            self.malformed += 1
+            self._throttle.log(
+                "framing",
+                "dropped a reply from %s: expected frames [corr_id(8 bytes), payload], got %s",
+                self.endpoint,
+                [len(f) for f in frames[:4]],
+            )
+            return
+        corr, payload = frames
+        fut = self._pending.get(corr)
+        if fut is None or fut.done():
+            self.dropped += 1  # late (past its deadline) or not ours
+            return
+        try:
+            if len(payload) > self.max_frame_bytes:
+                raise ProtocolError(
+                    f"frame too large: expected at most {self.max_frame_bytes} bytes, got "
+                    f"{describe(payload)}"
+                )
+            msg = decode(payload)
+        except Exception as e:  # decode raises only ProtocolError; anything else fails here too
+            # Fails the one request this answers; the others and later ones are untouched.
+            self.malformed += 1
+            self._throttle.log("malformed", "bad reply from %s: %s", self.endpoint, e)
+            fut.set_exception(ProtocolError(f"reply from {self.endpoint}: {e}"))
+            return
+        fut.set_result(msg)
+        self.replies += 1
 
 
 class SyncClient:

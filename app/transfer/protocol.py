@@ -9,6 +9,7 @@ unknown version, is answered with ``Error`` and counted by the receiver.
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Annotated, get_args
 
 import msgspec
 
@@ -19,6 +20,30 @@ from app.kvcache.layout import LayerPlacement, Piece, Region, Stream
 from app.kvcache.specs import RegionKind, SpecKind
 
 PROTOCOL_VERSION = 1
+
+# Bounds a message must meet to decode at all (DESIGN §4): a peer or an engine that sends a rank
+# of -1, a TP size of 0 or a deadline of NaN gets a ProtocolError naming the field, instead of a
+# ZeroDivisionError deep in the planner or a request that never expires.
+MAX_TP = 1024  # the settings' tp_size bound
+MAX_DEADLINE_S = 3600.0  # the settings' deadline bound
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+"""Counts, offsets, strides, byte sizes, token positions, steps."""
+Index = Annotated[int, msgspec.Meta(ge=0)]
+"""Ranks, layers, groups, block ids, token ids."""
+# -1 is agent.ALL_LAYERS: every layer of the step is ready.
+LayerOrAll = Annotated[int, msgspec.Meta(ge=-1)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+# gt=0 also rejects NaN (every comparison with NaN is false) and le rejects inf and 1e300.
+Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
+BlockIds = list[list[Index]]
+"""Block ids per KV cache group."""
+
+# What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
+_SHOWN_BYTES = 32
+_SHOWN_REASON = 300
 
 
 class Status(IntEnum):
@@ -51,49 +76,49 @@ class Msg(msgspec.Struct, tag_field="type", kw_only=True):
 
 class WirePiece(msgspec.Struct, array_like=True):
     name: str
-    offset: int
-    outer: int
-    outer_stride: int
-    units: int
-    unit_first: int
-    unit_count: int
-    unit_stride: int
-    unit_bytes: int
+    offset: NonNegInt
+    outer: NonNegInt
+    outer_stride: NonNegInt
+    units: NonNegInt
+    unit_first: NonNegInt
+    unit_count: NonNegInt
+    unit_stride: NonNegInt
+    unit_bytes: NonNegInt
 
 
 class WirePlacement(msgspec.Struct, array_like=True):
-    layer: int
-    group: int
-    base: int
-    block_stride: int
-    kernel_stride: int
-    ratio: int
+    layer: Index
+    group: Index
+    base: NonNegInt
+    block_stride: NonNegInt
+    kernel_stride: NonNegInt
+    ratio: Positive
     pieces: list[WirePiece]
-    buffer: int
+    buffer: Index
 
 
 class WireStream(msgspec.Struct, array_like=True):
-    offset: int
-    length: int
+    offset: NonNegInt
+    length: NonNegInt
 
 
 class WireRegion(msgspec.Struct):
-    base: int
-    length: int
-    block_stride: int
+    base: NonNegInt
+    length: NonNegInt
+    block_stride: NonNegInt
     kind: str
-    group: int
-    layers: list[int]
+    group: Index
+    layers: list[Index]
     streams: list[WireStream]
 
 
 class WireGroup(msgspec.Struct):
-    index: int
+    index: Index
     kind: str
-    block_size: int
-    kernel_block_size: int
-    layers: list[int]
-    sliding_window: int | None = None
+    block_size: Positive
+    kernel_block_size: Positive
+    layers: list[Index]
+    sliding_window: Positive | None = None
 
 
 # ---- sidecar <-> sidecar -------------------------------------------------------------------
@@ -103,15 +128,15 @@ class Hello(Msg, tag="hello"):
     compat_hash: str
     engine_id: str
     role: Role
-    rank: int = 0
+    rank: Index = 0
     epoch: str = ""
 
 
 class RankMetadata(msgspec.Struct):
-    rank: int
-    tp_size: int
-    num_blocks: int
-    null_block: int
+    rank: Index
+    tp_size: TpSize
+    num_blocks: NonNegInt
+    null_block: Index
     kv_layout: str
     layout_mode: str
     compat_hash: str
@@ -123,7 +148,7 @@ class RankMetadata(msgspec.Struct):
 class AgentMetadata(Msg, tag="agent_metadata"):
     engine_id: str
     epoch: str
-    tp_size: int
+    tp_size: TpSize
     te_session: str
     ranks: list[RankMetadata]
     state_tokens_convention: str = "prompt_len-1"
@@ -136,12 +161,12 @@ class Rejected(Msg, tag="rejected"):
 class Done(Msg, tag="done"):
     request: str
     sender_engine: str
-    sender_rank: int
-    target_rank: int
+    sender_rank: Index
+    target_rank: Index
     epoch: str
     status: Status
-    groups: list[int]
-    bytes: int = 0
+    groups: list[Index]
+    bytes: NonNegInt = 0
     error: str | None = None
 
 
@@ -167,14 +192,14 @@ class RegisterCaches(Msg, tag="register"):
     """An engine rank's KV cache: the layout parameters and the shared-memory names, in order."""
 
     engine_id: str
-    rank: int
-    tp_size: int
+    rank: Index
+    tp_size: TpSize
     model: str
-    layers: int | None
+    layers: Positive | None
     dtype: str | None
     cache_dtype: str
-    block_size: int
-    num_blocks: int
+    block_size: Positive
+    num_blocks: NonNegInt
     layout_mode: str
     kv_layout: str
     heads_major: bool
@@ -191,31 +216,31 @@ class RemoteTarget(msgspec.Struct):
     """Where a request's KV goes: D's sidecar control address, epoch and block ids."""
 
     host: str
-    port: int
+    port: Port
     engine_id: str
     epoch: str
-    tp_size: int
-    block_ids: list[list[int]]
+    tp_size: TpSize
+    block_ids: BlockIds
 
 
 class AddSend(Msg, tag="add_send"):
-    rank: int
+    rank: Index
     request: str
-    prompt_len: int
-    block_ids: list[list[int]]
+    prompt_len: NonNegInt
+    block_ids: BlockIds
     remote: RemoteTarget
     mamba_mode: str = "none"
-    num_spec: int = 0
+    num_spec: NonNegInt = 0
 
 
 class ExpectRecv(Msg, tag="expect_recv"):
-    rank: int
+    rank: Index
     request: str
-    prompt_len: int
-    block_ids: list[list[int]]
-    prefill_tp: int
+    prompt_len: NonNegInt
+    block_ids: BlockIds
+    prefill_tp: TpSize
     prefill_engine: str = ""
-    timeout_s: float | None = None
+    timeout_s: Deadline | None = None
 
 
 class StepSlice(msgspec.Struct, array_like=True):
@@ -223,21 +248,21 @@ class StepSlice(msgspec.Struct, array_like=True):
     blocks grew since admission (chunked prefill allocates as it goes)."""
 
     request: str
-    start: int
-    end: int
-    block_ids: list[list[int]] | None = None
+    start: NonNegInt
+    end: NonNegInt
+    block_ids: BlockIds | None = None
 
 
 class BeginStep(Msg, tag="begin_step"):
-    rank: int
-    step: int
+    rank: Index
+    step: NonNegInt
     slices: list[StepSlice]
 
 
 class LayerReady(Msg, tag="layer_ready"):
-    rank: int
-    step: int
-    layer: int
+    rank: Index
+    step: NonNegInt
+    layer: LayerOrAll
 
 
 class SidecarInfo(Msg, tag="sidecar_info"):
@@ -245,13 +270,13 @@ class SidecarInfo(Msg, tag="sidecar_info"):
 
 
 class GetFinished(Msg, tag="get_finished"):
-    rank: int
+    rank: Index
 
 
 class FailedRequest(msgspec.Struct):
     request: str
     status: Status
-    block_ids: list[list[int]]
+    block_ids: BlockIds
     error: str
 
 
@@ -259,47 +284,47 @@ class Finished(Msg, tag="finished"):
     sending: list[str]
     recving: list[str]
     failed: list[FailedRequest]
-    bytes: int = 0
-    descriptors: int = 0
+    bytes: NonNegInt = 0
+    descriptors: NonNegInt = 0
 
 
 class AbortRequest(Msg, tag="abort_request"):
-    rank: int
+    rank: Index
     request: str
     reason: str
 
 
 class PoolLookup(Msg, tag="pool_lookup"):
-    rank: int
+    rank: Index
     request: str
-    token_ids: list[int]
+    token_ids: list[Index]
     extra_keys: list[str] = []
 
 
 class PoolSave(Msg, tag="pool_save"):
     """Store a request's fully computed blocks; the engine keeps them until the reply."""
 
-    rank: int
+    rank: Index
     request: str
-    token_ids: list[int]
-    block_ids: list[list[int]]
-    num_computed: int
+    token_ids: list[Index]
+    block_ids: BlockIds
+    num_computed: NonNegInt
     extra_keys: list[str] = []
 
 
 class PoolLoad(Msg, tag="pool_load"):
-    rank: int
+    rank: Index
     request: str
-    token_ids: list[int]
-    block_ids: list[list[int]]
-    hit_tokens: int
+    token_ids: list[Index]
+    block_ids: BlockIds
+    hit_tokens: NonNegInt
     extra_keys: list[str] = []
 
 
 class PoolLoaded(Msg, tag="pool_loaded"):
-    loaded: int
-    bytes: int
-    failed_blocks: list[list[int]]
+    loaded: NonNegInt
+    bytes: NonNegInt
+    failed_blocks: BlockIds
 
 
 class Reply(Msg, tag="reply"):
@@ -335,6 +360,7 @@ AnyMsg = (
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(AnyMsg)
+_TAGS = frozenset(str(t.__struct_config__.tag) for t in get_args(AnyMsg))
 
 
 def encode(msg: Msg) -> bytes:
@@ -342,33 +368,56 @@ def encode(msg: Msg) -> bytes:
 
 
 def decode(frame: bytes) -> AnyMsg:
-    """Decode one frame; ProtocolError says what was wrong with it."""
+    """Decode one frame; any failure is a ProtocolError that says what was wrong with it.
+
+    Hostile bytes reach msgspec and Python in more ways than ``DecodeError`` (invalid UTF-8 is a
+    ``UnicodeDecodeError``, deep nesting a ``RecursionError``), and every one of them must stay
+    a counted rejection in the caller, never an escape from its error path.
+    """
     try:
         msg = _decoder.decode(frame)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        # A newer peer's message may not fit our structs: name the version, not the field.
-        version = _peek_version(frame)
-        if version is not None and version != PROTOCOL_VERSION:
-            raise ProtocolError(
-                f"protocol version {version} is not supported; this sidecar speaks "
-                f"{PROTOCOL_VERSION}"
-            ) from None
-        raise ProtocolError(f"malformed frame ({len(frame)} bytes): {e}") from None
+    except Exception as e:
+        raise _malformed(frame, e) from None
     if msg.version != PROTOCOL_VERSION:
-        raise ProtocolError(
-            f"protocol version {msg.version} is not supported; this sidecar speaks "
-            f"{PROTOCOL_VERSION}"
-        )
+        raise _unsupported(msg.version)
     return msg
 
 
-def _peek_version(frame: bytes) -> int | None:
+def describe(frame: bytes) -> str:
+    """A frame as an error shows it: its size and its first bytes."""
+    more = "..." if len(frame) > _SHOWN_BYTES else ""
+    return f"{len(frame)} bytes {frame[:_SHOWN_BYTES]!r}{more}"
+
+
+def _malformed(frame: bytes, e: Exception) -> ProtocolError:
+    # msgspec echoes offending values (an unknown tag, a long string): keep the reply small.
+    text = str(e) or type(e).__name__
+    if not isinstance(e, (msgspec.DecodeError, msgspec.ValidationError)):
+        text = f"{type(e).__name__}: {text}"
+    if len(text) > _SHOWN_REASON:
+        text = text[:_SHOWN_REASON] + "..."
     try:
         raw = msgspec.msgpack.decode(frame)
-    except msgspec.DecodeError:
-        return None
-    version = raw.get("version") if isinstance(raw, dict) else None
-    return version if isinstance(version, int) else None
+    except Exception:  # the same hostile bytes that failed the typed decode
+        raw = None
+    fields = raw if isinstance(raw, dict) else {}
+    version, tag = fields.get("version"), fields.get("type")
+    # A newer peer's message may not fit our structs: name the version, not the field.
+    if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
+        return _unsupported(version)
+    if isinstance(e, msgspec.ValidationError) and isinstance(tag, str) and tag in _TAGS:
+        return ProtocolError(f"malformed frame: invalid {tag!r} message: {text}")
+    return ProtocolError(
+        f"malformed frame: expected a msgpack map whose 'type' names a message, got "
+        f"{describe(frame)}: {text}"
+    )
+
+
+def _unsupported(version: object) -> ProtocolError:
+    return ProtocolError(
+        f"protocol version {repr(version)[:40]} is not supported; this sidecar speaks "
+        f"{PROTOCOL_VERSION}"
+    )
 
 
 def rank_metadata(desc: LayoutDesc) -> RankMetadata:

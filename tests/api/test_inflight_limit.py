@@ -1,0 +1,55 @@
+"""Past the in-flight limit the admin API answers 503, but never to /livez."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.api import server as api_server
+from app.api.server import AdminServer
+from app.config import SidecarSettings
+from app.store.master import free_port
+from app.transfer.sidecar import Sidecar
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+async def saturated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AdminServer]:
+    """An admin API whose limit is already reached: a limit of 0 requests in flight."""
+    monkeypatch.setattr(api_server, "_MAX_INFLIGHT", 0)
+    ipc = Path("/dev/shm") / f"kvs-limit-{tmp_path.name}"
+    ipc.mkdir(exist_ok=True)
+    settings = SidecarSettings(
+        role="decode",
+        engine_id="limit",
+        ranks=[0],
+        control_port=free_port(),
+        admin_port=free_port(),
+        engine_ipc=f"ipc://{ipc}/engine.sock",
+    )
+    sc = Sidecar(settings)
+    await sc.start()
+    server = AdminServer(sc, settings)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+        await sc.stop(grace_s=0)
+        for f in ipc.glob("*"):
+            f.unlink()
+        ipc.rmdir()
+
+
+async def test_over_the_limit_is_503_except_livez(saturated: AdminServer) -> None:
+    async with httpx.AsyncClient(base_url=saturated.url, timeout=5) as client:
+        for path in ("/v1/status", "/metrics", "/readyz"):
+            r = await client.get(path)
+            assert r.status_code == 503, (path, r.text)
+            assert r.headers["retry-after"] == "1" and "in flight" in r.json()["detail"]
+        assert (await client.get("/livez")).status_code == 200
+    assert saturated.inflight_limit.refused == 3

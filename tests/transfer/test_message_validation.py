@@ -1,0 +1,206 @@
+"""Out-of-bounds numbers are refused at decode, with a ProtocolError naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from app.errors import ProtocolError
+from app.transfer.control import ControlServer
+from app.transfer.protocol import (
+    MAX_DEADLINE_S,
+    MAX_TP,
+    AddSend,
+    AgentMetadata,
+    AnyMsg,
+    BeginStep,
+    Done,
+    Error,
+    ExpectRecv,
+    Hello,
+    LayerReady,
+    Msg,
+    PoolLoaded,
+    PoolSave,
+    RankMetadata,
+    RegisterCaches,
+    RemoteTarget,
+    Role,
+    Status,
+    StepSlice,
+    WireGroup,
+    decode,
+    encode,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+EXPECT = ExpectRecv(
+    rank=0, request="r", prompt_len=64, block_ids=[[1, 2]], prefill_tp=2, timeout_s=5.0
+)
+TARGET = RemoteTarget("127.0.0.1", 5600, "d", "ep", 1, [[3, 4]])
+ADD = AddSend(rank=0, request="r", prompt_len=64, block_ids=[[1, 2]], remote=TARGET)
+DONE = Done(
+    request="r",
+    sender_engine="p",
+    sender_rank=0,
+    target_rank=0,
+    epoch="ep",
+    status=Status.DONE,
+    groups=[0],
+)
+GROUP = WireGroup(0, "full_attention", 16, 16, [0, 1])
+RANK = RankMetadata(0, 1, 8, 0, "HND", "per_layer", "c", [GROUP], [], [])
+META = AgentMetadata(engine_id="d", epoch="ep", tp_size=1, te_session="h:1", ranks=[RANK])
+REGISTER = RegisterCaches(
+    engine_id="e",
+    rank=0,
+    tp_size=1,
+    model="m",
+    layers=2,
+    dtype=None,
+    cache_dtype="auto",
+    block_size=16,
+    num_blocks=8,
+    layout_mode="per_layer",
+    kv_layout="HND",
+    heads_major=True,
+    shm_names=["a"],
+)
+SAVE = PoolSave(rank=0, request="r", token_ids=[1, 2], block_ids=[[1]], num_computed=2)
+
+
+def with_field(msg: Msg, path: str, value: Any) -> bytes:
+    """``msg`` encoded with the field at ``path`` (dots and list indexes) set to ``value``."""
+    raw = msgspec.to_builtins(msg)
+    *parents, last = path.split(".")
+    node: Any = raw
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return msgspec.msgpack.encode(raw)
+
+
+nan, inf = float("nan"), float("inf")
+BAD = [
+    # The drills: deadlines that never come, a TP size that divides by zero, a negative length.
+    (EXPECT, "timeout_s", inf, "$.timeout_s"),
+    (EXPECT, "timeout_s", -inf, "$.timeout_s"),
+    (EXPECT, "timeout_s", nan, "$.timeout_s"),
+    (EXPECT, "timeout_s", 1e300, "$.timeout_s"),
+    (EXPECT, "timeout_s", 0.0, "$.timeout_s"),
+    (EXPECT, "timeout_s", -5.0, "$.timeout_s"),
+    (EXPECT, "timeout_s", MAX_DEADLINE_S * 2, "$.timeout_s"),
+    (EXPECT, "prefill_tp", 0, "$.prefill_tp"),
+    (EXPECT, "prefill_tp", -2, "$.prefill_tp"),
+    (EXPECT, "prefill_tp", MAX_TP + 1, "$.prefill_tp"),
+    (EXPECT, "prompt_len", -1, "$.prompt_len"),
+    (EXPECT, "rank", -1, "$.rank"),
+    (EXPECT, "block_ids", [[1, -3]], "$.block_ids[0][1]"),
+    (ADD, "prompt_len", -64, "$.prompt_len"),
+    (ADD, "num_spec", -1, "$.num_spec"),
+    (ADD, "remote.tp_size", 0, "$.remote.tp_size"),
+    (ADD, "remote.port", 0, "$.remote.port"),
+    (ADD, "remote.port", 70000, "$.remote.port"),
+    (ADD, "remote.block_ids", [[-1]], "$.remote.block_ids[0][0]"),
+    (DONE, "sender_rank", -1, "$.sender_rank"),
+    (DONE, "target_rank", -1, "$.target_rank"),
+    (DONE, "groups", [-1], "$.groups[0]"),
+    (DONE, "bytes", -1, "$.bytes"),
+    (Hello(compat_hash="c", engine_id="e", role=Role.DECODE), "rank", -1, "$.rank"),
+    (META, "tp_size", 0, "$.tp_size"),
+    (META, "ranks.0.tp_size", 0, "$.ranks[0].tp_size"),
+    (META, "ranks.0.num_blocks", -8, "$.ranks[0].num_blocks"),
+    (META, "ranks.0.groups.0.block_size", 0, "$.ranks[0].groups[0].block_size"),
+    (REGISTER, "tp_size", 0, "$.tp_size"),
+    (REGISTER, "block_size", 0, "$.block_size"),
+    (REGISTER, "num_blocks", -1, "$.num_blocks"),
+    (LayerReady(rank=0, step=0, layer=0), "layer", -2, "$.layer"),
+    (LayerReady(rank=0, step=0, layer=0), "step", -1, "$.step"),
+    (BeginStep(rank=0, step=0, slices=[StepSlice("r", 0, 16)]), "slices.0.1", -1, "$.slices"),
+    (SAVE, "token_ids", [1, -1], "$.token_ids[1]"),
+    (SAVE, "num_computed", -2, "$.num_computed"),
+    (PoolLoaded(loaded=1, bytes=1, failed_blocks=[]), "loaded", -1, "$.loaded"),
+]
+
+
+@pytest.mark.parametrize(
+    ("msg", "path", "value", "where"),
+    BAD,
+    ids=[f"{m.__class__.__name__}.{p}={v}" for m, p, v, _ in BAD],
+)
+def test_out_of_bounds_is_refused_naming_the_field(
+    msg: Msg, path: str, value: Any, where: str
+) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(with_field(msg, path, value))
+    assert where in str(info.value)
+    assert msgspec.to_builtins(msg)["type"] in str(info.value)
+
+
+GOOD = [
+    EXPECT,
+    msgspec.structs.replace(EXPECT, timeout_s=None),
+    msgspec.structs.replace(EXPECT, timeout_s=MAX_DEADLINE_S, prefill_tp=MAX_TP, prompt_len=0),
+    msgspec.structs.replace(EXPECT, block_ids=[[0], []]),
+    ADD,
+    DONE,
+    META,
+    REGISTER,
+    SAVE,
+    LayerReady(rank=3, step=0, layer=-1),  # -1: every layer of the step (agent.ALL_LAYERS)
+]
+
+
+@pytest.mark.parametrize("msg", GOOD, ids=[type(m).__name__ for m in GOOD])
+def test_in_bounds_round_trips_unchanged(msg: Msg) -> None:
+    assert decode(encode(msg)) == msg
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.seen: list[AnyMsg] = []
+
+    async def __call__(self, msg: AnyMsg, peer: bytes) -> Msg | None:
+        self.seen.append(msg)
+        return Error(reason="handler reached")
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    c = zmq.asyncio.Context()
+    yield c
+    c.destroy(linger=0)
+
+
+@pytest.mark.parametrize(
+    ("path", "value"), [("timeout_s", inf), ("timeout_s", nan), ("prefill_tp", 0)]
+)
+async def test_server_refuses_before_the_handler(
+    ctx: zmq.asyncio.Context, path: str, value: Any
+) -> None:
+    handler = Recorder()
+    server = ControlServer(ctx, "tcp://127.0.0.1:0", handler)
+    raw = ctx.socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(await server.start())
+    try:
+        corr = (1).to_bytes(8, "big")
+        await raw.send_multipart([corr, with_field(EXPECT, path, value)])
+        got_corr, payload = await asyncio.wait_for(raw.recv_multipart(), 5)
+        reply = decode(payload)
+        assert got_corr == corr and isinstance(reply, Error)
+        assert "invalid 'expect_recv' message" in reply.reason and f"$.{path}" in reply.reason
+        assert server.rejected == 1 and handler.seen == []
+    finally:
+        raw.close(linger=0)
+        await server.stop()
