@@ -60,7 +60,9 @@ def describe(layout: RankLayout) -> LayoutDesc:
         num_blocks=cfg.num_blocks,
         null_block=layout.null_block,
         kv_layout=layout.kv_layout.value,
-        layout_mode=layout.mode.value + ("+heads_major" if layout.heads_major else ""),
+        layout_mode=layout.mode.value
+        + ("+heads_major" if layout.heads_major else "")
+        + ("+stacked" if layout.stacked else ""),
         groups=tuple(
             GroupDesc(
                 g.index,

@@ -14,6 +14,9 @@ against vLLM itself in ``tests/kvcache/test_groups_vs_vllm.py``):
   page sizes, each in its own slot (vLLM's ``UniformTypeKVCacheSpecs``).
 - With Mamba-style layers the block size is raised until one attention page holds the largest
   state page, and state pages are padded up to it (vLLM's ``Platform._align_hybrid_block_size``).
+- An attention backend that takes any multiple of some size (``MultipleOf``, e.g. vLLM's CPU
+  attention: 32) runs the whole manager block as one kernel block (vLLM's
+  ``select_common_block_size``); by default the presets' fixed kernel blocks apply instead.
 """
 
 from __future__ import annotations
@@ -83,16 +86,28 @@ class CacheConfig:
         raise KeyError(layer)
 
 
-def _kernel(model: ModelSpec, spec: LayerSpec, block_size: int) -> int:
+def _min_kernel(model: ModelSpec, spec: LayerSpec, multiple_of: int | None) -> int | None:
+    """The smallest kernel block a layer's backend takes; None for state (no tokens)."""
+    if multiple_of is not None and isinstance(spec, AttentionSpec):
+        return multiple_of
+    return model.kernel_block_size(spec)
+
+
+def _kernel(
+    model: ModelSpec, spec: LayerSpec, block_size: int, multiple_of: int | None = None
+) -> int:
+    """The kernel block a group runs: a ``MultipleOf`` backend takes the manager block whole."""
+    if multiple_of is not None and isinstance(spec, AttentionSpec):
+        return block_size
     k = model.kernel_block_size(spec)
     return block_size if k is None else k
 
 
-def _check_block_size(model: ModelSpec, block_size: int) -> None:
+def _check_block_size(model: ModelSpec, block_size: int, multiple_of: int | None) -> None:
     if block_size < 1:
         raise ConfigError(f"block size must be positive, not {block_size}")
     for layer in model.layers:
-        k = model.kernel_block_size(layer.spec)
+        k = _min_kernel(model, layer.spec, multiple_of)
         if k is not None and block_size % k:
             what = "MLA" if isinstance(layer.spec, MLASpec) else "attention"
             raise ConfigError(
@@ -101,12 +116,15 @@ def _check_block_size(model: ModelSpec, block_size: int) -> None:
             )
 
 
-def hybrid_block_size(model: ModelSpec, tp: int, block_size: int) -> int:
+def hybrid_block_size(
+    model: ModelSpec, tp: int, block_size: int, *, kernel_multiple_of: int | None = None
+) -> int:
     """Raise the block size so one attention page holds the largest state page.
 
     vLLM's ``Platform._align_hybrid_block_size``: the smallest multiple of
-    ``max(block size, kernel block)`` (at least 128 with MLA, for the MLA decode kernels) whose
-    attention page covers the state page, rounded up to every kernel's block.
+    ``max(block size, smallest kernel block)`` (at least 128 with MLA, for the MLA decode
+    kernels) whose attention page covers the state page, rounded up to every kernel's smallest
+    block.
     """
     states = [c.spec for c in model.layers if isinstance(c.spec, MambaSpec)]
     attn = [c.spec for c in model.layers if not isinstance(c.spec, MambaSpec)]
@@ -118,7 +136,7 @@ def hybrid_block_size(model: ModelSpec, tp: int, block_size: int) -> int:
             "a hybrid with attention layers of different token sizes is not supported"
         )
     attn_1tok = per_token.pop()
-    kernels = [_kernel(model, s, block_size) for s in attn]
+    kernels = [k for s in attn if (k := _min_kernel(model, s, kernel_multiple_of)) is not None]
     align = max([block_size, *kernels])
     if any(isinstance(s, MLASpec) for s in attn):
         align = max(align, 128)
@@ -157,14 +175,22 @@ def build_cache_config(
     *,
     memory_bytes: int | None = None,
     num_blocks: int | None = None,
+    kernel_multiple_of: int | None = None,
+    mamba_block_size: int | None = None,
 ) -> CacheConfig:
-    """Groups, slots and ``num_blocks`` (from a memory budget, or given) for one TP size."""
+    """Groups, slots and ``num_blocks`` (from a memory budget, or given) for one TP size.
+
+    ``kernel_multiple_of``: the attention backend takes any multiple of this many tokens (vLLM's
+    CPU attention: 32), so its kernel block is the manager block. ``mamba_block_size``: the state
+    groups' block size when it is not the attention one (vLLM's ``mamba_cache_mode`` ``none``
+    gives them ``max_model_len``); a state page is one block either way.
+    """
     if tp < 1:
         raise ConfigError(f"TP size must be positive, not {tp}")
     for layer in model.layers:
         validate_tp(layer.spec, tp)
-    _check_block_size(model, block_size)
-    bs = hybrid_block_size(model, tp, block_size)
+    _check_block_size(model, block_size, kernel_multiple_of)
+    bs = hybrid_block_size(model, tp, block_size, kernel_multiple_of=kernel_multiple_of)
 
     groups: list[KVGroup] = []
     slots: list[Slot] = []
@@ -186,12 +212,14 @@ def build_cache_config(
                     f"others {page}; vLLM cannot share tensors between them"
                 )
             window = spec.sliding_window if isinstance(spec, AttentionSpec) else None
+            gbs = bs
+            if isinstance(spec, MambaSpec) and mamba_block_size is not None:
+                gbs = mamba_block_size
+            kernel = _kernel(model, spec, gbs, kernel_multiple_of)
             for i in range(num_groups):
                 # By stride, as vLLM: layers[i::n], not contiguous chunks.
                 members = tuple(layers[i::num_groups])
-                groups.append(
-                    KVGroup(len(groups), spec.kind, members, bs, _kernel(model, spec, bs), window)
-                )
+                groups.append(KVGroup(len(groups), spec.kind, members, gbs, kernel, window))
         # vLLM's block holds the largest group's pages: one slot per layer position.
         width = max(len(g.layers) for g in groups)
         slots = [
@@ -216,9 +244,12 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def sliding_blocks(window: int, block_size: int) -> int:
-    """Blocks a sliding-window layer reads at decode: ``cdiv(window - 1, bs) + 1`` (DESIGN §3)."""
-    return -(-(window - 1) // block_size) + 1
+def sliding_first_block(prompt_len: int, window: int, block_size: int) -> int:
+    """The first block a sliding-window layer reads once decode computes the last prompt token,
+    whose window starts at token ``prompt_len - window``. vLLM gives decode the null block for
+    every block before it (``get_num_skipped_tokens`` of ``prompt_len - 1`` computed tokens),
+    so nothing before it may be written."""
+    return max(0, prompt_len - window) // block_size
 
 
 def group_rows(groups: Sequence[KVGroup]) -> list[tuple[KVGroup, LayerSpec, tuple[int, ...]]]:

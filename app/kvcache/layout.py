@@ -38,8 +38,16 @@ class LayoutMode(StrEnum):
 
 
 class KVLayout(StrEnum):
+    """An attention kernel block's interior.
+
+    ``HND``: K of every head (``[heads, tokens, head_size]``), then V. ``NHD``: the same with
+    tokens outermost. ``HNC``: per head, per token one row of K's channels then V's (vLLM 0.32's
+    ``[blocks, heads, tokens, K|V channels]`` view, its ``LBHNC`` layout).
+    """
+
     HND = "HND"
     NHD = "NHD"
+    HNC = "HNC"
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,7 @@ class RankLayout:
     buffers: list[torch.Tensor]
     placements: dict[int, LayerPlacement]
     views: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    stacked: bool = False  # per-layer tensors in one buffer (``allocate``)
 
     @property
     def tp(self) -> int:
@@ -196,12 +205,28 @@ def _attention_pieces(
     layer_offset: int,
     v_offset: int,
 ) -> tuple[Piece, ...]:
-    """K and V pieces of one kernel block. ``head_stride`` is set for the heads-major layout."""
+    """K and V pieces of one kernel block. ``head_stride`` is set for the heads-major layout;
+    ``v_offset`` is where V starts (in HNC: inside each token row)."""
     first, count = held_units(rank, tp, spec.num_kv_heads)
     size = dtype_size(spec.dtype)
     pieces = []
+    row = (spec.head_size + spec.head_size_v) * size  # one token of one head in HNC
     for name, hs, base in (("k", spec.head_size, 0), ("v", spec.head_size_v, v_offset)):
-        if kv_layout is KVLayout.HND:
+        if kv_layout is KVLayout.HNC:
+            pieces.append(
+                Piece(
+                    name,
+                    base + layer_offset,
+                    kb,
+                    row,
+                    spec.num_kv_heads,
+                    first,
+                    count,
+                    kb * row,
+                    hs * size,
+                )
+            )
+        elif kv_layout is KVLayout.HND:
             unit = kb * hs * size
             stride = head_stride if head_stride is not None else unit
             pieces.append(
@@ -284,16 +309,29 @@ def allocate(
     mode: LayoutMode = LayoutMode.PER_LAYER,
     kv_layout: KVLayout = KVLayout.HND,
     heads_major: bool = False,
+    stacked: bool = False,
     allocator: Callable[[int], torch.Tensor] = zeros_allocator,
 ) -> RankLayout:
-    """Allocate one rank's KV cache and describe it."""
+    """Allocate one rank's KV cache and describe it.
+
+    ``stacked``: the per-layer tensors one after another in a single buffer, as vLLM 0.32
+    allocates its layer-outermost (``LBHNC``) cache; the pages and strides are per-layer ones.
+    """
     if heads_major and (mode is not LayoutMode.CROSS_LAYER or kv_layout is not KVLayout.HND):
         raise ConfigError("the heads-major variant needs --layout cross_layer and --kv-layout HND")
+    if stacked and mode is not LayoutMode.PER_LAYER:
+        raise ConfigError("the stacked variant needs --layout per_layer")
     tp, n = config.tp, config.num_blocks
     buffers: list[torch.Tensor] = []
     # slot -> (buffer index, slot offset in a block, block stride, slots in buffer, position)
     slot_home: dict[int, tuple[int, int, int, int, int]] = {}
-    if mode is LayoutMode.PER_LAYER:
+    if stacked:
+        buffers.append(allocator(n * sum(s.page_bytes for s in config.slots)))
+        start = 0
+        for s in config.slots:
+            slot_home[s.index] = (0, start, s.page_bytes, 1, 0)
+            start += n * s.page_bytes
+    elif mode is LayoutMode.PER_LAYER:
         for s in config.slots:
             buffers.append(allocator(n * s.page_bytes))
             slot_home[s.index] = (len(buffers) - 1, 0, s.page_bytes, 1, 0)
@@ -338,16 +376,12 @@ def allocate(
                     )
                     base, kstride = buf.data_ptr(), kb * spec.head_size * size
                 else:
-                    pieces = _attention_pieces(
-                        spec,
-                        tp,
-                        rank,
-                        kb,
-                        kv_layout,
-                        None,
-                        0,
-                        hs * kb * spec.head_size * dtype_size(spec.dtype),
-                    )
+                    size = dtype_size(spec.dtype)
+                    # V follows K inside each token row (HNC), else after every head's K.
+                    v_off = spec.head_size * size
+                    if kv_layout is not KVLayout.HNC:
+                        v_off *= hs * kb
+                    pieces = _attention_pieces(spec, tp, rank, kb, kv_layout, None, 0, v_off)
                     base, kstride = buf.data_ptr() + slot_off, kpage
             elif isinstance(spec, MLASpec):
                 unit = spec.page_bytes(tp, kb)
@@ -359,7 +393,9 @@ def allocate(
             placement = LayerPlacement(li, gi, base, stride, kstride, r, pieces, bi)
             placements[li] = placement
             views[li] = _views(buf, placement, spec, tp, kb, kv_layout, n)
-    return RankLayout(config, rank, mode, kv_layout, heads_major, buffers, placements, views)
+    return RankLayout(
+        config, rank, mode, kv_layout, heads_major, buffers, placements, views, stacked
+    )
 
 
 def _views(
@@ -383,6 +419,11 @@ def _views(
             if kv_layout is KVLayout.HND:
                 shape = (*lead, pc.unit_count, kb, hs)
                 strides = (*lead_strides, pc.unit_stride, hs * size, size)
+            elif kv_layout is KVLayout.HNC:
+                # Token-major like NHD's, so token-indexed writers need no third case; the
+                # strides are vLLM's (a token row holds K then V, a head holds kb rows).
+                shape = (*lead, kb, pc.unit_count, hs)
+                strides = (*lead_strides, pc.outer_stride, pc.unit_stride, size)
             else:
                 shape = (*lead, kb, pc.unit_count, hs)
                 strides = (*lead_strides, pc.outer_stride, hs * size, size)

