@@ -393,6 +393,20 @@ class Cluster:
         decode = self.recv(d, timeout_s + 60)
         return {"expect": expect, "prefill": prefill, "decode": decode, "started": t0}
 
+    def untouched(
+        self,
+        pairs: Sequence[tuple[SimRequest, SimRequest]],
+        mamba_mode: MambaMode = MambaMode.NONE,
+    ) -> list[str]:
+        """What decode holds outside the requests' read sets; empty when all is well."""
+        cmd = Command(
+            cmd="untouched",
+            requests=[dr for _, dr in pairs],
+            mamba_mode=mamba_mode.value,
+            num_spec=self.spec.num_spec,
+        )
+        return list(self.call(self.sides["decode"], cmd, 60)["problems"])
+
 
 def summarize(
     result: dict[str, Any],

@@ -21,7 +21,9 @@ import zmq
 from app.engine_link.client import CacheParams, EngineLink
 from app.kvcache.layout import RankLayout
 from app.kvcache.specs import SpecKind
+from app.sim.fill import request_salt
 from app.sim.kv_io import (
+    outside_read_set,
     state_block_index,
     untouched,
     verify_prefix,
@@ -55,6 +57,11 @@ class Command(msgspec.Struct):
     verify: bool = True  # False: D skips the byte-exact check (benchmarks without the fill)
     poll_ms: float = 5.0  # D's get_finished polling interval in ``wait``: its timing resolution
     bulk_one_signal: bool = False  # bulk: one all-layers signal instead of one per layer
+
+
+def _salt(req: SimRequest) -> int:
+    """Push requests fill per request; pool requests by position (their tokens are the key)."""
+    return 0 if req.tokens else request_salt(req.id)
 
 
 def _ids(req: SimRequest) -> tuple[np.ndarray, ...]:
@@ -92,12 +99,12 @@ class SimEngine:
                 if cmd.mamba_mode == "align":
                     bs = g.block_size
                     for b in range(start // bs, min(end, req.prompt_len - 1) // bs):
-                        write_state(self.layout, layer, int(ids[b]), (b + 1) * bs)
+                        write_state(self.layout, layer, int(ids[b]), (b + 1) * bs, _salt(req))
                 if end >= req.prompt_len:
                     idx = state_block_index(ids.size, cmd.mamba_mode, cmd.num_spec)
-                    write_state(self.layout, layer, int(ids[idx]), req.prompt_len - 1)
+                    write_state(self.layout, layer, int(ids[idx]), req.prompt_len - 1, _salt(req))
             else:
-                write_tokens(self.layout, layer, ids, start, end)
+                write_tokens(self.layout, layer, ids, start, end, _salt(req))
 
     def admit(self, cmd: Command) -> dict[str, str]:
         refused = {}
@@ -245,7 +252,12 @@ class SimInstance:
         for e, (done, failed) in zip(self.engines, results, strict=True):
             problems = {
                 rid: verify_request(
-                    e.layout, _ids(by_id[rid]), by_id[rid].prompt_len, cmd.mamba_mode, cmd.num_spec
+                    e.layout,
+                    _ids(by_id[rid]),
+                    by_id[rid].prompt_len,
+                    cmd.mamba_mode,
+                    cmd.num_spec,
+                    _salt(by_id[rid]),
                 )
                 for rid in (done if cmd.verify else [])
             }
@@ -295,8 +307,17 @@ class SimInstance:
         return {"ranks": ranks}
 
     def untouched(self, cmd: Command) -> dict[str, Any]:
+        """Nothing outside the requests' read sets was written (free blocks, the null block,
+        tails, pre-window blocks, non-final state blocks)."""
         used = {b for r in cmd.requests for ids in r.blocks for b in ids}
-        return {"problems": [p for e in self.engines for p in untouched(e.layout, used)]}
+        problems = [p for e in self.engines for p in untouched(e.layout, used)]
+        for e in self.engines:
+            for r in cmd.requests:
+                found = outside_read_set(
+                    e.layout, _ids(r), r.prompt_len, cmd.mamba_mode, cmd.num_spec
+                )
+                problems += [f"{r.id}: {p}" for p in found]
+        return {"problems": problems}
 
 
 def main(argv: list[str] | None = None) -> None:

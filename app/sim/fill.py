@@ -1,12 +1,16 @@
 """The deterministic KV fill: every element's bits are a hash of its *global* coordinates.
 
-(layer, stream, token position, global head or channel group, element) → bits. A byte that lands
-in the wrong block, head, row, layer or stream, or a state computed for the wrong number of
-tokens, reads back as a different value. P writes it through its own views; D's oracle expects it
-through D's views, knowing nothing of the planner.
+(request, layer, stream, token position, global head or channel group, element) → bits. A byte
+that lands in the wrong request's blocks (even at the same positions), block, head, row, layer
+or stream, or a state computed for the wrong number of tokens, reads back as a different
+value. P writes it through its own views; D's oracle expects it through D's views, knowing
+nothing of the planner. Pool requests (token ids given) use salt 0: their bytes are a function
+of the tokens, which the pool's keys already name.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import numpy as np
 import torch
@@ -20,11 +24,25 @@ _NP_INT = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 K, V, LATENT, STATE_BASE = 0, 1, 2, 16
 
 
-def mix(layer: int, stream: int, pos: np.ndarray, unit: np.ndarray, elem: np.ndarray) -> np.ndarray:
+def request_salt(request_id: str) -> int:
+    """A request's share of the fill: 64 bits of its id's sha256."""
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
+
+
+def mix(
+    layer: int,
+    stream: int,
+    pos: np.ndarray,
+    unit: np.ndarray,
+    elem: np.ndarray,
+    salt: int = 0,
+) -> np.ndarray:
     """splitmix64 over the packed coordinates (broadcasting); wraps by design."""
     with np.errstate(over="ignore"):
         x: np.ndarray = np.asarray(
-            (np.uint64(layer) << np.uint64(52)) ^ (np.uint64(stream) << np.uint64(44))
+            (np.uint64(layer) << np.uint64(52))
+            ^ (np.uint64(stream) << np.uint64(44))
+            ^ np.uint64(salt)
         )
         x = x ^ (pos.astype(np.uint64) << np.uint64(24)) ^ (unit.astype(np.uint64) << np.uint64(16))
         x = x ^ elem.astype(np.uint64)
@@ -44,27 +62,43 @@ def _bits(values: np.ndarray, size: int) -> torch.Tensor:
 
 
 def token_values(
-    spec: AttentionSpec | MLASpec, layer: int, stream: int, tokens: np.ndarray, tp: int, rank: int
+    spec: AttentionSpec | MLASpec,
+    layer: int,
+    stream: int,
+    tokens: np.ndarray,
+    tp: int,
+    rank: int,
+    salt: int = 0,
 ) -> torch.Tensor:
     """Values for ``tokens``: ``(T, heads_on_rank, head_size)`` for attention, ``(T, row)`` bytes
     for MLA."""
     if isinstance(spec, MLASpec):
         row = spec.bytes_per_token(tp)
         vals = mix(
-            layer, stream, tokens[:, None], np.zeros(1, np.int64)[None, :], np.arange(row)[None, :]
+            layer,
+            stream,
+            tokens[:, None],
+            np.zeros(1, np.int64)[None, :],
+            np.arange(row)[None, :],
+            salt,
         )
         return _bits(vals & np.uint64(0xFF), 1)
     first, count = held_units(rank, tp, spec.num_kv_heads)
     hs = spec.head_size if stream == K else spec.head_size_v
     heads = np.arange(first, first + count)
     vals = mix(
-        layer, stream, tokens[:, None, None], heads[None, :, None], np.arange(hs)[None, None, :]
+        layer,
+        stream,
+        tokens[:, None, None],
+        heads[None, :, None],
+        np.arange(hs)[None, None, :],
+        salt,
     )
     return _bits(vals, dtype_size(spec.dtype))
 
 
 def state_values(
-    spec: MambaSpec, layer: int, n_tokens: int, tp: int, rank: int
+    spec: MambaSpec, layer: int, n_tokens: int, tp: int, rank: int, salt: int = 0
 ) -> dict[str, torch.Tensor]:
     """Every state tensor of one layer after ``n_tokens`` tokens, in this rank's shapes."""
     out: dict[str, torch.Tensor] = {}
@@ -84,6 +118,7 @@ def state_values(
                         np.full(1, n_tokens)[None, :],
                         unit[None, :],
                         elem[None, :] + rows * part.unit_elems,
+                        salt,
                     )
                 )
             sd = np.concatenate(cols, axis=1)  # (rows, width)
@@ -97,6 +132,7 @@ def state_values(
                 np.full(1, n_tokens)[:, None],
                 np.arange(first, first + count)[:, None],
                 np.arange(part.unit_elems)[None, :],
+                salt,
             )
             vals = flat.reshape(count, *state.unit_shape)
         out[state.name] = _bits(np.ascontiguousarray(vals), size)

@@ -32,7 +32,9 @@ def _token_streams(layout: RankLayout, layer: int) -> list[tuple[str, int]]:
     return [("k", K), ("v", V)] if isinstance(spec, AttentionSpec) else [("latent", LATENT)]
 
 
-def write_tokens(layout: RankLayout, layer: int, ids: np.ndarray, start: int, end: int) -> None:
+def write_tokens(
+    layout: RankLayout, layer: int, ids: np.ndarray, start: int, end: int, salt: int = 0
+) -> None:
     """What the forward pass writes for tokens ``[start, end)`` of a request into ``ids``."""
     spec = layout.spec(layer)
     assert not isinstance(spec, MambaSpec)
@@ -40,45 +42,91 @@ def write_tokens(layout: RankLayout, layer: int, ids: np.ndarray, start: int, en
     mid, sub, off = _token_index(layout, layer, ids, tokens)
     for name, stream in _token_streams(layout, layer):
         view = as_int(layout.views[layer][name])
-        vals = token_values(spec, layer, stream, tokens, layout.tp, layout.rank)
+        vals = token_values(spec, layer, stream, tokens, layout.tp, layout.rank, salt)
         if layout.kv_layout.value == "HND" and name != "latent":
             view[mid, sub, :, off, :] = vals
         else:
             view[mid, sub, off] = vals
 
 
-def write_state(layout: RankLayout, layer: int, block: int, n_tokens: int) -> None:
+def write_state(layout: RankLayout, layer: int, block: int, n_tokens: int, salt: int = 0) -> None:
     spec = layout.spec(layer)
     assert isinstance(spec, MambaSpec)
-    for name, vals in state_values(spec, layer, n_tokens, layout.tp, layout.rank).items():
+    for name, vals in state_values(spec, layer, n_tokens, layout.tp, layout.rank, salt).items():
         as_int(layout.views[layer][name])[block] = vals
 
 
-def check_tokens(layout: RankLayout, layer: int, ids: np.ndarray, tokens: np.ndarray) -> int:
+def check_tokens(
+    layout: RankLayout, layer: int, ids: np.ndarray, tokens: np.ndarray, salt: int = 0
+) -> int:
     """Number of wrong elements among ``tokens`` of one layer."""
     spec = layout.spec(layer)
     assert not isinstance(spec, MambaSpec)
     if tokens.size == 0:
         return 0
-    mid, sub, off = _token_index(layout, layer, ids, tokens)
     bad = 0
     for name, stream in _token_streams(layout, layer):
-        view = as_int(layout.views[layer][name])
-        got = (
-            view[mid, sub, :, off, :]
-            if (layout.kv_layout.value == "HND" and name != "latent")
-            else view[mid, sub, off]
-        )
-        want = token_values(spec, layer, stream, tokens, layout.tp, layout.rank)
+        got = _token_rows(layout, layer, name, ids, tokens)
+        want = token_values(spec, layer, stream, tokens, layout.tp, layout.rank, salt)
         bad += int((got != want).sum())
     return bad
 
 
-def check_state(layout: RankLayout, layer: int, block: int, n_tokens: int) -> int:
+def _token_rows(
+    layout: RankLayout, layer: int, name: str, ids: np.ndarray, tokens: np.ndarray
+) -> torch.Tensor:
+    mid, sub, off = _token_index(layout, layer, ids, tokens)
+    view = as_int(layout.views[layer][name])
+    if layout.kv_layout.value == "HND" and name != "latent":
+        return view[mid, sub, :, off, :]
+    return view[mid, sub, off]
+
+
+def outside_read_set(
+    layout: RankLayout,
+    blocks: Sequence[np.ndarray],
+    prompt_len: int,
+    mamba_mode: str = "none",
+    num_spec: int = 0,
+) -> list[str]:
+    """A request's blocks hold nothing beyond what D reads (they started all zero): no token
+    past the prompt in its last block, no block wholly before a sliding window, no state
+    block but the final one. One line per layer that has something there."""
+    problems = []
+    for g in layout.config.groups:
+        ids = blocks[g.index]
+        for c in g.layers:
+            if g.kind is SpecKind.MAMBA:
+                final = state_block_index(ids.size, mamba_mode, num_spec)
+                others = [int(b) for i, b in enumerate(ids) if i != final]
+                written = sum(
+                    int(as_int(view)[others].count_nonzero())
+                    for view in layout.views[c.index].values()
+                )
+            else:
+                tokens = np.arange(prompt_len, ids.size * g.block_size)
+                if g.kind is SpecKind.SLIDING and g.sliding_window:
+                    # The last prompt token, which decode computes, reads from here on.
+                    first = max(0, prompt_len - g.sliding_window) // g.block_size
+                    tokens = np.concatenate([np.arange(first * g.block_size), tokens])
+                written = sum(
+                    int(_token_rows(layout, c.index, name, ids, tokens).count_nonzero())
+                    for name, _ in _token_streams(layout, c.index)
+                    if tokens.size
+                )
+            if written:
+                problems.append(
+                    f"rank {layout.rank} layer {c.index} ({c.name}): {written} elements written "
+                    "outside what decode reads"
+                )
+    return problems
+
+
+def check_state(layout: RankLayout, layer: int, block: int, n_tokens: int, salt: int = 0) -> int:
     spec = layout.spec(layer)
     assert isinstance(spec, MambaSpec)
     bad = 0
-    for name, want in state_values(spec, layer, n_tokens, layout.tp, layout.rank).items():
+    for name, want in state_values(spec, layer, n_tokens, layout.tp, layout.rank, salt).items():
         bad += int((as_int(layout.views[layer][name])[block] != want).sum())
     return bad
 
@@ -94,6 +142,7 @@ def verify_request(
     prompt_len: int,
     mamba_mode: str = "none",
     num_spec: int = 0,
+    salt: int = 0,
 ) -> list[str]:
     """Everything D reads for this request, compared with the fill; one line per bad layer."""
     problems = []
@@ -103,12 +152,12 @@ def verify_request(
             if g.kind is SpecKind.MAMBA:
                 block = int(ids[state_block_index(ids.size, mamba_mode, num_spec)])
                 # The P side sends the state of prompt_len - 1 tokens; D recomputes the last.
-                bad = check_state(layout, c.index, block, prompt_len - 1)
+                bad = check_state(layout, c.index, block, prompt_len - 1, salt)
             else:
                 lo = 0
                 if g.kind is SpecKind.SLIDING and g.sliding_window:
                     lo = max(0, prompt_len - (g.sliding_window - 1))
-                bad = check_tokens(layout, c.index, ids, np.arange(lo, prompt_len))
+                bad = check_tokens(layout, c.index, ids, np.arange(lo, prompt_len), salt)
             if bad:
                 problems.append(f"rank {layout.rank} layer {c.index} ({c.name}): {bad} wrong")
     return problems

@@ -19,11 +19,11 @@ from app.kvcache.groups import (
     CacheConfig,
     blocks_for_tokens,
     build_cache_config,
-    sliding_blocks,
 )
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate, zeros_allocator
 from app.kvcache.presets import ModelSpec
 from app.kvcache.specs import SpecKind
+from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request, write_state, write_tokens
 from app.transfer.executor import execute
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
@@ -64,9 +64,11 @@ class BlockAllocator:
                 n = 1 if mamba_mode is MambaMode.NONE else n + num_spec
                 out.append(self.take(n))
             elif decode and g.kind is SpecKind.SLIDING and g.sliding_window:
-                keep = min(n, sliding_blocks(g.sliding_window, g.block_size))
+                # vLLM's SlidingWindowManager: prompt_len - 1 tokens arrive computed, and the
+                # get_num_skipped_tokens(prompt_len - 1) tokens before the window get null.
+                skipped = min(n, max(0, prompt_len - 1 - g.sliding_window + 1) // g.block_size)
                 ids = np.full(n, NULL_BLOCK, np.int64)
-                ids[n - keep :] = self.take(keep)
+                ids[skipped:] = self.take(n - skipped)
                 out.append(ids)
             else:
                 out.append(self.take(n))
@@ -186,7 +188,10 @@ def run_transfer(
                     continue
                 used.update(int(x) for ids in db for x in ids)
                 res.problems += [
-                    f"{rid}: {m}" for m in verify_request(rank, db, n, mamba_mode.value, num_spec)
+                    f"{rid}: {m}"
+                    for m in verify_request(
+                        rank, db, n, mamba_mode.value, num_spec, request_salt(rid)
+                    )
                 ]
             res.problems += untouched(rank, used)
     return res
@@ -201,9 +206,15 @@ def _prefill(p: Instance, steps: Sequence[StepRequest]) -> None:
                     if g.kind is SpecKind.MAMBA:
                         if s.last:
                             idx = 0 if s.mamba_mode is MambaMode.NONE else ids.size - 1 - s.num_spec
-                            write_state(rank, c.index, int(ids[idx]), s.prompt_len - 1)
+                            write_state(
+                                rank,
+                                c.index,
+                                int(ids[idx]),
+                                s.prompt_len - 1,
+                                request_salt(s.request_id),
+                            )
                     else:
-                        write_tokens(rank, c.index, ids, s.start, s.end)
+                        write_tokens(rank, c.index, ids, s.start, s.end, request_salt(s.request_id))
 
 
 def _plan_and_copy(

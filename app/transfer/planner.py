@@ -17,7 +17,7 @@ import numpy as np
 
 from app.errors import LayoutMismatchError, OutOfBoundsError
 from app.kvcache.desc import GroupDesc, LayoutDesc
-from app.kvcache.groups import sliding_blocks
+from app.kvcache.groups import sliding_first_block
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind, SpecKind
 from app.transfer.tp_mapping import Template, coalesce, layer_template
@@ -163,10 +163,9 @@ def kernel_blocks(group: GroupDesc, d_group: GroupDesc, req: StepRequest) -> np.
     lo = req.start // kb
     hi = -(-req.end // kb) if req.last else req.end // kb
     if group.kind is SpecKind.SLIDING and group.sliding_window:
-        # Only what D reads at decode: the last blocks of the prompt at D's block size.
+        # Only what D reads at decode, in blocks of D's size.
         bs_d = d_group.block_size
-        total = -(-req.prompt_len // bs_d)
-        first = max(0, total - sliding_blocks(group.sliding_window, bs_d))
+        first = sliding_first_block(req.prompt_len, group.sliding_window, bs_d)
         lo = max(lo, first * bs_d // kb)
     return np.arange(lo, max(lo, hi), dtype=np.int64)
 
@@ -277,7 +276,7 @@ class PairPlanner:
         hi = np.where(end >= prompt, -(-end // kb), end // kb)
         if g.kind is SpecKind.SLIDING and g.sliding_window:
             bs_d = gd.block_size
-            first = np.maximum(0, -(-prompt // bs_d) - sliding_blocks(g.sliding_window, bs_d))
+            first = np.maximum(0, prompt - g.sliding_window) // bs_d  # sliding_first_block
             lo = np.maximum(lo, first * bs_d // kb)
         n = np.maximum(hi - lo, 0)
         need_p, need_d = -(-hi // g.ratio), -(-hi // gd.ratio)

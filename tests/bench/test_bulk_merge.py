@@ -15,6 +15,7 @@ from app.engine_link.client import CacheParams
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
 from app.sim.engine import SimRequest
+from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request
 from app.sim.reference import _prefill, blocks_needed, build_instance
 from app.transfer.agent import ALL_LAYERS, LayerResult, LayerTask, StreamThread
@@ -115,7 +116,8 @@ def test_all_layers_submission_is_exact_and_minimal(
         used: set[int] = set()
         for r in reqs:
             used.update(int(x) for ids in r.d_blocks for x in ids)
-            assert verify_request(rank, r.d_blocks, r.prompt_len) == []
+            salt = request_salt(r.request_id)
+            assert verify_request(rank, r.d_blocks, r.prompt_len, salt=salt) == []
         assert untouched(rank, used) == []
     if mode is LayoutMode.CROSS_LAYER and model == "llama-3.1-8b":
         # One descriptor covers a block run of every layer; layer-wise, a block of one layer.

@@ -41,3 +41,19 @@ def test_concurrent_chunked_requests_arrive_byte_exact(
     assert s["failures"] == {}
     assert s["verified"] == len(lens)
     assert s["bytes"] > 0 and s["descriptors"] > 0
+    assert cluster.untouched(pairs) == []
+
+
+def test_requests_of_equal_length_land_in_their_own_blocks(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """Two prompts of one length: swapping their decode blocks writes every byte at the right
+    position of the wrong request, which only a fill that differs per request can see."""
+    lens = [256, 256]
+    cluster = make_cluster(
+        model="gpt-oss-20b", layers=4, prefill_tp=1, decode_tp=1, max_requests=2, max_prompt=256
+    )
+    pairs = cluster.make_requests(lens)
+    s = summarize(cluster.run(pairs), pairs)
+    assert s["failures"] == {} and s["verified"] == len(lens)
+    assert cluster.untouched(pairs) == []

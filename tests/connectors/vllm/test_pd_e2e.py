@@ -30,8 +30,8 @@ from tests.connectors.vllm.conftest import (
     read_blocks,
 )
 
-LENGTHS = (37, 130, 300, 700)
-BYTE_LENGTHS = (300, 700)
+LENGTHS = (37, 130, 300, 600)
+BYTE_LENGTHS = (300, 600)
 MAX_TOKENS = 8
 
 
