@@ -23,6 +23,8 @@ import httpx
 from app.errors import ConfigError, DeadlineExceeded
 from app.store.master import MasterProcess, free_port, start_master, stop_master
 
+MAX_MODEL_LEN = 2048  # the engines' --max-model-len
+
 _COMMON = {
     "hidden_size": 256,
     "intermediate_size": 512,
@@ -225,13 +227,37 @@ class LocalPD:
 
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
-        if self.pool:
+        self.start_instances((self.prefill, self.decode))
+        self._spawn(
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "app.cli.main",
+                "proxy",
+                "--prefill",
+                self.prefill.url,
+                "--decode",
+                self.decode.url,
+                "--port",
+                str(self.proxy_port),
+            ],
+        )
+        for inst in (self.prefill, self.decode):
+            self.wait_engine(inst, timeout_s)
+        self._wait(f"{self.proxy}/health", "proxy", 60)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def start_instances(self, instances: Sequence[Instance]) -> None:
+        """Each instance's sidecar (waited for) and vLLM server (not waited for: wait_engine)."""
+        if self.pool and self.master is None:
             self.master = start_master(0, log_path=self.work / "mooncake-master.log")
-        for inst in (self.prefill, self.decode):
+        for inst in instances:
             self.start_sidecar(inst)
-        for inst in (self.prefill, self.decode):
+        for inst in instances:
             self._wait_sidecar(inst)
-        for inst in (self.prefill, self.decode):
+        for inst in instances:
             ktc = {
                 "kv_connector": "KVSidecarConnector",
                 "kv_connector_module_path": "app.connectors.vllm",
@@ -261,7 +287,7 @@ class LocalPD:
                     str(inst.vllm_port),
                     "--skip-tokenizer-init",
                     "--max-model-len",
-                    "2048",
+                    str(MAX_MODEL_LEN),
                     "--enforce-eager",
                     "--no-enable-prefix-caching",
                     "--max-num-seqs",
@@ -272,26 +298,9 @@ class LocalPD:
                 ],
                 {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
             )
-        self._spawn(
-            "proxy",
-            [
-                sys.executable,
-                "-m",
-                "app.cli.main",
-                "proxy",
-                "--prefill",
-                self.prefill.url,
-                "--decode",
-                self.decode.url,
-                "--port",
-                str(self.proxy_port),
-            ],
-        )
-        for inst in (self.prefill, self.decode):
-            self._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
-        self._wait(f"{self.proxy}/health", "proxy", 60)
-        self.started_s = time.monotonic() - t0
-        return self
+
+    def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:
+        self._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
 
     def _wait_sidecar(self, inst: Instance, attempts: int = 3) -> None:
         name = f"sidecar-{inst.role}"

@@ -221,10 +221,15 @@ class Sidecar:
         ):
             await asyncio.sleep(0.05)
         aborted = 0
+        told: set[tuple[str, str]] = set()  # (peer, request): every P rank holds its own entry
         for a in self.agents.values():
             for r in a.all_requests():
                 if r.finish(Status.ABORTED, "sidecar shutting down"):
                     aborted += 1
+                    if isinstance(r, SendRequest) and r.peer in self.peers:
+                        told.add((r.peer, r.id))
+        # Decode would otherwise hold the blocks until its own deadline (measured: 29 s).
+        await self._tell_peers_aborted(told, "prefill sidecar shutting down")
         report = {
             "done": sum(
                 1 for a in self.agents.values() for r in a.history if r.state is Status.DONE
@@ -773,6 +778,22 @@ class Sidecar:
                 )
             except DeadlineExceeded:
                 peer.failures += 1
+
+    async def _tell_peers_aborted(self, told: set[tuple[str, str]], reason: str) -> None:
+        """Send an ``Abort`` per (peer, request), all at once, each bounded by the ack timeout."""
+
+        async def tell(peer: str, rid: str) -> None:
+            entry = self.peers[peer]
+            try:
+                await entry.client.request(
+                    Abort(request=rid, reason=reason), self.settings.ack_timeout_s
+                )
+            except KVSidecarError as e:
+                entry.failures += 1
+                log.warning("could not tell %s that %s was aborted: %s", peer, rid, e)
+
+        if told:
+            await asyncio.gather(*(tell(peer, rid) for peer, rid in sorted(told)))
 
     async def _watch(self) -> None:
         """Deadlines: every wait ends, in EXPIRED, even when the peer vanished."""

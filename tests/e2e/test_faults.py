@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable
 
@@ -182,3 +183,42 @@ def test_malformed_frame_gets_error_and_loop_keeps_serving(
         ctx.destroy(0)
     pairs = c.make_requests([128])
     assert summarize(c.run(pairs), pairs)["verified"] == 1
+
+
+def test_prefill_sigterm_tells_decode_at_once(make_cluster: Callable[..., Cluster]) -> None:
+    """A prefill sidecar told to stop aborts what it could not finish within its grace period
+    and says so to decode, which ends those requests ABORTED now instead of EXPIRED at its
+    deadline (30 s here)."""
+    c = make_cluster(
+        prefill_tp=1,
+        decode_tp=1,
+        layers=4,
+        max_requests=2,
+        max_prompt=1024,
+        sidecar_env=FAST,
+        prefill_env={"KVSIDECAR_SHUTDOWN_GRACE_S": "0.5"},
+    )
+    p, d = c.sides["prefill"], c.sides["decode"]
+    pairs = c.make_requests([1024, 1000])
+    d_reqs = [dr for _, dr in pairs]
+    c.call(d, Command(cmd="expect", requests=d_reqs, timeout_s=30), 30)
+    # 4 layers x 8 chunks x 250 ms of compute: far from done when P is told to stop.
+    c.send(
+        p,
+        Command(
+            cmd="prefill", requests=[pr for pr, _ in pairs], chunk=128, compute_ms=250, timeout_s=30
+        ),
+    )
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    assert p.sidecar is not None
+    p.sidecar.send_signal(signal.SIGTERM)
+    out = c.call(d, Command(cmd="wait", requests=d_reqs, timeout_s=30), 60)
+    assert time.monotonic() - t0 < 10
+    (rank,) = out["ranks"]
+    assert rank["done"] == []
+    assert {k: v["status"] for k, v in rank["failed"].items()} == {
+        "req-0": "ABORTED",
+        "req-1": "ABORTED",
+    }
+    assert all("shutting down" in v["error"] for v in rank["failed"].values())

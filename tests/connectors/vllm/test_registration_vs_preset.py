@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import msgspec
 import pytest
 import torch
 
-from app.connectors.local_pd import LocalPD, write_tiny_model
+from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, write_tiny_model
 from app.kvcache.desc import LayoutDesc, describe
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration
@@ -47,7 +46,6 @@ from tests.connectors.vllm.conftest import print_logs_on_failure
 # groups get ``max_model_len`` as block size. LocalPD-style flags below fix the rest.
 CPU_BLOCK_SIZE = 128
 CPU_KERNEL_MULTIPLE = 32
-MAX_MODEL_LEN = 2048
 
 
 @dataclass(frozen=True)
@@ -126,43 +124,9 @@ class Observed:
 
 
 def start_engine(pd: LocalPD, timeout_s: float = 300.0) -> None:
-    """One sidecar and its vLLM, flags as ``LocalPD.start`` (one engine is all this needs)."""
-    inst = pd.prefill
-    pd.start_sidecar(inst)
-    pd._wait_sidecar(inst)
-    ktc = {
-        "kv_connector": "KVSidecarConnector",
-        "kv_connector_module_path": "app.connectors.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"sidecar": inst.ipc, "engine_id": inst.role},
-    }
-    pd._spawn(
-        f"vllm-{inst.role}",
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(pd.model),
-            "--served-model-name",
-            "tiny",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(inst.vllm_port),
-            "--skip-tokenizer-init",
-            "--max-model-len",
-            str(MAX_MODEL_LEN),
-            "--enforce-eager",
-            "--no-enable-prefix-caching",
-            "--max-num-seqs",
-            "16",
-            "--kv-transfer-config",
-            json.dumps(ktc),
-        ],
-        {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
-    )
-    pd._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
+    """One sidecar and its vLLM, with ``LocalPD``'s flags (one engine is all this needs)."""
+    pd.start_instances([pd.prefill])
+    pd.wait_engine(pd.prefill, timeout_s)
 
 
 def fetch(admin: str, timeout_s: float = 30.0) -> Observed:
