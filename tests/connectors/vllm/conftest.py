@@ -39,8 +39,34 @@ def pd(
         stack.close()
         print_logs_on_failure(root / "run")
     # Engine KV memory is unlinked once the sidecar mapped it: nothing may outlive the pair.
-    left = sorted(set(os.listdir("/dev/shm")) - shm_before)
+    left = leaked_engine_shm(shm_before)
     assert not left, f"shared memory left behind: {left}"
+
+
+def shm_held_by_live_processes() -> set[str]:
+    """/dev/shm names some process still maps or holds open (other tests' live engines)."""
+    held: set[str] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    held.add(line.split("/dev/shm/", 1)[1].split()[0])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("/dev/shm/"):
+                    held.add(target.removeprefix("/dev/shm/"))
+        except OSError:
+            continue  # gone, or not ours to read
+    return held
+
+
+def leaked_engine_shm(before: set[str]) -> list[str]:
+    """Engine KV files (torch's ``torch_*`` names) that appeared since ``before`` and that no
+    live process holds: tests running beside this one make their own, and hold them."""
+    new = set(os.listdir("/dev/shm")) - before - shm_held_by_live_processes()
+    return sorted(n for n in new if n.startswith("torch_"))
 
 
 def print_logs_on_failure(run: Path) -> None:

