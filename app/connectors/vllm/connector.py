@@ -13,6 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -74,12 +75,13 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         self._w().wait_for_save(self._meta())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        sending, recving = self._w().get_finished(finished_req_ids)
-        return sending or None, recving or None
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving, failed = self._w().get_finished(finished_req_ids)
+        return KVConnectorTransferResults(sending, recving, failed)
 
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._w().get_block_ids_with_load_errors()
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
 
     def shutdown(self) -> None:
         for side in (self.worker, self.scheduler):

@@ -59,7 +59,7 @@ class KVSidecarMetadata(KVConnectorMetadata):
     slices: list[Slice] = field(default_factory=list)
     targets: list[Target] = field(default_factory=list)
     # Decode requests the sidecar never took (it refused or did not answer): the worker
-    # reports them as loaded with errors so vLLM recomputes them instead of waiting forever.
-    failed_recvs: dict[str, BlockIds] = field(default_factory=dict)
+    # reports them as failed loads so vLLM recomputes them instead of waiting forever.
+    failed_recvs: list[str] = field(default_factory=list)
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)

@@ -30,7 +30,7 @@ class PoolJobs:
         self._lock = threading.Lock()
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
-        self._errors: set[int] = set()
+        self._failed: set[str] = set()
 
     def load(self, job: PoolJob) -> None:
         self._thread.submit(self._load, job)
@@ -38,24 +38,25 @@ class PoolJobs:
     def save(self, job: PoolJob) -> None:
         self._thread.submit(self._save, job)
 
-    def drain(self) -> tuple[set[str], set[str], set[int]]:
-        """Requests loaded and stored since the last call, and block ids that failed to load."""
+    def drain(self) -> tuple[set[str], set[str], set[str]]:
+        """Requests loaded, stored, and failed to load (whole or in part) since the last call."""
         with self._lock:
-            out = (self._loaded, self._saved, self._errors)
-            self._loaded, self._saved, self._errors = set(), set(), set()
+            out = (self._loaded, self._saved, self._failed)
+            self._loaded, self._saved, self._failed = set(), set(), set()
         return out
 
     def _load(self, job: PoolJob) -> None:
         blocks = [np.asarray(g, np.int64) for g in job.block_ids]
         try:
             reply = self.link.pool_load(job.req_id, job.token_ids, blocks, job.tokens)
-            failed = {b for g in reply.failed_blocks for b in g}
+            failed = any(reply.failed_blocks)
         except KVSidecarError as e:
             log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
-            failed = {b for g in job.block_ids for b in g}
+            failed = True
         with self._lock:
             self._loaded.add(job.req_id)
-            self._errors |= failed
+            if failed:
+                self._failed.add(job.req_id)
 
     def _save(self, job: PoolJob) -> None:
         blocks = [np.asarray(g, np.int64) for g in job.block_ids]

@@ -55,7 +55,7 @@ class _State:
     unfinished_sends: set[str] = field(default_factory=set)  # kept blocks, awaiting the sidecar
     recvs: dict[str, BlockIds] = field(default_factory=dict)  # decode requests expected
     targets: list[Target] = field(default_factory=list)
-    failed_recvs: dict[str, BlockIds] = field(default_factory=dict)
+    failed_recvs: list[str] = field(default_factory=list)
     pool_hits: dict[str, int] = field(default_factory=dict)  # tokens to load, by request
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)
@@ -176,7 +176,7 @@ class SchedulerSide:
             info = self.links[0].sidecar_info()
         except KVSidecarError as e:
             log.error("request %s: the sidecar did not take it (%s); recomputing locally", rid, e)
-            self.state.failed_recvs[rid] = ids
+            self.state.failed_recvs.append(rid)
             return
         router = p.get("router_url")
         if not router:
@@ -201,7 +201,7 @@ class SchedulerSide:
             pool_loads=st.pool_loads,
             pool_saves=st.pool_saves,
         )
-        st.targets, st.failed_recvs, st.pool_loads, st.pool_saves = [], {}, [], []
+        st.targets, st.failed_recvs, st.pool_loads, st.pool_saves = [], [], [], []
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens

@@ -3,8 +3,8 @@
 Prefill: each step's send slices go to the sidecar before the forward pass (``begin_step``);
 ``save_kv_layer`` signals each attention/MLA layer as its KV is written, ``wait_for_save`` the
 layers vLLM does not call it for. Decode: nothing to do per layer (the prefill pushes); the
-sidecar's ``Finished`` tells which requests landed and which failed (their blocks go to vLLM as
-load errors, so it recomputes them). Pool loads and stores run on their own thread
+sidecar's ``Finished`` tells which requests landed and which failed (vLLM's ``failed_recving``:
+it recomputes them). Pool loads and stores run on their own thread
 (``pool.PoolJobs``) and end through ``get_finished`` the same way.
 """
 
@@ -61,8 +61,7 @@ class WorkerSide:
         self._vllm_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (sends)
         self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
         self._vllm_finished: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._failed_recvs: dict[str, list[list[int]]] = {}
+        self._failed_recvs: list[str] = []
         self._posts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-router")
         self.pool = PoolJobs(config, rank) if config.pool else None
         self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
@@ -135,7 +134,7 @@ class WorkerSide:
                 log.error("step %d not announced to the sidecar: %s", self._step, e)
                 self._active = False
         with self._lock:
-            self._failed_recvs.update(meta.failed_recvs)
+            self._failed_recvs.extend(meta.failed_recvs)
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._active:
@@ -165,7 +164,12 @@ class WorkerSide:
                 self._saving.add(job.req_id)
                 self.pool.save(job)
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        """(sends ended, loads ended, loads among them that failed).
+
+        Failures are reported per request, never as block ids: vLLM cannot map block ids back
+        to requests when the model has several KV cache groups (it stops the engine), and a
+        whole-request recompute is right for every model."""
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
         try:
             fin = self.link.get_finished()
@@ -173,6 +177,7 @@ class WorkerSide:
             log.error("sidecar unreachable for get_finished: %s", e)
             fin = FinishedRequests([], [], [])
         recving = set(fin.recving)
+        failed: set[str] = set()
         for sid in fin.sending:
             self._sent.add(sid)
         for f in fin.failed:
@@ -183,18 +188,15 @@ class WorkerSide:
                 log.warning(
                     "load of %s ended %s: %s; recomputing", f.request, f.status.name, f.error
                 )
-                recving.add(f.request)
-                self._load_errors.update(b for g in f.block_ids for b in g)
+                failed.add(f.request)
         with self._lock:
-            failed, self._failed_recvs = self._failed_recvs, {}
-        for rid, ids in failed.items():
-            recving.add(rid)
-            self._load_errors.update(b for g in ids for b in g)
+            failed.update(self._failed_recvs)
+            self._failed_recvs = []
         sending = set()
         if self.pool is not None:
-            loaded, saved, errors = self.pool.drain()
+            loaded, saved, pool_failed = self.pool.drain()
             recving |= loaded
-            self._load_errors |= errors
+            failed |= pool_failed
             self._saving -= saved
             # A request that also sends ends when both are done (below, for the send).
             sending |= saved - set(self._vllm_ids.values())
@@ -205,11 +207,7 @@ class WorkerSide:
                 self._sent.discard(sid)
                 self._vllm_finished.discard(rid)
                 self._vllm_ids.pop(sid, None)
-        return sending, recving
-
-    def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return sending, recving | failed, failed
 
     def close(self) -> None:
         self._posts.shutdown(wait=False)

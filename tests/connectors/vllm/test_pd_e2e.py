@@ -147,11 +147,12 @@ def test_wrong_kv_changes_output(pd: LocalPD, router: TargetCatcher) -> None:
     assert got != reference
 
 
-@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+@pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
 def test_prefill_sidecar_killed(pd: LocalPD) -> None:
     """Prefill's sidecar dies before the prefill runs: decode's sidecar gives up at its deadline,
     reports the load as failed, vLLM recomputes the prompt, and the answer is still right.
-    Runs last on its engine pair (the prefill engine has no sidecar afterwards)."""
+    Gemma-3 has two KV cache groups, where vLLM stops the engine on a block-level failure
+    report. Runs last on its engine pair (the prefill engine has no sidecar afterwards)."""
     p = prompt(200, 99)
     reference = pd.complete(pd.prefill.url, p, MAX_TOKENS)
     before = prompt_tokens_by_source(pd.decode.url)
