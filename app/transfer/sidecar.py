@@ -457,7 +457,15 @@ class Sidecar:
             peer = self.peers[endpoint] = Peer(endpoint, PeerClient(self.ctx, endpoint))
         async with peer.lock:
             if not peer.planners or (epoch and epoch != peer.epoch):
-                await self._handshake(peer)
+                try:
+                    await self._handshake(peer)
+                except KVSidecarError:
+                    # A peer that never answered keeps nothing here: no entry, no socket
+                    # (measured: 100 dead targets had left 100 entries and their fds).
+                    if not peer.planners and self.peers.get(endpoint) is peer:
+                        del self.peers[endpoint]
+                        await peer.client.close()
+                    raise
         if epoch and epoch != peer.epoch:
             raise LayoutMismatchError(
                 f"decode sidecar {endpoint} restarted: the request targets epoch {epoch}, the "

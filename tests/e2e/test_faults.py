@@ -6,11 +6,13 @@ import signal
 import time
 from collections.abc import Callable
 
+import httpx
 import msgspec
 import zmq
 
 from app.sim.cluster import Cluster, summarize
 from app.sim.engine import Command
+from app.store.master import free_port
 from app.transfer.protocol import Error, Hello, Role, decode, encode
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
@@ -222,3 +224,27 @@ def test_prefill_sigterm_tells_decode_at_once(make_cluster: Callable[..., Cluste
         "req-1": "ABORTED",
     }
     assert all("shutting down" in v["error"] for v in rank["failed"].values())
+
+
+def test_dead_targets_leave_no_peer_behind(make_cluster: Callable[..., Cluster]) -> None:
+    """Sends to decode sidecars that never answer fail at the handshake, and the prefill keeps
+    no entry (nor socket) for them; a live decode afterwards is served as usual."""
+    c = make_cluster(
+        prefill_tp=1,
+        decode_tp=1,
+        layers=4,
+        max_requests=4,
+        max_prompt=256,
+        prefill_env={"KVSIDECAR_HANDSHAKE_TIMEOUT_S": "0.5"},
+    )
+    p = c.sides["prefill"]
+    dead = c.make_requests([256, 256, 256], prefix="dead")
+    for pr, _ in dead:
+        assert pr.remote is not None
+        pr.remote.port = free_port()  # nothing listens there
+    out = c.call(p, Command(cmd="prefill", requests=[pr for pr, _ in dead], timeout_s=5), 60)
+    assert set(_statuses(out["ranks"]).values()) == {"FAILED"}
+    assert httpx.get(f"{p.admin_url}/v1/peers", timeout=10).json()["peers"] == []
+    live = c.make_requests([256], prefix="live")
+    assert summarize(c.run(live), live)["verified"] == 1
+    assert len(httpx.get(f"{p.admin_url}/v1/peers", timeout=10).json()["peers"]) == 1
