@@ -6,8 +6,9 @@ next module that asks for ``cluster`` gets it started again, so module order doe
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,8 +16,12 @@ from typing import Any
 import httpx
 import pytest
 
+from app.api.server import AdminServer
+from app.config import SidecarSettings
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.engine import Command, SimRequest
+from app.store.master import free_port
+from app.transfer.sidecar import Sidecar
 
 TOKEN = "api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -25,6 +30,33 @@ PROMPT = 512
 CHUNK = 64
 
 Pairs = list[tuple[SimRequest, SimRequest]]
+
+
+@contextlib.asynccontextmanager
+async def in_process_sidecar(name: str, tmp: Path) -> AsyncIterator[tuple[Sidecar, AdminServer]]:
+    """A decode sidecar and its admin API in this process, on free ports."""
+    ipc = Path("/dev/shm") / f"kvs-{name}-{tmp.name}"
+    ipc.mkdir(exist_ok=True)
+    settings = SidecarSettings(
+        role="decode",
+        engine_id=name,
+        ranks=[0],
+        control_port=free_port(),
+        admin_port=free_port(),
+        engine_ipc=f"ipc://{ipc}/engine.sock",
+    )
+    sc = Sidecar(settings)
+    await sc.start()
+    admin = AdminServer(sc, settings)
+    await admin.start()
+    try:
+        yield sc, admin
+    finally:
+        await admin.stop()
+        await sc.stop(grace_s=0)
+        for f in ipc.glob("*"):
+            f.unlink()
+        ipc.rmdir()
 
 
 def wait_for(

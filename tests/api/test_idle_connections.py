@@ -12,9 +12,7 @@ import pytest
 
 from app.api import server as api_server
 from app.api.server import AdminServer
-from app.config import SidecarSettings
-from app.store.master import free_port
-from app.transfer.sidecar import Sidecar
+from tests.api.conftest import in_process_sidecar
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -24,30 +22,10 @@ IDLE_TIMEOUT_S = 2
 
 @pytest.fixture
 async def admin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AdminServer]:
-    """A sidecar and its admin API in this process, on free ports (as test_readiness.py)."""
+    """A sidecar and its admin API in this process, idle connections closed after 2 s."""
     monkeypatch.setattr(api_server, "_IDLE_TIMEOUT_S", IDLE_TIMEOUT_S)
-    ipc = Path("/dev/shm") / f"kvs-idle-{tmp_path.name}"
-    ipc.mkdir(exist_ok=True)
-    settings = SidecarSettings(
-        role="decode",
-        engine_id="idle-conns",
-        ranks=[0],
-        control_port=free_port(),
-        admin_port=free_port(),
-        engine_ipc=f"ipc://{ipc}/engine.sock",
-    )
-    sc = Sidecar(settings)
-    await sc.start()
-    server = AdminServer(sc, settings)
-    await server.start()
-    try:
+    async with in_process_sidecar("idle-conns", tmp_path) as (_, server):
         yield server
-    finally:
-        await server.stop()
-        await sc.stop(grace_s=0)
-        for f in ipc.glob("*"):
-            f.unlink()
-        ipc.rmdir()
 
 
 async def open_idle(admin: AdminServer, n: int) -> list[asyncio.StreamWriter]:

@@ -10,9 +10,7 @@ import pytest
 
 from app.api import server as api_server
 from app.api.server import AdminServer
-from app.config import SidecarSettings
-from app.store.master import free_port
-from app.transfer.sidecar import Sidecar
+from tests.api.conftest import in_process_sidecar
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -21,28 +19,8 @@ pytestmark = pytest.mark.timeout(60)
 async def saturated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[AdminServer]:
     """An admin API whose limit is already reached: a limit of 0 requests in flight."""
     monkeypatch.setattr(api_server, "_MAX_INFLIGHT", 0)
-    ipc = Path("/dev/shm") / f"kvs-limit-{tmp_path.name}"
-    ipc.mkdir(exist_ok=True)
-    settings = SidecarSettings(
-        role="decode",
-        engine_id="limit",
-        ranks=[0],
-        control_port=free_port(),
-        admin_port=free_port(),
-        engine_ipc=f"ipc://{ipc}/engine.sock",
-    )
-    sc = Sidecar(settings)
-    await sc.start()
-    server = AdminServer(sc, settings)
-    await server.start()
-    try:
+    async with in_process_sidecar("limit", tmp_path) as (_, server):
         yield server
-    finally:
-        await server.stop()
-        await sc.stop(grace_s=0)
-        for f in ipc.glob("*"):
-            f.unlink()
-        ipc.rmdir()
 
 
 async def test_over_the_limit_is_503_except_livez(saturated: AdminServer) -> None:

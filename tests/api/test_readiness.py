@@ -10,39 +10,18 @@ import httpx
 import pytest
 
 from app.api.server import AdminServer
-from app.config import SidecarSettings
 from app.engine_link.client import CacheParams, EngineLink
 from app.errors import ConfigError
-from app.store.master import free_port
 from app.transfer.sidecar import Sidecar
+from tests.api.conftest import in_process_sidecar
 
 PARAMS = CacheParams("llama-3.1-8b", tp_size=1, block_size=16, num_blocks=8, layers=2)
 
 
 @pytest.fixture
 async def sidecar(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, AdminServer]]:
-    ipc = Path("/dev/shm") / f"kvs-api-{tmp_path.name}"
-    ipc.mkdir(exist_ok=True)
-    settings = SidecarSettings(
-        role="decode",
-        engine_id="in-process",
-        ranks=[0],
-        control_port=free_port(),
-        admin_port=free_port(),
-        engine_ipc=f"ipc://{ipc}/engine.sock",
-    )
-    sc = Sidecar(settings)
-    await sc.start()
-    admin = AdminServer(sc, settings)
-    await admin.start()
-    try:
-        yield sc, admin
-    finally:
-        await admin.stop()
-        await sc.stop(grace_s=0)
-        for f in ipc.glob("*"):
-            f.unlink()
-        ipc.rmdir()
+    async with in_process_sidecar("in-process", tmp_path) as pair:
+        yield pair
 
 
 def _register(endpoint: str) -> EngineLink:
