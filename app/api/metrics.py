@@ -83,6 +83,11 @@ class SidecarCollector(Collector):
             "Successful handshakes with decode peers.",
             value=sc.counters.get("handshakes", 0),
         )
+        yield CounterMetricFamily(
+            "kvsidecar_duplicate_dones",
+            "Repeated Done messages (a prefill retried after a lost ack), acknowledged again.",
+            value=sc.counters.get("duplicate_dones", 0),
+        )
         yield from self._sockets()
         yield from self._mooncake()
         yield from self._peers()

@@ -268,6 +268,16 @@ class Agent:
     def request(self, rid: str) -> Request | None:
         return self.sends.get(rid) or self.recvs.get(rid)
 
+    def recent_recv(self, rid: str) -> RecvRequest | None:
+        """A receive in flight, or ended and reported not long ago (for repeated messages)."""
+        req = self.recvs.get(rid)
+        if req is not None:
+            return req
+        return next(
+            (r for r in reversed(self.history) if r.id == rid and isinstance(r, RecvRequest)),
+            None,
+        )
+
     def all_requests(self) -> list[Request]:
         return [*self.sends.values(), *self.recvs.values()]
 

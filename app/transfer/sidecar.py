@@ -129,7 +129,7 @@ class Sidecar:
         self.compat_hash = ""
         self.tp_size = settings.tp_size
         self.admitting = True
-        self.counters = {"rejected_frames": 0, "handshakes": 0, "expired": 0}
+        self.counters = {"rejected_frames": 0, "handshakes": 0, "expired": 0, "duplicate_dones": 0}
         self.layer_latency: list[float] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._watchdog: asyncio.Task[None] | None = None
@@ -650,7 +650,7 @@ class Sidecar:
                 error=req.error or None,
             )
             try:
-                ack = await peer.client.request(done, self.settings.ack_timeout_s)
+                ack = await self._request_with_retries(peer, done)
             except DeadlineExceeded as e:
                 errors.append(str(e))
                 continue
@@ -732,13 +732,17 @@ class Sidecar:
                 error=f"stale epoch {msg.epoch}; this sidecar runs {self.epoch}",
             )
         agent = self.agents.get(msg.target_rank)
-        req = agent.recvs.get(msg.request) if agent else None
+        req = agent.recent_recv(msg.request) if agent else None
         if agent is None or req is None:
             return Ack(
                 request=msg.request,
                 ok=False,
                 error=f"request {msg.request} is not expected on rank {msg.target_rank}",
             )
+        if req.delivered.get(msg.sender_rank) is Status.DONE and msg.status is Status.DONE:
+            # A retry after a lost ack: acknowledged again, counted once.
+            self.counters["duplicate_dones"] += 1
+            return Ack(request=msg.request)
         if req.state is Status.ABORTED:
             return Ack(request=msg.request, ok=False, error="aborted at decode")
         if req.state.terminal:
@@ -786,6 +790,18 @@ class Sidecar:
                 )
             except DeadlineExceeded:
                 peer.failures += 1
+
+    async def _request_with_retries(self, peer: Peer, msg: Done, attempts: int = 3) -> Msg:
+        """A lost frame must not turn a good transfer into an expiry: D acknowledges a repeated
+        Done again without counting it twice."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return await peer.client.request(msg, self.settings.ack_timeout_s)
+            except DeadlineExceeded:
+                if attempt == attempts:
+                    raise
+                log.warning("no ack for Done of %s from %s; retrying", msg.request, peer.endpoint)
+        raise AssertionError("unreachable")
 
     async def _tell_peers_aborted(self, told: set[tuple[str, str]], reason: str) -> None:
         """Send an ``Abort`` per (peer, request), all at once, each bounded by the ack timeout."""

@@ -13,7 +13,7 @@ import zmq
 from app.sim.cluster import Cluster, summarize
 from app.sim.engine import Command
 from app.store.master import free_port
-from app.transfer.protocol import Error, Hello, Role, decode, encode
+from app.transfer.protocol import Ack, Done, Error, Hello, Role, Status, decode, encode
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
 
@@ -248,3 +248,42 @@ def test_dead_targets_leave_no_peer_behind(make_cluster: Callable[..., Cluster])
     live = c.make_requests([256], prefix="live")
     assert summarize(c.run(live), live)["verified"] == 1
     assert len(httpx.get(f"{p.admin_url}/v1/peers", timeout=10).json()["peers"]) == 1
+
+
+def test_repeated_done_is_acknowledged_once_counted(make_cluster: Callable[..., Cluster]) -> None:
+    """A prefill that lost the ack retries its Done: decode acknowledges the repeat, counts it,
+    and neither adds its bytes again nor ends the request a second time."""
+    c = make_cluster(prefill_tp=1, decode_tp=1, layers=4, max_requests=1, max_prompt=256)
+    d = c.sides["decode"]
+    pairs = c.make_requests([256])
+    assert summarize(c.run(pairs), pairs)["verified"] == 1
+    rid = pairs[0][1].id
+    (entry,) = httpx.get(f"{d.admin_url}/v1/requests/{rid}", timeout=10).json()["entries"]
+    assert entry["state"] == "DONE"
+    groups = [g["group"] for g in entry["groups"]]
+    repeat = Done(
+        request=rid,
+        sender_engine=c.sides["prefill"].engine_id,
+        sender_rank=0,
+        target_rank=0,
+        epoch=d.info[0]["epoch"],
+        status=Status.DONE,
+        groups=groups,
+        bytes=entry["bytes"],
+    )
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{d.control_port}")
+    try:
+        for corr in (1, 2):
+            sock.send_multipart([corr.to_bytes(8, "big"), encode(repeat)])
+            assert sock.poll(5000)
+            ack = decode(sock.recv_multipart()[1])
+            assert isinstance(ack, Ack) and ack.ok, ack
+    finally:
+        ctx.destroy(0)
+    (after,) = httpx.get(f"{d.admin_url}/v1/requests/{rid}", timeout=10).json()["entries"]
+    assert (after["state"], after["bytes"]) == ("DONE", entry["bytes"])
+    metrics = httpx.get(f"{d.admin_url}/metrics", timeout=10).text
+    assert "kvsidecar_duplicate_dones_total 2.0" in metrics
