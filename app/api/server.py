@@ -49,6 +49,7 @@ from app.api.schemas import (
 )
 from app.config import SidecarSettings, env_var_for
 from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
+from app.transfer.control import LogThrottle
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -273,8 +274,7 @@ class _InflightLimit:
         self._app = app
         self._limit = limit
         self._inflight = 0
-        self._next_log = 0.0
-        self._held = 0
+        self._throttle = LogThrottle(_OVERLOAD_LOG_INTERVAL_S)
         self.refused = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -295,12 +295,9 @@ class _InflightLimit:
 
     def _log_refusal(self) -> None:
         # One line per interval: whoever overloads the API must not flood the log as well.
-        now = time.monotonic()
-        if now < self._next_log:
-            self._held += 1
+        held = self._throttle.allow()
+        if held is None:
             return
-        self._next_log = now + _OVERLOAD_LOG_INTERVAL_S
-        held, self._held = self._held, 0
         log.warning(
             "admin API: %d requests in flight, answered 503 (%d more since the last line)",
             self._inflight,

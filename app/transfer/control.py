@@ -59,6 +59,7 @@ __all__ = [
     "ClientClosed",
     "ControlServer",
     "Handler",
+    "LogThrottle",
     "PeerClient",
     "SyncClient",
 ]
@@ -90,7 +91,7 @@ class ClientClosed(KVSidecarError):
     """The client was closed while a request was waiting for its reply."""
 
 
-class _Throttle:
+class LogThrottle:
     """At most one log line per ``interval`` seconds per kind; says how many were held back.
 
     Kinds are a few fixed words chosen by the code, never the peer's identity or the reason text:
@@ -163,6 +164,7 @@ class ControlServer:
         max_inflight: int = 256,
         inline: tuple[type[Msg], ...] = (),
         max_frame_bytes: int | None = None,
+        log_interval_s: float = _LOG_INTERVAL_S,
     ) -> None:
         if max_inflight < 1:
             raise ConfigError(f"{name}: max_inflight must be >= 1, got {max_inflight}")
@@ -181,7 +183,7 @@ class ControlServer:
         self._sock: zmq.asyncio.Socket | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle(log_interval_s)
         self.endpoint: str | None = None
         self.frames = 0
         self.replies = 0
@@ -374,7 +376,7 @@ class PeerClient:
         # tested) does not come back, which would break the client for good. Replies over the
         # cap are refused after receipt instead.
         self._sock.connect(endpoint)
-        self._throttle = _Throttle()
+        self._throttle = LogThrottle()
         self._next_corr = _corr_ids()
         self._pending: dict[bytes, asyncio.Future[AnyMsg]] = {}
         self._reader: asyncio.Task[None] | None = None

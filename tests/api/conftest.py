@@ -7,7 +7,6 @@ next module that asks for ``cluster`` gets it started again, so module order doe
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.engine import Command, SimRequest
 from app.store.master import free_port
 from app.transfer.sidecar import Sidecar
+from tests.conftest import wait_for
 
 TOKEN = "api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -57,20 +57,6 @@ async def in_process_sidecar(name: str, tmp: Path) -> AsyncIterator[tuple[Sideca
         for f in ipc.glob("*"):
             f.unlink()
         ipc.rmdir()
-
-
-def wait_for(
-    what: str, fn: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05
-) -> Any:
-    """Poll ``fn`` until it returns something truthy; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(interval_s)
-    pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture(scope="session")

@@ -23,20 +23,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from app.proxy import ProxyConfig, create_proxy
+from tests.conftest import wait_for as shared_wait_for
 
 TARGET_BLOCKS = [[3, 4, 5], [9]]
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 5.0) -> Any:
-    """Poll ``fn`` until it returns something truthy; fail the test after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout_s}s waiting for {what} (last: {last!r})")
+    """The shared poll, with the proxy tests' short deadline and fine interval."""
+    return shared_wait_for(what, fn, timeout_s, interval_s=0.02)
 
 
 class ServerThread:

@@ -11,7 +11,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from app.transfer import control
 from app.transfer.control import ONE_WAY, ControlServer
 from app.transfer.protocol import AnyMsg, GetFinished, Msg, encode
 
@@ -27,7 +26,8 @@ async def failing(msg: AnyMsg, peer: bytes) -> Msg | None:
 @pytest.fixture
 async def flood() -> AsyncIterator[tuple[ControlServer, zmq.asyncio.Socket]]:
     ctx = zmq.asyncio.Context()
-    server = ControlServer(ctx, "tcp://127.0.0.1:0", failing, name="flooded")
+    # A short interval keeps the test short.
+    server = ControlServer(ctx, "tcp://127.0.0.1:0", failing, name="flooded", log_interval_s=0.5)
     raw = ctx.socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(await server.start())
@@ -55,7 +55,6 @@ async def test_flood_is_one_line_per_kind_then_a_count(
 ) -> None:
     server, raw = flood
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    server._throttle = control._Throttle(interval=0.5)  # a short interval keeps the test short
     for _ in range(500):
         await raw.send_multipart([ONE_WAY, b"\xa1\xff"])
     await until(lambda: server.rejected == 500)

@@ -5,12 +5,11 @@ serve it), and a prefill that loaded its prefix from the pool still pushes the w
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from app.connectors.local_pd import LocalPD
+from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import prompt, prompt_tokens_by_source
 
 MAX_TOKENS = 8
@@ -20,12 +19,14 @@ def pool_stats(admin: str) -> dict[str, int]:
     return dict(httpx.get(f"{admin}/v1/pool", timeout=10).json())
 
 
-def wait_stored(admin: str, keys_before: int, timeout_s: float = 30.0) -> None:
+def wait_stored(admin: str, keys_before: int) -> None:
     """Stores run after the response (the blocks stay pinned until then)."""
-    deadline = time.monotonic() + timeout_s
-    while pool_stats(admin)["keys_put"] <= keys_before:
-        assert time.monotonic() < deadline, f"nothing stored in the pool: {pool_stats(admin)}"
-        time.sleep(0.2)
+    wait_for(
+        "the prompt to be stored in the pool",
+        lambda: pool_stats(admin)["keys_put"] > keys_before,
+        timeout_s=30.0,
+        interval_s=0.2,
+    )
 
 
 def block_size(admin: str) -> int:
