@@ -1,13 +1,13 @@
 """Prometheus metrics of one sidecar, in a registry of their own (one per admin app).
 
 Counters and gauges are read from the sidecar's state at scrape time by a custom collector, so
-the transfer path pays nothing for them. The two histograms need every observation; the sidecar
-calls the observers it finds in ``layer_latency_observers`` / ``handshake_latency_observers``.
+the transfer path pays nothing for them. The two histograms need every observation: they are
+passed to the sidecar with ``Sidecar.add_observer``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,11 +16,6 @@ from prometheus_client.registry import Collector
 from app.api.views import queue_depth, readiness, versions
 from app.transfer.protocol import Status
 from app.transfer.sidecar import Sidecar
-
-Observer = Callable[[float], None]
-
-LAYER_OBSERVERS = "layer_latency_observers"
-HANDSHAKE_OBSERVERS = "handshake_latency_observers"
 
 # Loopback TCP moves a layer of a few MB in ~1-10 ms; RDMA in well under 1 ms.
 LAYER_BUCKETS = (
@@ -274,24 +269,13 @@ class SidecarMetrics:
             buckets=HANDSHAKE_BUCKETS,
             registry=self.registry,
         )
-        self._hooks: list[tuple[str, Observer]] = [
-            (LAYER_OBSERVERS, self.layer_seconds.observe),
-            (HANDSHAKE_OBSERVERS, self.handshake_seconds.observe),
+        self._detach = [
+            sidecar.add_observer("layer", self.layer_seconds.observe),
+            sidecar.add_observer("handshake", self.handshake_seconds.observe),
         ]
-        for attr, observe in self._hooks:
-            _observers(sidecar, attr).append(observe)
 
     def close(self) -> None:
         """Detach the histograms from the sidecar (a later app brings its own)."""
-        for attr, observe in self._hooks:
-            obs = _observers(self.sidecar, attr)
-            if observe in obs:
-                obs.remove(observe)
-
-
-def _observers(sidecar: Sidecar, attr: str) -> list[Observer]:
-    obs: list[Observer] | None = getattr(sidecar, attr, None)
-    if obs is None:
-        obs = []
-        setattr(sidecar, attr, obs)
-    return obs
+        for detach in self._detach:
+            detach()
+        self._detach = []

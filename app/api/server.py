@@ -237,7 +237,7 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         for rank in live:
             # Marks it ABORTED before its first await; the peer's ack is bounded by ack_timeout_s.
             try:
-                await sidecar._abort(rank, request_id, reason, notify=True)
+                await sidecar.abort(rank, request_id, reason)
             except KVSidecarError as e:  # aborted here all the same; only telling the peer failed
                 log.warning(
                     "abort of %s on rank %d: could not tell the peer: %s", request_id, rank, e

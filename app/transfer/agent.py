@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 Blocks = tuple[np.ndarray, ...]
 
+# Guards request state against the stream threads' pins: a write starts only on a live request.
+_STATE_LOCK = threading.Lock()
+
 # ``LayerReady.layer`` meaning every layer of the step at once (bulk send after the forward pass,
 # vLLM's ``wait_for_save``): one submission, runs merged across layers.
 ALL_LAYERS = -1
@@ -84,9 +87,10 @@ class Request:
 
     def finish(self, state: Status, error: str = "") -> bool:
         """Move to a terminal state once; later calls are ignored (first cause wins)."""
-        if self.state.terminal:
-            return False
-        self.state, self.error = state, error
+        with _STATE_LOCK:
+            if self.state.terminal:
+                return False
+            self.state, self.error = state, error
         self.finished_at = time.monotonic()
         return True
 
@@ -99,14 +103,32 @@ class SendRequest(Request):
     num_spec: int = 0
     final_layers_left: int = -1
     final_step: int = -1  # the step that carries the prompt's last tokens (and the states)
-    inflight: int = 0  # writes reading this request's P blocks right now (the pin)
+    inflight: int = 0  # writes of this request on the wire right now (the pin)
     d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
+    peer_lost: bool = False  # decode is gone or forgot us: no Done to send
+
+    def pin(self) -> bool:
+        """Before a write: count it, unless the request already ended. Atomic with ``finish``,
+        so once a request is terminal, ``inflight`` only goes down."""
+        with _STATE_LOCK:
+            if self.state.terminal:
+                return False
+            self.inflight += 1
+            return True
+
+    def unpin(self) -> None:
+        with _STATE_LOCK:
+            self.inflight -= 1
 
 
 @dataclass
 class RecvRequest(Request):
     manifest: dict[int, frozenset[int]] = field(default_factory=dict)
     delivered: dict[int, Status] = field(default_factory=dict)
+    senders: dict[int, str] = field(default_factory=dict)  # P rank -> engine id that claimed it
+    # Ended, but a sender may still be writing into the blocks: not reported to the engine
+    # until every sender answered that it drained, or was declared lost.
+    quarantined_at: float | None = None
 
 
 @dataclass
@@ -127,12 +149,22 @@ class StepState:
     seen: set[int] = field(default_factory=set)
 
 
+@dataclass(frozen=True)
+class Batch:
+    """One peer's share of a layer task."""
+
+    endpoint: str
+    session: str  # the peer's Mooncake session
+    planner: PairPlanner
+    steps: list[StepRequest]
+
+
 @dataclass
 class LayerTask:
     step: int
     layer: int
     event: Event
-    batches: list[tuple[str, PairPlanner, list[StepRequest]]]  # (peer te_session, planner, reqs)
+    batches: list[Batch]
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -162,11 +194,13 @@ class StreamThread:
         depth: int,
         writer: Writer,
         on_result: Callable[[LayerResult], None],
-        is_live: Callable[[str], bool],
-        pin: Callable[[Sequence[str], int], None],
+        pin: Callable[[str, Sequence[str]], list[str]],
+        unpin: Callable[[Sequence[str]], None],
     ) -> None:
+        """``pin(endpoint, ids)`` returns the ids that may be written now (live requests to a
+        peer whose lease holds), counted in flight until ``unpin``."""
         self.queue: queue.Queue[LayerTask | None] = queue.Queue(maxsize=depth)
-        self._writer, self._on_result, self._is_live, self._pin = writer, on_result, is_live, pin
+        self._writer, self._on_result, self._pin, self._unpin = writer, on_result, pin, unpin
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -187,17 +221,24 @@ class StreamThread:
         while (task := self.queue.get()) is not None:
             try:
                 task.event.synchronize()
-                for session, planner, steps in task.batches:
-                    self._submit(task, session, planner, steps)
+                for batch in task.batches:
+                    self._submit(task, batch)
             except Exception:  # the thread must outlive any one bad task
                 log.exception("stream thread failed on step %s layer %s", task.step, task.layer)
 
-    def _submit(
-        self, task: LayerTask, session: str, planner: PairPlanner, steps: list[StepRequest]
-    ) -> None:
-        live = [s for s in steps if self._is_live(s.request_id)]
+    def _submit(self, task: LayerTask, batch: Batch) -> None:
+        pinned = set(self._pin(batch.endpoint, [s.request_id for s in batch.steps]))
+        live = [s for s in batch.steps if s.request_id in pinned]
         if not live:
             return
+        try:
+            self._write(task, batch.session, batch.planner, live)
+        finally:
+            self._unpin(list(pinned))
+
+    def _write(
+        self, task: LayerTask, session: str, planner: PairPlanner, live: list[StepRequest]
+    ) -> None:
         t0 = time.monotonic()
         if task.layer == ALL_LAYERS:
             layers = [pl.layer for pl in planner.local.placements]
@@ -218,15 +259,12 @@ class StreamThread:
         ids = [s.request_id for s in live if s.request_id not in dropped]
         failed = dict(dropped)
         if descs.count:
-            self._pin(ids, +1)
             try:
                 self._writer(session, descs.src, descs.dst, descs.length)
             except (TransferError, KVSidecarError) as e:
                 what = "every layer" if task.layer == ALL_LAYERS else f"layer {task.layer}"
                 failed.update({i: f"{what}: {e}" for i in ids})
                 ids = []
-            finally:
-                self._pin([s.request_id for s in live if s.request_id not in dropped], -1)
         latency = time.monotonic() - t0
         for i, plan in enumerate(plans):
             # One result per layer, so per-layer progress and counters read the same either way.
@@ -261,6 +299,7 @@ class Agent:
         self.steps: dict[int, StepState] = {}
         self.groups = {g.index: GroupStats() for g in desc.groups}
         self.stream: StreamThread | None = None
+        self.epoch = ""  # the sidecar epoch (generation) this registration belongs to
         self.history: list[Request] = []  # recently ended, for the admin API
         # (side, terminal state) -> requests reported to the engine, for metrics.
         self.terminal: dict[tuple[str, Status], int] = {}
@@ -281,6 +320,14 @@ class Agent:
     def all_requests(self) -> list[Request]:
         return [*self.sends.values(), *self.recvs.values()]
 
+    def retire(self) -> None:
+        """The engine that registered this rank is gone: its requests (ended by the caller) go
+        to the history unreported, since nobody is left to tell."""
+        for table in (self.sends, self.recvs):
+            self.history.extend(table.values())
+            table.clear()
+        del self.history[:-256]
+
     def finished(self) -> tuple[list[str], list[str], list[FailedRequest]]:
         """Terminal requests not yet reported, unpinned; each is reported once."""
         sending: list[str] = []
@@ -289,6 +336,8 @@ class Agent:
         for table, done in ((self.sends, sending), (self.recvs, recving)):
             for rid, req in list(table.items()):
                 if not req.state.terminal or (isinstance(req, SendRequest) and req.inflight):
+                    continue
+                if isinstance(req, RecvRequest) and req.quarantined_at is not None:
                     continue
                 if req.state is Status.DONE:
                     done.append(rid)

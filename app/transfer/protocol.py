@@ -1,9 +1,10 @@
 """Wire messages (DESIGN §4): msgspec Structs, msgpack-encoded, tagged, versioned. Never pickle.
 
 Two channels use them: sidecar <-> sidecar (the control port: Hello / AgentMetadata / Rejected,
-Done / Ack, Abort) and engine <-> its sidecar (the IPC socket: register, admit, layer ready,
-finished). Every message carries ``version``; a frame that does not decode, or decodes to an
-unknown version, is answered with ``Error`` and counted by the receiver.
+Claim / Done / Ack, Abort, Ping / Pong, NewEpoch) and engine <-> its sidecar (the IPC socket:
+register, admit, layer ready, finished). Every message carries ``version``; a frame that does
+not decode, or decodes to an unknown version, is answered with ``Error`` and counted by the
+receiver.
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ class Hello(Msg, tag="hello"):
     role: Role
     rank: Index = 0
     epoch: str = ""
+    # The sender's own control endpoint: decode asks it to drain before freeing blocks.
+    control: str = ""
 
 
 class RankMetadata(msgspec.Struct):
@@ -177,8 +180,47 @@ class Ack(Msg, tag="ack"):
 
 
 class Abort(Msg, tag="abort"):
+    """Either side ended a request. The answer (``Ack``) means the answerer has no write in
+    flight for it any more, so decode may hand its blocks back to its engine."""
+
     request: str
     reason: str
+    sender_engine: str = ""
+
+
+class Ping(Msg, tag="ping"):
+    """Heartbeat between peers that share requests; the answer is a ``Pong``."""
+
+    engine_id: str
+    epoch: str
+
+
+class Pong(Msg, tag="pong"):
+    epoch: str
+    # False: this sidecar declared the pinger lost (its lease ran out); it must stop writing.
+    known: bool = True
+
+
+class Claim(Msg, tag="claim"):
+    """Prefill announces, before its first write, that ``sender_rank`` of ``sender_engine`` will
+    write request ``request`` into these decode blocks; decode refuses unless they are the
+    request's own. Decode then knows whom to ask to drain before it frees the blocks."""
+
+    request: str
+    sender_engine: str
+    sender_rank: Index
+    target_rank: Index
+    epoch: str
+    block_ids: BlockIds
+
+
+class NewEpoch(Msg, tag="new_epoch"):
+    """The sender's engine registered anew: requests that target ``old`` must stop writing.
+    The ``Ack`` means the receiver has no write in flight to the old memory."""
+
+    engine_id: str
+    old: str
+    new: str
 
 
 class Error(Msg, tag="error"):
@@ -340,6 +382,10 @@ AnyMsg = (
     | Done
     | Ack
     | Abort
+    | Ping
+    | Pong
+    | Claim
+    | NewEpoch
     | Error
     | RegisterCaches
     | RegisterEngine

@@ -36,7 +36,11 @@ def test_decode_killed_mid_transfer_fails_prefill_and_unpins(
     )
     p, d = c.sides["prefill"], c.sides["decode"]
     pairs = c.make_requests([1024, 1024, 900])
-    c.call(d, Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=30), 30)
+    c.call(
+        d,
+        Command(cmd="expect", requests=[dr for _, dr in pairs], timeout_s=30, prefill_tp=p.tp),
+        30,
+    )
     t0 = time.monotonic()
     # 8 layers x 8 chunks x 30 ms of compute: the transfer is still running when D dies.
     c.send(
@@ -54,7 +58,7 @@ def test_decode_killed_mid_transfer_fails_prefill_and_unpins(
     assert set(statuses.values()) == {"FAILED"}, statuses
     # Reported as failed means every write reading those blocks ended: the pins are released.
     for r in out["ranks"]:
-        assert all(f["blocks"] for f in r["failed"].values())
+        assert all(f["blocks"] for f in r["failed"].values()), r["failed"]
     assert elapsed < 45
 
 

@@ -1,0 +1,240 @@
+"""Remote sidecars as this one knows them: handshakes, heartbeats and leases.
+
+A prefill sidecar meets a decode peer through a target (host, port, epoch) and handshakes with
+it; a decode sidecar meets a prefill peer through that peer's ``Hello`` (its ``control``
+endpoint), so that it can ask the prefill side to drain before freeing blocks. Both ping every
+peer they share requests with. A peer that answers nothing for ``lease_s`` is declared lost: its
+requests end on this side at once (not at their deadlines), and its later messages are answered
+``Pong(known=False)`` so that, should it wake up, it stops too instead of writing late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+
+import zmq.asyncio
+
+from app.config import SidecarSettings
+from app.errors import DeadlineExceeded, KVSidecarError, LayoutMismatchError, ProtocolError
+from app.kvcache.desc import LayoutDesc
+from app.transfer.control import PeerClient
+from app.transfer.planner import PairPlanner
+from app.transfer.protocol import (
+    AgentMetadata,
+    Error,
+    Hello,
+    Ping,
+    Pong,
+    Rejected,
+    layout_desc,
+)
+
+log = logging.getLogger(__name__)
+
+# Handshake -> planners for every local rank (raises LayoutMismatchError when they cannot pair).
+MakePlanners = Callable[[dict[int, LayoutDesc]], dict[int, PairPlanner]]
+OnLost = Callable[["Peer", str], Awaitable[None]]
+
+
+@dataclass
+class Peer:
+    """A remote sidecar, keyed by its control endpoint."""
+
+    endpoint: str
+    client: PeerClient
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    epoch: str = ""
+    engine_id: str = ""
+    te_session: str = ""
+    descs: dict[int, LayoutDesc] = field(default_factory=dict)
+    planners: dict[int, PairPlanner] = field(default_factory=dict)
+    handshakes: int = 0
+    failures: int = 0
+    last_handshake: float | None = None
+    last_error: str = ""
+    # monotonic time of the last message or answer from it; the lease runs from here
+    last_heard: float = field(default_factory=time.monotonic)
+    in_use: bool = False
+
+
+class Peers:
+    """The peer table of one sidecar."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        settings: SidecarSettings,
+        *,
+        hello: Callable[[], Hello],
+        make_planners: MakePlanners,
+        on_lost: OnLost,
+        on_handshake: Callable[[float], None],
+        client_kwargs: dict[str, object] | None = None,
+    ) -> None:
+        self.table: dict[str, Peer] = {}
+        self.counters = {"handshakes": 0, "leases_lost": 0}
+        # engine id -> the epoch we declared lost; its messages are refused until it says Hello
+        self.lost: dict[str, str] = {}
+        self._ctx, self._settings = ctx, settings
+        self._hello, self._make_planners = hello, make_planners
+        self._on_lost, self._on_handshake = on_lost, on_handshake
+        self._client_kwargs = client_kwargs or {}
+
+    # ---- lookup ----------------------------------------------------------------------------
+
+    def by_engine(self, engine_id: str) -> Peer | None:
+        return next((p for p in self.table.values() if p.engine_id == engine_id), None)
+
+    def fresh(self, endpoint: str) -> bool:
+        """Whether a write to this peer may start now: we heard from it within half a lease,
+        so it cannot have declared us lost yet (it waits a whole lease)."""
+        peer = self.table.get(endpoint)
+        return peer is not None and time.monotonic() - peer.last_heard < self._settings.lease_s / 2
+
+    def _entry(self, endpoint: str) -> Peer:
+        peer = self.table.get(endpoint)
+        if peer is None:
+            client = PeerClient(self._ctx, endpoint, **self._client_kwargs)  # type: ignore[arg-type]
+            peer = self.table[endpoint] = Peer(endpoint, client)
+        return peer
+
+    # ---- prefill side: targets and handshakes -----------------------------------------------
+
+    async def target(self, host: str, port: int, epoch: str) -> Peer:
+        """The decode peer of a target, handshaken for the epoch the target names."""
+        endpoint = f"tcp://{host}:{port}"
+        peer = self._entry(endpoint)
+        async with peer.lock:
+            if not peer.planners or (epoch and epoch != peer.epoch):
+                try:
+                    await self._handshake(peer)
+                except KVSidecarError:
+                    # A peer that never answered keeps nothing here: no entry, no socket
+                    # (measured: 100 dead targets had left 100 entries and their fds).
+                    if not peer.planners:
+                        await self.drop(peer)
+                    raise
+        if epoch and epoch != peer.epoch:
+            raise LayoutMismatchError(
+                f"decode sidecar {endpoint} restarted: the request targets epoch {epoch}, the "
+                f"sidecar now runs epoch {peer.epoch}; re-admit the request at decode"
+            )
+        return peer
+
+    async def _handshake(self, peer: Peer) -> None:
+        t0 = time.monotonic()
+        try:
+            reply = await peer.client.request(self._hello(), self._settings.handshake_timeout_s)
+        except DeadlineExceeded as e:
+            peer.failures += 1
+            peer.last_error = str(e)
+            raise
+        if isinstance(reply, Rejected | Error):
+            peer.failures += 1
+            peer.last_error = reply.reason
+            raise LayoutMismatchError(f"decode sidecar {peer.endpoint} rejected us: {reply.reason}")
+        if not isinstance(reply, AgentMetadata):
+            raise ProtocolError(f"expected AgentMetadata, got {type(reply).__name__}")
+        descs = {m.rank: layout_desc(m) for m in reply.ranks}
+        try:
+            planners = self._make_planners(descs)
+        except LayoutMismatchError as e:
+            peer.failures += 1
+            peer.last_error = str(e)
+            raise
+        peer.epoch, peer.engine_id, peer.te_session = reply.epoch, reply.engine_id, reply.te_session
+        peer.descs, peer.planners = descs, planners
+        peer.handshakes += 1
+        peer.last_handshake = time.time()
+        peer.last_heard = time.monotonic()
+        self.counters["handshakes"] += 1
+        self._on_handshake(time.monotonic() - t0)
+
+    # ---- decode side: who may write to us --------------------------------------------------
+
+    def met(self, msg: Hello) -> Peer | None:
+        """A prefill peer said Hello: remember where to reach it and forgive an old loss."""
+        self.lost.pop(msg.engine_id, None)
+        if not msg.control:
+            return None
+        old = self.by_engine(msg.engine_id)
+        if old is not None and old.endpoint != msg.control:
+            old.engine_id = ""  # the engine moved; the old entry is reaped when idle
+        peer = self._entry(msg.control)
+        peer.engine_id, peer.epoch = msg.engine_id, msg.epoch
+        peer.last_heard = time.monotonic()
+        return peer
+
+    def heard(self, engine_id: str, epoch: str) -> bool:
+        """A message came from ``engine_id``; False if we declared that peer lost."""
+        if self.lost.get(engine_id) == epoch:
+            return False
+        peer = self.by_engine(engine_id)
+        if peer is not None and (not peer.epoch or peer.epoch == epoch):
+            peer.last_heard = time.monotonic()
+        return True
+
+    # ---- heartbeats and leases -------------------------------------------------------------
+
+    async def heartbeat(self, in_use: Iterable[str], engine_id: str, epoch: str) -> None:
+        """One round: ping the peers in use, declare lost those silent past the lease, and
+        drop idle peers that stopped answering."""
+        wanted = set(in_use)
+        now = time.monotonic()
+        for peer in list(self.table.values()):
+            if peer.endpoint in wanted and not peer.in_use:
+                peer.last_heard = max(peer.last_heard, now)  # the lease starts with the use
+            peer.in_use = peer.endpoint in wanted
+        ping = Ping(engine_id=engine_id, epoch=epoch)
+        await asyncio.gather(*(self._ping(p, ping) for p in list(self.table.values())))
+
+    async def _ping(self, peer: Peer, ping: Ping) -> None:
+        s = self._settings
+        try:
+            reply = await peer.client.request(ping, s.heartbeat_interval_s)
+        except KVSidecarError:
+            reply = None
+        if isinstance(reply, Pong):
+            if not reply.known:
+                await self.lose(peer, f"peer {peer.endpoint} had declared this sidecar lost")
+                return
+            if peer.epoch and reply.epoch != peer.epoch:
+                await self.lose(
+                    peer, f"peer {peer.endpoint} restarted (epoch {peer.epoch} -> {reply.epoch})"
+                )
+                return
+            peer.last_heard = time.monotonic()
+            return
+        silent = time.monotonic() - peer.last_heard
+        if silent <= s.lease_s:
+            return
+        if peer.in_use:
+            self.counters["leases_lost"] += 1
+            await self.lose(
+                peer, f"peer {peer.endpoint} silent for {silent:.1f} s (lease {s.lease_s:g} s)"
+            )
+        else:
+            await self.drop(peer)  # idle and gone: reaped
+
+    async def lose(self, peer: Peer, reason: str) -> None:
+        """End everything shared with ``peer`` and forget it (the next use handshakes anew)."""
+        log.warning("%s; ending its requests", reason)
+        peer.last_error = reason
+        if peer.engine_id and peer.epoch:
+            self.lost[peer.engine_id] = peer.epoch
+        await self.drop(peer)
+        await self._on_lost(peer, reason)
+
+    async def drop(self, peer: Peer) -> None:
+        if self.table.get(peer.endpoint) is peer:
+            del self.table[peer.endpoint]
+        await peer.client.close()
+
+    async def close(self) -> None:
+        for peer in list(self.table.values()):
+            await peer.client.close()
+        self.table.clear()

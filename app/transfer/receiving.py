@@ -1,0 +1,269 @@
+"""The decode side's request state machine: expect, accept claims, count Dones, quarantine.
+
+A receive is expected with its manifest (which P ranks deliver which groups). A P rank claims
+it before writing, naming decode's block ids, which must be the request's own. It ends DONE when
+every sender reported OK, FAILED when one reported a failure or was lost, ABORTED, or EXPIRED.
+When it ends any other way than DONE while a claimed sender may still be writing, it stays in
+*quarantine* (ended, not reported to the engine, whose blocks stay allocated) until every such
+sender answered the ``Abort`` that it has nothing on the wire, or was declared lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from app.config import SidecarSettings
+from app.errors import KVSidecarError, OutOfBoundsError, ProtocolError
+from app.transfer.agent import Agent, RecvRequest, receive_manifest
+from app.transfer.peers import Peer, Peers
+from app.transfer.planner import check_block_ids
+from app.transfer.protocol import Abort, Ack, Claim, Done, ExpectRecv, Msg, Reply, Status
+from app.transfer.sending import blocks
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+def agent_of(agents: dict[int, Agent], rank: int) -> Agent:
+    agent = agents.get(rank)
+    if agent is None:
+        raise ProtocolError(f"rank {rank} has not registered its KV caches with this sidecar")
+    return agent
+
+
+class RecvSide:
+    """Decode requests of every local rank."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        agents: dict[int, Agent],
+        peers: Peers,
+        spawn: Spawn,
+        epoch: Callable[[], str],
+    ) -> None:
+        self._settings, self._agents, self._peers = settings, agents, peers
+        self._spawn, self._epoch = spawn, epoch
+        self.admitting = True
+        self.counters = {"duplicate_dones": 0, "quarantined": 0, "refused_claims": 0}
+        self.quarantine_seconds: list[float] = []
+
+    def expect(self, msg: ExpectRecv) -> Msg:
+        agent = agent_of(self._agents, msg.rank)
+        if not self.admitting:
+            return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
+        if msg.request in agent.recvs:
+            return Reply(ok=False, error=f"request {msg.request} is already expected")
+        timeout = msg.timeout_s or self._settings.recv_timeout_s
+        req = RecvRequest(
+            id=msg.request,
+            rank=msg.rank,
+            prompt_len=msg.prompt_len,
+            blocks=blocks(msg.block_ids),
+            deadline=time.monotonic() + timeout,
+            peer=msg.prefill_engine,
+            manifest=receive_manifest(agent.desc, msg.prefill_tp),
+        )
+        agent.recvs[req.id] = req
+        try:
+            check_block_ids(agent.desc, req.blocks, "decode")
+        except OutOfBoundsError as e:
+            req.finish(Status.FAILED, str(e))
+            return Reply(ok=False, error=str(e))
+        return Reply(data={"senders": len(req.manifest)})
+
+    # ---- messages from prefill peers ---------------------------------------------------------
+
+    def claim(self, msg: Claim) -> Ack:
+        """A P rank will write this request: only into the request's own blocks."""
+        err = self._check_claim(msg)
+        if err:
+            self.counters["refused_claims"] += 1
+            return Ack(request=msg.request, ok=False, error=err)
+        req = self._agents[msg.target_rank].recvs[msg.request]
+        req.senders[msg.sender_rank] = msg.sender_engine
+        return Ack(request=msg.request)
+
+    def _check_claim(self, msg: Claim) -> str:
+        if msg.epoch != self._epoch():
+            return f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}"
+        agent = self._agents.get(msg.target_rank)
+        req = agent.recvs.get(msg.request) if agent else None
+        if req is None or req.state.terminal:
+            return f"request {msg.request} is not expected on rank {msg.target_rank}"
+        if msg.sender_rank not in req.manifest:
+            return f"prefill rank {msg.sender_rank} is not in the manifest"
+        if req.peer and req.peer != msg.sender_engine:
+            return f"request {msg.request} expects prefill {req.peer}, not {msg.sender_engine}"
+        other = next((e for e in req.senders.values() if e != msg.sender_engine), None)
+        if other is not None:
+            return f"request {msg.request} is already claimed by prefill {other}"
+        mine = [b.tolist() for b in req.blocks]
+        if msg.block_ids != mine:
+            # The router handed prefill another request's target, or a stale one.
+            return (
+                f"block ids {_short(msg.block_ids)} are not request {msg.request}'s "
+                f"{_short(mine)} on rank {msg.target_rank}"
+            )
+        return ""
+
+    def done(self, msg: Done) -> Ack:
+        if msg.epoch != self._epoch():
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}",
+            )
+        agent = self._agents.get(msg.target_rank)
+        req = agent.recent_recv(msg.request) if agent else None
+        if agent is None or req is None:
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"request {msg.request} is not expected on rank {msg.target_rank}",
+            )
+        claimed = req.senders.get(msg.sender_rank) == msg.sender_engine
+        # A prefill that failed before it could claim (it refused the target) wrote nothing
+        # and may say so, unless another prefill claimed the request. A Done for writes we
+        # never agreed to is a forgery or a misrouting.
+        unclaimed_failure = (
+            msg.status is not Status.DONE
+            and not req.senders
+            and req.peer in ("", msg.sender_engine)
+            and msg.sender_rank in req.manifest
+        )
+        if not claimed and not unclaimed_failure:
+            return Ack(
+                request=msg.request,
+                ok=False,
+                error=f"prefill {msg.sender_engine} rank {msg.sender_rank} did not claim "
+                f"request {msg.request}",
+            )
+        if req.delivered.get(msg.sender_rank) is Status.DONE and msg.status is Status.DONE:
+            # A retry after a lost ack: acknowledged again, counted once.
+            self.counters["duplicate_dones"] += 1
+            return Ack(request=msg.request)
+        if req.state is Status.ABORTED:
+            return Ack(request=msg.request, ok=False, error="aborted at decode")
+        if req.state.terminal:
+            return Ack(request=msg.request, ok=False, error=f"request already {req.state.name}")
+        want = req.manifest[msg.sender_rank]
+        req.bytes += msg.bytes
+        if msg.status is not Status.DONE:
+            # That sender drained before it said so; the others may still write.
+            req.delivered[msg.sender_rank] = msg.status
+            self.end(
+                req,
+                Status.FAILED,
+                f"prefill rank {msg.sender_rank}: {msg.status.name} {msg.error or ''}".strip(),
+            )
+            return Ack(request=msg.request)
+        if not want <= set(msg.groups):
+            self.end(
+                req,
+                Status.FAILED,
+                f"prefill rank {msg.sender_rank} delivered groups "
+                f"{sorted(msg.groups)}, expected {sorted(want)}",
+            )
+            return Ack(request=msg.request)
+        req.delivered[msg.sender_rank] = Status.DONE
+        req.state = Status.TRANSFERRING
+        if set(req.delivered) >= set(req.manifest) and req.finish(Status.DONE):
+            for g in {g for groups in req.manifest.values() for g in groups}:
+                agent.groups[g].done += 1
+        return Ack(request=msg.request)
+
+    def aborted_by_prefill(self, rid: str, engine_id: str, reason: str) -> None:
+        """The prefill that claimed ``rid`` ended it; it drained before it said so."""
+        for agent in self._agents.values():
+            req = agent.recvs.get(rid)
+            if req is None or engine_id not in req.senders.values():
+                continue
+            for rank, sender in req.senders.items():
+                if sender == engine_id:
+                    req.delivered.setdefault(rank, Status.ABORTED)
+            self.end(req, Status.ABORTED, f"prefill: {reason}")
+
+    # ---- ending and quarantine -------------------------------------------------------------
+
+    def end(self, req: RecvRequest, state: Status, reason: str) -> bool:
+        """End ``req``; quarantine its blocks while a sender that claimed it may still write."""
+        if not req.finish(state, reason):
+            # Already ended: a sender that reports now may be the last one we waited for.
+            self._maybe_release(req)
+            return False
+        if self._writers(req):
+            req.quarantined_at = time.monotonic()
+            self.counters["quarantined"] += 1
+            self._spawn(self._drain_senders(req, reason))
+        return True
+
+    async def abort(self, rank: int, rid: str, reason: str) -> bool:
+        """The engine or an operator ended a receive: senders are asked to drain first."""
+        req = agent_of(self._agents, rank).recvs.get(rid)
+        return req is not None and self.end(req, Status.ABORTED, reason)
+
+    def _writers(self, req: RecvRequest) -> set[str]:
+        """Engines that claimed the request and have not told us they stopped writing."""
+        return {e for rank, e in req.senders.items() if rank not in req.delivered}
+
+    async def _drain_senders(self, req: RecvRequest, reason: str) -> None:
+        # Bounded by the lease: a sender silent that long is lost, and writes nothing more.
+        for engine_id in sorted(self._writers(req)):
+            peer = self._peers.by_engine(engine_id)
+            if peer is not None:
+                await self._ask_drain(peer, req, reason)
+            for rank, e in req.senders.items():
+                if e == engine_id:
+                    req.delivered.setdefault(rank, Status.ABORTED)
+        self._maybe_release(req)
+
+    async def _ask_drain(self, peer: Peer, req: RecvRequest, reason: str) -> None:
+        abort = Abort(request=req.id, reason=reason, sender_engine=self._settings.engine_id)
+        try:
+            await peer.client.request(abort, self._settings.lease_s)
+        except KVSidecarError as e:
+            log.warning(
+                "request %s: prefill %s did not confirm it stopped writing: %s; released "
+                "after the lease",
+                req.id,
+                peer.engine_id,
+                e,
+            )
+
+    def _maybe_release(self, req: RecvRequest) -> None:
+        if req.quarantined_at is not None and not self._writers(req):
+            self.quarantine_seconds.append(time.monotonic() - req.quarantined_at)
+            del self.quarantine_seconds[:-4096]
+            req.quarantined_at = None
+
+    def peer_lost(self, peer: Peer, reason: str) -> None:
+        """A prefill peer is gone: its requests end, and it writes nothing more."""
+        for agent in self._agents.values():
+            for req in list(agent.recvs.values()):
+                ranks = [r for r, e in req.senders.items() if e == peer.engine_id]
+                if not ranks:
+                    continue
+                for rank in ranks:
+                    req.delivered.setdefault(rank, Status.FAILED)
+                self.end(req, Status.FAILED, reason)
+
+    def live_peers(self) -> set[str]:
+        out = set()
+        for agent in self._agents.values():
+            for req in agent.recvs.values():
+                if not req.state.terminal or req.quarantined_at is not None:
+                    for e in req.senders.values():
+                        peer = self._peers.by_engine(e)
+                        if peer is not None:
+                            out.add(peer.endpoint)
+        return out
+
+
+def _short(ids: list[list[int]]) -> str:
+    text = str(ids)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,379 @@
+"""The prefill side's request state machine: admit, claim, write layer by layer, report.
+
+A send is admitted with decode's block ids, *claimed* at decode before its first write (decode
+checks the blocks are the request's own and learns whom to ask to drain), written as the
+engine signals layers, and ends DONE when every decode rank it wrote to acknowledged its
+``Done``. Whatever ends it otherwise (a write error, a nack, an abort from either side, the
+deadline, a lost lease, a new decode epoch), ``Done`` and the answer to decode's ``Abort`` wait
+until none of its writes is on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from app.config import SidecarSettings
+from app.devices import CpuEvent
+from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
+from app.transfer.agent import (
+    ALL_LAYERS,
+    Agent,
+    Batch,
+    GroupProgress,
+    LayerResult,
+    LayerTask,
+    SendRequest,
+    StepState,
+)
+from app.transfer.peers import Peer, Peers
+from app.transfer.planner import MambaMode, StepRequest, check_block_ids
+from app.transfer.protocol import (
+    Abort,
+    Ack,
+    AddSend,
+    BeginStep,
+    Claim,
+    Done,
+    LayerReady,
+    Msg,
+    Reply,
+    Status,
+)
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+# How often a drain looks at the in-flight count; writes take milliseconds.
+_DRAIN_POLL_S = 0.005
+
+
+def blocks(ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
+    return tuple(np.asarray(x, dtype=np.int64) for x in ids)
+
+
+class SendSide:
+    """Prefill requests of every local rank."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        agents: dict[int, Agent],
+        peers: Peers,
+        spawn: Spawn,
+        call_soon: Callable[..., None],
+        on_layer_latency: Callable[[float], None],
+    ) -> None:
+        self._settings, self._agents, self._peers = settings, agents, peers
+        self._spawn, self._call_soon = spawn, call_soon
+        self._on_layer_latency = on_layer_latency
+        self.admitting = True
+
+    def _agent(self, rank: int) -> Agent:
+        from app.transfer.receiving import agent_of  # one error text for both sides
+
+        return agent_of(self._agents, rank)
+
+    # ---- admission -------------------------------------------------------------------------
+
+    async def add(self, msg: AddSend) -> Msg:
+        agent = self._agent(msg.rank)
+        if not self.admitting:
+            return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
+        if msg.request in agent.sends:
+            return Reply(ok=False, error=f"request {msg.request} is already in flight")
+        t = msg.remote
+        req = SendRequest(
+            id=msg.request,
+            rank=msg.rank,
+            prompt_len=msg.prompt_len,
+            blocks=blocks(msg.block_ids),
+            deadline=time.monotonic() + self._settings.send_timeout_s,
+            peer=f"tcp://{t.host}:{t.port}",
+            d_blocks=blocks(t.block_ids),
+            target_epoch=t.epoch,
+            mamba_mode=MambaMode(msg.mamba_mode),
+            num_spec=msg.num_spec,
+        )
+        agent.sends[req.id] = req
+        try:
+            check_block_ids(agent.desc, req.blocks, "prefill")
+            peer = await self._peers.target(t.host, t.port, t.epoch)
+            planner = peer.planners[msg.rank]
+            # Known before the id check, so that D hears of a refusal instead of expiring.
+            groups = {
+                d: frozenset(
+                    pl.group
+                    for pl in agent.desc.placements
+                    if planner.template(pl.layer, d)[0].size
+                )
+                for d in planner.peers()
+            }
+            req.d_ranks = {d: g for d, g in groups.items() if g}
+            check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
+            await self._claim(peer, req, t.block_ids)
+        except (KVSidecarError, ValueError) as e:
+            req.finish(Status.FAILED, str(e))
+            self._spawn(self.send_done(req))
+            return Reply(ok=False, error=str(e))
+        return Reply()
+
+    async def _claim(self, peer: Peer, req: SendRequest, d_ids: list[list[int]]) -> None:
+        """Decode must know the writer before the first byte lands (DESIGN §4)."""
+        for d_rank in req.d_ranks:
+            claim = Claim(
+                request=req.id,
+                sender_engine=self._settings.engine_id,
+                sender_rank=req.rank,
+                target_rank=d_rank,
+                epoch=peer.epoch,
+                block_ids=d_ids,
+            )
+            ack = await peer.client.request(claim, self._settings.ack_timeout_s)
+            if not isinstance(ack, Ack) or not ack.ok:
+                why = ack.error if isinstance(ack, Ack) else getattr(ack, "reason", "")
+                raise KVSidecarError(f"decode rank {d_rank} refused the request: {why}")
+            peer.last_heard = time.monotonic()
+
+    def begin_step(self, msg: BeginStep) -> Msg:
+        agent = self._agent(msg.rank)
+        for s in msg.slices:
+            req = agent.sends.get(s.request)
+            if s.block_ids is None or req is None or req.state.terminal:
+                continue
+            ids = blocks(s.block_ids)
+            try:
+                check_block_ids(agent.desc, ids, "prefill")
+            except OutOfBoundsError as e:
+                self.fail(req, str(e))
+                continue
+            req.blocks = ids
+        agent.steps[msg.step] = StepState([(s.request, s.start, s.end) for s in msg.slices])
+        return Reply()
+
+    # ---- layers ----------------------------------------------------------------------------
+
+    async def layer_ready(self, msg: LayerReady) -> None:
+        agent = self._agent(msg.rank)
+        step = agent.steps.get(msg.step)
+        slices = step.slices if step else []
+        by_peer: dict[str, list[StepRequest]] = {}
+        for rid, start, end in slices:
+            req = agent.sends.get(rid)
+            if req is None or req.state.terminal:
+                continue
+            req.state = Status.TRANSFERRING
+            if end >= req.prompt_len and req.final_layers_left < 0:
+                req.final_layers_left = len(agent.desc.placements)
+                req.final_step = msg.step
+            by_peer.setdefault(req.peer, []).append(
+                StepRequest(
+                    rid,
+                    req.prompt_len,
+                    start,
+                    min(end, req.prompt_len),
+                    req.blocks,
+                    req.d_blocks,
+                    req.mamba_mode,
+                    req.num_spec,
+                )
+            )
+        batches = []
+        for endpoint, steps in by_peer.items():
+            peer = self._peers.table.get(endpoint)
+            if peer is None:  # lost since admission; its requests already ended
+                continue
+            batches.append(Batch(endpoint, peer.te_session, peer.planners[msg.rank], steps))
+        task = LayerTask(msg.step, msg.layer, CpuEvent(), batches)
+        assert agent.stream is not None
+        try:
+            agent.stream.queue.put_nowait(task)
+        except Exception:  # full: back-pressure the engine link without blocking the loop
+            await asyncio.to_thread(agent.stream.put, task, self._settings.send_timeout_s)
+        if step is not None:
+            step.seen.add(msg.layer)
+            # Engines signal layers in their own order (state layers only after the forward
+            # pass), so the step ends when every layer was signalled, not at the last index.
+            if ALL_LAYERS in step.seen or len(step.seen) >= len(agent.desc.placements):
+                agent.steps.pop(msg.step, None)
+
+    def pin(self, agent: Agent, endpoint: str, ids: Sequence[str]) -> list[str]:
+        """Stream thread: the requests that may be written to ``endpoint`` now."""
+        if not self._peers.fresh(endpoint):
+            # Not heard from within half a lease: it may already have declared us lost and
+            # freed these blocks. End them rather than write late.
+            self._call_soon(self._fail_stale, agent, endpoint, list(ids))
+            return []
+        out = []
+        for rid in ids:
+            req = agent.sends.get(rid)
+            if req is not None and req.pin():
+                out.append(rid)
+        return out
+
+    def unpin(self, agent: Agent, ids: Sequence[str]) -> None:
+        for rid in ids:
+            req = agent.sends.get(rid)
+            if req is not None:
+                req.unpin()
+
+    def _fail_stale(self, agent: Agent, endpoint: str, ids: list[str]) -> None:
+        for rid in ids:
+            req = agent.sends.get(rid)
+            if req is not None:
+                self.fail(req, f"decode peer {endpoint} not heard from recently; write not sent")
+
+    def layer_done(self, agent: Agent, res: LayerResult) -> None:
+        self._on_layer_latency(res.latency_s)
+        stats = agent.groups[res.group]
+        stats.bytes += res.bytes
+        stats.descriptors += res.descriptors
+        if res.descriptors:
+            stats.layers_sent += 1
+        stats.transfers_ok += bool(res.ok)
+        stats.transfers_failed += bool(res.failed)
+        for rid, err in res.failed.items():
+            req = agent.sends.get(rid)
+            if req is not None:
+                self.fail(req, err)
+        for rid in res.ok:
+            req = agent.sends.get(rid)
+            if req is None or req.state.terminal:
+                continue
+            req.bytes += res.req_bytes.get(rid, 0)
+            prog = req.groups.setdefault(res.group, GroupProgress())
+            prog.layers_sent += 1
+            prog.bytes += res.req_bytes.get(rid, 0)
+            # Only the final step's layers count: an earlier step's layers may still be on the
+            # stream thread when the engine already signals the final step.
+            if res.step == req.final_step and req.final_layers_left > 0:
+                req.final_layers_left -= 1
+                if req.final_layers_left == 0:
+                    self._spawn(self.send_done(req))
+
+    # ---- ending ----------------------------------------------------------------------------
+
+    def fail(self, req: SendRequest, error: str, state: Status = Status.FAILED) -> bool:
+        """End ``req`` here and tell decode once its writes drained."""
+        if not req.finish(state, error):
+            return False
+        self._spawn(self.send_done(req))
+        return True
+
+    async def drained(self, req: SendRequest) -> bool:
+        """Wait until none of ``req``'s writes is on the wire; False at the send deadline."""
+        limit = time.monotonic() + self._settings.send_timeout_s
+        while req.inflight > 0:
+            if time.monotonic() > limit:
+                log.error("request %s: %d write(s) still in flight", req.id, req.inflight)
+                return False
+            await asyncio.sleep(_DRAIN_POLL_S)
+        return True
+
+    async def send_done(self, req: SendRequest) -> None:
+        """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
+        status = Status.DONE if not req.state.terminal else req.state
+        peer = self._peers.table.get(req.peer)
+        if req.peer_lost or peer is None:
+            req.finish(Status.FAILED, req.error or "no decode peer")
+            return
+        if not req.d_ranks:
+            # This rank holds nothing any D rank needs (e.g. MLA comes from another P rank).
+            req.finish(status, req.error)
+            return
+        await self.drained(req)
+        errors = []
+        for d_rank, groups in req.d_ranks.items():
+            done = Done(
+                request=req.id,
+                sender_engine=self._settings.engine_id,
+                sender_rank=req.rank,
+                target_rank=d_rank,
+                epoch=peer.epoch,
+                status=status,
+                groups=sorted(groups),
+                bytes=req.bytes,
+                error=req.error or None,
+            )
+            try:
+                ack = await self._request_with_retries(peer, done)
+            except (DeadlineExceeded, KVSidecarError) as e:
+                errors.append(str(e))
+                continue
+            if not isinstance(ack, Ack) or not ack.ok:
+                reason = ack.error if isinstance(ack, Ack) else getattr(ack, "reason", "")
+                errors.append(f"decode rank {d_rank} refused Done: {reason}")
+        if not errors and status is Status.DONE:
+            for g in {g for groups in req.d_ranks.values() for g in groups}:
+                self._agents[req.rank].groups[g].done += 1
+        if errors:
+            peer.failures += 1
+            req.finish(
+                Status.ABORTED if any("aborted" in e for e in errors) else Status.FAILED,
+                "; ".join(errors),
+            )
+        else:
+            req.finish(Status.DONE)
+
+    async def _request_with_retries(self, peer: Peer, msg: Done, attempts: int = 3) -> Msg:
+        """A lost frame must not turn a good transfer into an expiry: D acknowledges a repeated
+        Done again without counting it twice."""
+        for _ in range(attempts - 1):
+            try:
+                return await peer.client.request(msg, self._settings.ack_timeout_s)
+            except DeadlineExceeded:
+                log.warning("no ack for Done of %s from %s; retrying", msg.request, peer.endpoint)
+        return await peer.client.request(msg, self._settings.ack_timeout_s)
+
+    async def abort(self, rank: int, rid: str, reason: str, *, notify: bool) -> bool:
+        """End a send here (the engine or an operator asked); tell decode if ``notify``."""
+        req = self._agent(rank).sends.get(rid)
+        if req is None or not req.finish(Status.ABORTED, reason):
+            return False
+        req.peer_lost = True  # the Abort below replaces the Done
+        peer = self._peers.table.get(req.peer)
+        if notify and peer is not None:
+            await self.drained(req)
+            try:
+                await peer.client.request(
+                    Abort(request=rid, reason=reason, sender_engine=self._settings.engine_id),
+                    self._settings.ack_timeout_s,
+                )
+            except KVSidecarError:
+                peer.failures += 1
+                raise
+        return True
+
+    async def aborted_by_decode(self, rid: str, engine_id: str, reason: str) -> None:
+        """Decode ended the request: stop writing, answer once nothing is on the wire."""
+        reqs = [a.sends[rid] for a in self._agents.values() if rid in a.sends]
+        for req in reqs:
+            peer = self._peers.table.get(req.peer)
+            if peer is not None and peer.engine_id != engine_id:
+                continue  # only the decode the request targets may end it
+            if req.finish(Status.ABORTED, f"decode: {reason}"):
+                req.peer_lost = True
+        for req in reqs:
+            await self.drained(req)
+
+    async def peer_lost(self, peer: Peer, reason: str, *, epoch: str | None = None) -> None:
+        """``peer`` is gone (or its memory is, for requests targeting ``epoch``): end its
+        requests without writing more, and wait for what is on the wire."""
+        ended = []
+        for agent in self._agents.values():
+            for req in list(agent.sends.values()):
+                if req.peer != peer.endpoint or (epoch is not None and req.target_epoch != epoch):
+                    continue
+                if req.finish(Status.FAILED, reason):
+                    req.peer_lost = True
+                    ended.append(req)
+        for req in ended:
+            await self.drained(req)
+
+    def live_peers(self) -> set[str]:
+        return {r.peer for a in self._agents.values() for r in a.sends.values()}
