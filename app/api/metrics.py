@@ -83,6 +83,31 @@ class SidecarCollector(Collector):
             "Repeated Done messages (a prefill retried after a lost ack), acknowledged again.",
             value=sc.counters.get("duplicate_dones", 0),
         )
+        for name, help_text in (
+            (
+                "quarantined",
+                "Decode requests ended while a sender might still write, held back "
+                "from the engine until every sender drained or was lost.",
+            ),
+            (
+                "refused_claims",
+                "Claims refused: prefill named blocks, an epoch or a request that "
+                "decode does not hold for it.",
+            ),
+            ("leases_lost", "Peers declared lost because they were silent past the lease."),
+            ("generations", "Engine re-registrations that started a new generation (epoch)."),
+        ):
+            yield CounterMetricFamily(f"kvsidecar_{name}", help_text, value=sc.counters[name])
+        yield GaugeMetricFamily(
+            "kvsidecar_quarantine_requests",
+            "Decode requests in quarantine now.",
+            value=sum(
+                1
+                for a in list(sc.agents.values())
+                for r in list(a.recvs.values())
+                if r.quarantined_at is not None
+            ),
+        )
         yield from self._sockets()
         yield from self._mooncake()
         yield from self._peers()

@@ -208,6 +208,11 @@ class RequestView(_Model):
     )
     targets: list[int] | None = Field(default=None, description="Send: decode ranks written to.")
     reported: bool = Field(description="The engine has been told the final state.")
+    quarantined: bool = Field(
+        False,
+        description="Recv: ended, but a sender may still be writing; the engine is told once "
+        "every sender drained or was lost.",
+    )
     error: str | None = None
 
 

@@ -264,6 +264,7 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
         senders=senders,
         targets=targets,
         reported=req.reported,
+        quarantined=isinstance(req, RecvRequest) and req.quarantined_at is not None,
         error=req.error or None,
     )
 

@@ -21,6 +21,7 @@ import zmq.asyncio
 from app.config import SidecarSettings
 from app.errors import DeadlineExceeded, KVSidecarError, LayoutMismatchError, ProtocolError
 from app.kvcache.desc import LayoutDesc
+from app.transfer.auth import FrameAuth
 from app.transfer.control import PeerClient
 from app.transfer.planner import PairPlanner
 from app.transfer.protocol import (
@@ -73,7 +74,7 @@ class Peers:
         make_planners: MakePlanners,
         on_lost: OnLost,
         on_handshake: Callable[[float], None],
-        client_kwargs: dict[str, object] | None = None,
+        auth: FrameAuth | None = None,
     ) -> None:
         self.table: dict[str, Peer] = {}
         self.counters = {"handshakes": 0, "leases_lost": 0}
@@ -82,7 +83,7 @@ class Peers:
         self._ctx, self._settings = ctx, settings
         self._hello, self._make_planners = hello, make_planners
         self._on_lost, self._on_handshake = on_lost, on_handshake
-        self._client_kwargs = client_kwargs or {}
+        self._auth = auth
 
     # ---- lookup ----------------------------------------------------------------------------
 
@@ -98,7 +99,7 @@ class Peers:
     def _entry(self, endpoint: str) -> Peer:
         peer = self.table.get(endpoint)
         if peer is None:
-            client = PeerClient(self._ctx, endpoint, **self._client_kwargs)  # type: ignore[arg-type]
+            client = PeerClient(self._ctx, endpoint, auth=self._auth)
             peer = self.table[endpoint] = Peer(endpoint, client)
         return peer
 

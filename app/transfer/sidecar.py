@@ -3,13 +3,8 @@
 Everything that touches a request runs on the asyncio loop except the stream threads (planning
 and the Mooncake writes), which hand results back with ``call_soon_threadsafe``. The request
 state machines live in ``sending`` (prefill) and ``receiving`` (decode), the peer table with its
-heartbeats in ``peers``; this module owns lifecycle, registration and message dispatch.
-
-A rank that registers again while its previous registration is of the current epoch means its
-engine restarted: a new *generation* begins (a new epoch). Every request of the old one fails,
-its memory is unregistered, and every peer is told (``NewEpoch``) and answers once nothing of
-its is on the wire to the old memory; only then is the new memory registered, so that a late
-write can never land in it.
+heartbeats in ``peers``, registrations and generations in ``registry``; this module owns
+lifecycle and message dispatch.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -26,17 +20,12 @@ from typing import Any, Literal
 import zmq.asyncio
 
 from app.config import SidecarSettings
-from app.engine_link.shm import attach_allocator, map_engine_file
-from app.errors import ConfigError, KVSidecarError
-from app.kvcache.desc import LayoutDesc, describe
-from app.kvcache.engine_layout import describe_engine
-from app.kvcache.engine_spec import EngineRegistration
-from app.kvcache.groups import build_cache_config
-from app.kvcache.layout import KVLayout, LayoutMode, allocate
-from app.kvcache.presets import load_preset
+from app.errors import KVSidecarError
+from app.kvcache.desc import LayoutDesc
 from app.store.pool import PoolConfig
-from app.store.service import PoolService, RankPool
-from app.transfer.agent import Agent, LayerResult, RecvRequest, SendRequest, StreamThread
+from app.store.service import PoolService
+from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread
+from app.transfer.auth import load_auth
 from app.transfer.control import ControlServer
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 from app.transfer.peers import Peer, Peers
@@ -75,6 +64,7 @@ from app.transfer.protocol import (
     rank_metadata,
 )
 from app.transfer.receiving import RecvSide, agent_of
+from app.transfer.registry import Registry
 from app.transfer.sending import SendSide, blocks
 
 log = logging.getLogger(__name__)
@@ -90,27 +80,23 @@ class Sidecar:
 
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings
-        self.epoch = secrets.token_hex(8)
-        self.generation = 0
         self.started = time.time()
         self.ctx = zmq.asyncio.Context()
-        self.engine: MooncakeEngine | None = None
-        self.pool: PoolService | None = None
         self.agents: dict[int, Agent] = {}
         self.control: ControlServer | None = None
         self.engine_server: ControlServer | None = None
         self.control_endpoint = ""
-        self.compat_hash = ""
-        self.tp_size = settings.tp_size
         self.layer_latency: list[float] = []
-        self._counters = {"expired": 0, "generations": 0}
+        self._counters = {"expired": 0}
         self._observers: dict[ObserverKind, list[Observer]] = {"layer": [], "handshake": []}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: list[asyncio.Task[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self._auth = load_auth(settings)
         self._peers = Peers(
             self.ctx,
             settings,
+            auth=self._auth,
             hello=self._hello_msg,
             make_planners=self._planners,
             on_lost=self._peer_lost,
@@ -125,6 +111,14 @@ class Sidecar:
             self._on_layer_latency,
         )
         self.recv = RecvSide(settings, self.agents, self._peers, self._spawn, lambda: self.epoch)
+        self.registry = Registry(
+            settings,
+            self.agents,
+            self._peers,
+            stream_for=self._stream_for,
+            drained=self.send.drained,
+            control_port=lambda: self.control_port,
+        )
 
     # ---- hooks and views -------------------------------------------------------------------
 
@@ -144,6 +138,26 @@ class Sidecar:
         self._observe("layer", latency_s)
 
     @property
+    def epoch(self) -> str:
+        return self.registry.epoch
+
+    @property
+    def engine(self) -> MooncakeEngine | None:
+        return self.registry.engine
+
+    @property
+    def pool(self) -> PoolService | None:
+        return self.registry.pool
+
+    @property
+    def compat_hash(self) -> str:
+        return self.registry.compat_hash
+
+    @property
+    def tp_size(self) -> int:
+        return self.registry.tp_size
+
+    @property
     def peers(self) -> dict[str, Peer]:
         return self._peers.table
 
@@ -153,7 +167,12 @@ class Sidecar:
 
     @property
     def counters(self) -> dict[str, int]:
-        return {**self._counters, **self._peers.counters, **self.recv.counters}
+        return {
+            **self._counters,
+            **self._peers.counters,
+            **self.recv.counters,
+            "generations": self.registry.generation,
+        }
 
     @property
     def quarantine_seconds(self) -> list[float]:
@@ -164,7 +183,7 @@ class Sidecar:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         s = self.settings
-        self.engine = await asyncio.to_thread(
+        engine = self.registry.engine = await asyncio.to_thread(
             MooncakeEngine,
             EngineConfig(
                 host=s.resolved_advertise_host(),
@@ -176,7 +195,7 @@ class Sidecar:
             ),
         )
         if s.pool.enabled:
-            self.pool = PoolService(
+            pool = self.registry.pool = PoolService(
                 PoolConfig(
                     master_address=s.pool.master_address,
                     local_hostname=s.resolved_advertise_host(),
@@ -187,12 +206,16 @@ class Sidecar:
                     rdma_devices=s.device_name,
                 )
             )
-            await self.pool.start()
+            await pool.start()
         faults = int(os.environ.get(FAULT_ENV, "0") or 0)
         if faults:
-            self.engine.inject_failures(faults)
+            engine.inject_failures(faults)
         self.control = ControlServer(
-            self.ctx, f"tcp://{s.control_host}:{s.control_port}", self._on_peer, name="control"
+            self.ctx,
+            f"tcp://{s.control_host}:{s.control_port}",
+            self._on_peer,
+            name="control",
+            auth=self._auth,
         )
         self.control_endpoint = await self.control.start()
         self.engine_server = ControlServer(
@@ -302,9 +325,9 @@ class Sidecar:
                 await self.send.layer_ready(msg)
                 return None
             if isinstance(msg, RegisterCaches):
-                return await self._register(msg)
+                return await self.registry.register_caches(msg)
             if isinstance(msg, RegisterEngine):
-                return await self._register_engine(msg.registration)
+                return await self.registry.register_engine(msg.registration)
             if isinstance(msg, AddSend):
                 return await self.send.add(msg)
             if isinstance(msg, ExpectRecv):
@@ -362,149 +385,16 @@ class Sidecar:
             loaded=loaded.loaded, bytes=loaded.bytes, failed_blocks=loaded.failed_blocks
         )
 
-    async def _register(self, msg: RegisterCaches) -> Msg:
-        await self._new_generation_if_restarted(msg.rank)
-        model = load_preset(
-            msg.model, layers=msg.layers, dtype=msg.dtype, cache_dtype=msg.cache_dtype
-        )
-        if self.compat_hash and model.compat_hash() != self.compat_hash:
-            return Reply(ok=False, error="rank registered a different model than its siblings")
-        config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
-        layout = allocate(
-            config,
-            msg.rank,
-            mode=LayoutMode(msg.layout_mode),
-            kv_layout=KVLayout(msg.kv_layout),
-            heads_major=msg.heads_major,
-            allocator=attach_allocator(msg.shm_names),
-        )
+    def _stream_for(self, agent: Agent) -> StreamThread:
         assert self.engine is not None
-        await asyncio.to_thread(self.engine.register_many, layout.spans())
-        if self.pool is not None:
-            await self.pool.register(RankPool.from_layout(layout))
-        await self._install(Agent(layout, describe(layout), msg.engine_id))
-        self.compat_hash = model.compat_hash()
-        self.tp_size = msg.tp_size
-        return Reply(
-            data={
-                "epoch": self.epoch,
-                "control_port": self.control_port,
-                "num_blocks": config.num_blocks,
-            }
-        )
-
-    async def _register_engine(self, reg: EngineRegistration) -> Msg:
-        """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
-        self._check_rank(reg.rank)
-        await self._new_generation_if_restarted(reg.rank)
-        buffers = [map_engine_file(span.name, span.offset + span.size) for span in reg.memory]
-        desc = describe_engine(
-            reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
-        )
-        if self.compat_hash and desc.compat_hash != self.compat_hash:
-            return Reply(
-                ok=False,
-                error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
-                f"{self.compat_hash}; every rank of one sidecar must run the same model",
-            )
-        assert self.engine is not None
-        spans = [
-            (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
-        ]
-        await asyncio.to_thread(self.engine.register_many, spans)
-        if self.pool is not None:
-            await self.pool.register(RankPool.from_engine(desc, reg, spans))
-        agent = Agent(None, desc, reg.engine_id)
-        agent.memory = buffers  # the mappings live as long as the agent
-        agent.registration = reg
-        await self._install(agent)
-        self.compat_hash = desc.compat_hash
-        self.tp_size = reg.tp_size
-        log.info(
-            "rank %d registered %s: %d layers in %d groups, %d blocks, %d regions",
-            reg.rank,
-            reg.model,
-            len(desc.placements),
-            len(desc.groups),
-            desc.num_blocks,
-            len(desc.regions),
-        )
-        return Reply(
-            data={
-                "epoch": self.epoch,
-                "control_port": self.control_port,
-                "num_blocks": desc.num_blocks,
-                "compat_hash": desc.compat_hash,
-            }
-        )
-
-    def _check_rank(self, rank: int) -> None:
-        if rank not in self.settings.ranks:
-            raise ConfigError(
-                f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "
-                "set the sidecar's ranks to the engine ranks in its pod"
-            )
-
-    async def _install(self, agent: Agent) -> None:
-        assert self.engine is not None
-        agent.epoch = self.epoch
-        agent.stream = StreamThread(
+        return StreamThread(
             f"stream-{agent.rank}",
             self.settings.stream_queue_depth,
             self.engine.write_sync,
-            partial(self._call_soon, self._layer_done, agent),
+            partial(self._call_soon, self.send.layer_done, agent),
             partial(self.send.pin, agent),
             partial(self.send.unpin, agent),
         )
-        old = self.agents.pop(agent.rank, None)
-        if old is not None:
-            agent.history = old.history
-            if old.stream:
-                await asyncio.to_thread(old.stream.stop)
-        self.agents[agent.rank] = agent
-
-    def _layer_done(self, agent: Agent, res: LayerResult) -> None:
-        self.send.layer_done(agent, res)
-
-    async def _new_generation_if_restarted(self, rank: int) -> None:
-        """A rank registering again within its epoch means a new engine process."""
-        old = self.agents.get(rank)
-        if old is None or old.epoch != self.epoch:
-            return
-        old_epoch, self.epoch = self.epoch, secrets.token_hex(8)
-        self.generation += 1
-        self._counters["generations"] += 1
-        why = f"engine rank {rank} registered again (generation {self.generation}): its old "
-        why += "memory is gone"
-        log.warning(
-            "%s; new epoch %s, failing every request of epoch %s", why, self.epoch, old_epoch
-        )
-        ended = []
-        for agent in self.agents.values():
-            for req in agent.all_requests():
-                if req.finish(Status.FAILED, why):
-                    ended.append(req)
-        for req in ended:
-            if isinstance(req, SendRequest):
-                req.peer_lost = True
-                await self.send.drained(req)
-        for agent in self.agents.values():
-            agent.retire()  # the old engine cannot take reports; they go to the history
-        assert self.engine is not None
-        await asyncio.to_thread(self.engine.unregister_all)
-        # Until each peer answered, it may still write to the old addresses, which the new
-        # registration could reuse.
-        note = NewEpoch(engine_id=self.settings.engine_id, old=old_epoch, new=self.epoch)
-        await asyncio.gather(
-            *(self._tell_new_epoch(p, note) for p in list(self._peers.table.values()))
-        )
-        self.compat_hash = ""
-
-    async def _tell_new_epoch(self, peer: Peer, note: NewEpoch) -> None:
-        try:
-            await peer.client.request(note, self.settings.lease_s)
-        except KVSidecarError as e:
-            log.warning("peer %s did not confirm the new epoch: %s", peer.endpoint, e)
 
     # ---- control port ----------------------------------------------------------------------
 

@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import zmq
 
 from app.sim.cluster import Cluster, ClusterSpec
+from app.transfer.auth import FrameAuth, user_key
+from app.transfer.protocol import AnyMsg, Msg, decode, encode
 
 
 @pytest.fixture
@@ -24,3 +27,21 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     yield make
     for c in started:
         c.close()
+
+
+def ask_control(
+    port: int, msg: Msg, *, auth: FrameAuth | None = None, timeout_s: float = 5.0
+) -> AnyMsg:
+    """One request to a sidecar's control port over a fresh DEALER, sealed with this user's
+    generated key (the loopback default) unless ``auth`` is given."""
+    auth = auth or FrameAuth(user_key())
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        sock.send_multipart([b"\x00" * 7 + b"\x01", auth.seal(encode(msg))])
+        assert sock.poll(int(timeout_s * 1000)), f"no reply to {type(msg).__name__}"
+        return decode(auth.open(sock.recv_multipart()[1]))
+    finally:
+        ctx.destroy(0)

@@ -1,0 +1,190 @@
+"""Engine ranks registering their KV memory, and the generations that re-registrations start.
+
+A rank that registers again while its previous registration is of the current epoch means its
+engine restarted: a new *generation* begins (a new epoch). Every request of the old one fails,
+its memory is unregistered, and every peer is told (``NewEpoch``) and answers once nothing of
+its is on the wire to the old memory; only then is the new memory registered, so that a late
+write can never land in it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+
+from app.config import SidecarSettings
+from app.engine_link.shm import attach_allocator, map_engine_file
+from app.errors import ConfigError, KVSidecarError
+from app.kvcache.desc import describe
+from app.kvcache.engine_layout import describe_engine
+from app.kvcache.engine_spec import EngineRegistration
+from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import KVLayout, LayoutMode, allocate
+from app.kvcache.presets import load_preset
+from app.store.service import PoolService, RankPool
+from app.transfer.agent import Agent, SendRequest, StreamThread
+from app.transfer.mooncake import MooncakeEngine
+from app.transfer.peers import Peer, Peers
+from app.transfer.protocol import Msg, NewEpoch, RegisterCaches, Reply, Status
+
+log = logging.getLogger(__name__)
+
+
+class Registry:
+    """The ranks' registrations of one sidecar, and its epoch."""
+
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        agents: dict[int, Agent],
+        peers: Peers,
+        *,
+        stream_for: Callable[[Agent], StreamThread],
+        drained: Callable[[SendRequest], Awaitable[bool]],
+        control_port: Callable[[], int],
+    ) -> None:
+        self.settings, self.agents, self._peers = settings, agents, peers
+        self._stream_for, self._drained, self._control_port = stream_for, drained, control_port
+        self.engine: MooncakeEngine | None = None
+        self.pool: PoolService | None = None
+        self.epoch = secrets.token_hex(8)
+        self.generation = 0
+        self.compat_hash = ""
+        self.tp_size = settings.tp_size
+
+    async def register_caches(self, msg: RegisterCaches) -> Msg:
+        await self._new_generation_if_restarted(msg.rank)
+        model = load_preset(
+            msg.model, layers=msg.layers, dtype=msg.dtype, cache_dtype=msg.cache_dtype
+        )
+        if self.compat_hash and model.compat_hash() != self.compat_hash:
+            return Reply(ok=False, error="rank registered a different model than its siblings")
+        config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
+        layout = allocate(
+            config,
+            msg.rank,
+            mode=LayoutMode(msg.layout_mode),
+            kv_layout=KVLayout(msg.kv_layout),
+            heads_major=msg.heads_major,
+            allocator=attach_allocator(msg.shm_names),
+        )
+        assert self.engine is not None
+        await asyncio.to_thread(self.engine.register_many, layout.spans())
+        if self.pool is not None:
+            await self.pool.register(RankPool.from_layout(layout))
+        await self._install(Agent(layout, describe(layout), msg.engine_id))
+        self.compat_hash = model.compat_hash()
+        self.tp_size = msg.tp_size
+        return Reply(
+            data={
+                "epoch": self.epoch,
+                "control_port": self._control_port(),
+                "num_blocks": config.num_blocks,
+            }
+        )
+
+    async def register_engine(self, reg: EngineRegistration) -> Msg:
+        """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
+        self._check_rank(reg.rank)
+        await self._new_generation_if_restarted(reg.rank)
+        buffers = [map_engine_file(span.name, span.offset + span.size) for span in reg.memory]
+        desc = describe_engine(
+            reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
+        )
+        if self.compat_hash and desc.compat_hash != self.compat_hash:
+            return Reply(
+                ok=False,
+                error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
+                f"{self.compat_hash}; every rank of one sidecar must run the same model",
+            )
+        assert self.engine is not None
+        spans = [
+            (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
+        ]
+        await asyncio.to_thread(self.engine.register_many, spans)
+        if self.pool is not None:
+            await self.pool.register(RankPool.from_engine(desc, reg, spans))
+        agent = Agent(None, desc, reg.engine_id)
+        agent.memory = buffers  # the mappings live as long as the agent
+        agent.registration = reg
+        await self._install(agent)
+        self.compat_hash = desc.compat_hash
+        self.tp_size = reg.tp_size
+        log.info(
+            "rank %d registered %s: %d layers in %d groups, %d blocks, %d regions",
+            reg.rank,
+            reg.model,
+            len(desc.placements),
+            len(desc.groups),
+            desc.num_blocks,
+            len(desc.regions),
+        )
+        return Reply(
+            data={
+                "epoch": self.epoch,
+                "control_port": self._control_port(),
+                "num_blocks": desc.num_blocks,
+                "compat_hash": desc.compat_hash,
+            }
+        )
+
+    def _check_rank(self, rank: int) -> None:
+        if rank not in self.settings.ranks:
+            raise ConfigError(
+                f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "
+                "set the sidecar's ranks to the engine ranks in its pod"
+            )
+
+    async def _install(self, agent: Agent) -> None:
+        assert self.engine is not None
+        agent.epoch = self.epoch
+        agent.stream = self._stream_for(agent)
+        old = self.agents.pop(agent.rank, None)
+        if old is not None:
+            agent.history = old.history
+            if old.stream:
+                await asyncio.to_thread(old.stream.stop)
+        self.agents[agent.rank] = agent
+
+    async def _new_generation_if_restarted(self, rank: int) -> None:
+        """A rank registering again within its epoch means a new engine process."""
+        old = self.agents.get(rank)
+        if old is None or old.epoch != self.epoch:
+            return
+        old_epoch, self.epoch = self.epoch, secrets.token_hex(8)
+        self.generation += 1
+        why = (
+            f"engine rank {rank} registered again (generation {self.generation}): its old "
+            "memory is gone"
+        )
+        log.warning(
+            "%s; new epoch %s, failing every request of epoch %s", why, self.epoch, old_epoch
+        )
+        ended = []
+        for agent in self.agents.values():
+            for req in agent.all_requests():
+                if req.finish(Status.FAILED, why):
+                    ended.append(req)
+        for req in ended:
+            if isinstance(req, SendRequest):
+                req.peer_lost = True
+                await self._drained(req)
+        for agent in self.agents.values():
+            agent.retire()  # the old engine cannot take reports; they go to the history
+        assert self.engine is not None
+        await asyncio.to_thread(self.engine.unregister_all)
+        # Until each peer answered, it may still write to the old addresses, which the new
+        # registration could reuse.
+        note = NewEpoch(engine_id=self.settings.engine_id, old=old_epoch, new=self.epoch)
+        await asyncio.gather(
+            *(self._tell_new_epoch(p, note) for p in list(self._peers.table.values()))
+        )
+        self.compat_hash = ""
+
+    async def _tell_new_epoch(self, peer: Peer, note: NewEpoch) -> None:
+        try:
+            await peer.client.request(note, self.settings.lease_s)
+        except KVSidecarError as e:
+            log.warning("peer %s did not confirm the new epoch: %s", peer.endpoint, e)
