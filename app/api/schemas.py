@@ -249,6 +249,10 @@ class PeerView(_Model):
     handshakes: int
     failures: int
     last_error: str | None
+    heard_s_ago: float = Field(
+        description="Seconds since the peer last answered or wrote to us; past the lease "
+        "(lease_s) while sharing requests, it is declared lost."
+    )
 
 
 class PeersResponse(_Model):

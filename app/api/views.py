@@ -354,6 +354,7 @@ def peers(sidecar: Sidecar) -> PeersResponse:
                 handshakes=p.handshakes,
                 failures=p.failures,
                 last_error=p.last_error or None,
+                heard_s_ago=round(time.monotonic() - p.last_heard, 3),
             )
             for p in sorted(list(sidecar.peers.values()), key=lambda p: p.endpoint)
         ]

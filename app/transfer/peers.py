@@ -36,6 +36,9 @@ from app.transfer.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Lost peers remembered (oldest forgotten first): far more than one deployment's engines.
+_MAX_LOST = 4096
+
 # Handshake -> planners for every local rank (raises LayoutMismatchError when they cannot pair).
 MakePlanners = Callable[[dict[int, LayoutDesc]], dict[int, PairPlanner]]
 OnLost = Callable[["Peer", str], Awaitable[None]]
@@ -227,6 +230,8 @@ class Peers:
         peer.last_error = reason
         if peer.engine_id and peer.epoch:
             self.lost[peer.engine_id] = peer.epoch
+            while len(self.lost) > _MAX_LOST:
+                del self.lost[next(iter(self.lost))]
         await self.drop(peer)
         await self._on_lost(peer, reason)
 

@@ -165,6 +165,10 @@ class Sidecar:
     def admitting(self) -> bool:
         return self.send.admitting
 
+    def stop_admitting(self) -> None:
+        """New sends and receives are refused from now on (the first step of a shutdown)."""
+        self.send.admitting = self.recv.admitting = False
+
     @property
     def counters(self) -> dict[str, int]:
         return {
@@ -268,7 +272,7 @@ class Sidecar:
     async def stop(self, grace_s: float | None = None) -> dict[str, int]:
         """Stop admitting, let in-flight requests end within the grace period, abort the rest
         (prefill tells decode once its writes drained; decode asks prefill to drain)."""
-        self.send.admitting = self.recv.admitting = False
+        self.stop_admitting()
         grace = self.settings.shutdown_grace_s if grace_s is None else grace_s
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self._live_requests():

@@ -257,7 +257,7 @@ def test_abort(run: Run, prefill: httpx.Client, decode: httpx.Client) -> None:
     assert "DONE" in run.abort_done.json()["detail"]
     assert prefill.post("/v1/requests/no-such/abort", headers=AUTH).status_code == 404
     # Decode heard of it; both engines were told ABORTED; the others completed, verified.
-    assert run.d_aborted["entries"][0]["error"] == "test abort"
+    assert run.d_aborted["entries"][0]["error"] == "prefill: test abort"
     (d_done,) = decode.get("/v1/requests/api-0").json()["entries"]
     assert d_done["state"] == "DONE" and d_done["senders"] == {"0": "DONE"}
     assert all(g["delivered"] for g in d_done["groups"])
@@ -277,7 +277,13 @@ def test_peers(run: Run, cluster: Cluster, prefill: httpx.Client, decode: httpx.
     assert peer["ranks"] == [0] and peer["handshakes"] >= 1
     seen = datetime.fromisoformat(peer["last_handshake"])
     assert datetime.now(UTC) - timedelta(hours=1) < seen <= datetime.now(UTC)
-    assert decode.get("/v1/peers").json() == {"peers": []}
+    # Decode knows its prefill from the Hello (to ask it to drain), without a handshake of its
+    # own; both heard from each other within the lease.
+    (back,) = decode.get("/v1/peers").json()["peers"]
+    p = cluster.sides["prefill"]
+    assert back["endpoint"] == f"tcp://127.0.0.1:{p.control_port}"
+    assert (back["engine_id"], back["ranks"], back["handshakes"]) == (p.engine_id, [], 0)
+    assert 0 <= back["heard_s_ago"] < 5 and 0 <= peer["heard_s_ago"] < 5
 
 
 def test_metrics(run: Run, prefill: httpx.Client, decode: httpx.Client) -> None:

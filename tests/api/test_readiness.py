@@ -87,7 +87,7 @@ async def test_not_ready_until_the_engine_registers(
             link.close()
 
         # Shutdown began: out of rotation before the servers close.
-        sc.admitting = False
+        sc.stop_admitting()
         r = await client.get("/readyz")
         assert (r.status_code, r.json()["reason"]) == (
             503,
