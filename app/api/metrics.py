@@ -227,7 +227,7 @@ class SidecarCollector(Collector):
             ("descriptors", "Descriptors Mooncake confirmed written."),
             ("bytes", "Bytes Mooncake confirmed written."),
             ("failures", "Mooncake write calls that raised."),
-            ("reopens", "Local Mooncake engines replaced after a failed submit."),
+            ("reopens", "Per-peer sending lanes replaced after a failed write."),
         ):
             yield CounterMetricFamily(f"kvsidecar_mooncake_{key}", doc, value=c.get(key, 0))
 

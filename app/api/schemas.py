@@ -64,7 +64,10 @@ class MooncakeStatus(_Model):
     descriptors: int = Field(description="Descriptors confirmed written.")
     bytes: int = Field(description="Bytes confirmed written.")
     failures: int = Field(description="Write calls that raised.")
-    reopens: int = Field(description="Times the local engine was replaced after a failure.")
+    reopens: int = Field(
+        description="Times a peer's sending lane (its own Mooncake engine) was replaced after a "
+        "failed write; the receiving engine is never replaced."
+    )
 
 
 class RankStatus(_Model):

@@ -10,9 +10,17 @@ Two ways to wait for a write (``EngineConfig.wait``):
   half the CPU, and 4-16 KiB ones at the same rate for half the CPU.
 - ``spin``: ``batch_transfer_sync_write`` chunks of at most ``max_descriptors_per_submit``.
 
-Any failed write replaces the local engine (new ``TransferEngine``, ``initialize`` again, every
-remembered span registered again, the old engine's spans unregistered), which changes
-``session_id`` and bumps ``generation``.
+Writes go through per-peer lanes (``mooncake_lane.py``). The engine built at construction only
+receives: its ``session_id`` is the address peers write to, and no failed write replaces it.
+Writes to peer X go through X's lane, a ``TransferEngine`` of its own opened on the first write
+to X, with every span registered on it as well. A failed write to X replaces only that engine
+(a new one with every span registered, X's other writers drained, the new one swapped in, the
+old one's spans unregistered) and bumps ``lane_generation(X)``; writes to other peers stay on
+their own engines, connections and in-flight budgets and never wait for it. The one stall lanes
+cannot isolate is the old engine's destructor, which holds the GIL (below). At most
+``_MAX_LANES`` lanes are open: opening one more closes the least recently used idle one, and
+``close_lane`` drops the lane of a peer that is gone. (Mooncake's own "TCP lane", below, is its
+per-peer queue inside one engine.)
 
 Measured with wheel 0.3.13.post1 over loopback TCP on a 2-core machine:
 
@@ -34,8 +42,13 @@ Measured with wheel 0.3.13.post1 over loopback TCP on a 2-core machine:
   read and sent (rc 0). ``write_sync`` therefore bound-checks sources against its own spans.
 - A peer that stops reading (SIGSTOP) makes a write fail after the engine's 30 s "no transfer
   progress" timeout; a killed peer fails at once.
-- Destroying a ``TransferEngine`` takes ~1 s and holds the GIL throughout, so a reopen stalls
-  every Python thread, the event loop included, for about a second.
+- Registering the same memory on a second engine while the first still holds it returns 0, and
+  both engines then read it; this is what lets every lane register every span. A lane costs 3
+  threads and 6 file descriptors and its first write 1-5 ms (initialize, registration, handshake).
+- Destroying a ``TransferEngine`` takes 0.1-1 s and holds the GIL throughout (the destructor
+  joins its handshake listener, which polls ``accept`` with a 1 s timeout), so every reopen or
+  lane close stalls every Python thread, the event loop and writes to other peers included, for
+  up to a second.
 """
 
 from __future__ import annotations
@@ -45,8 +58,7 @@ import contextlib
 import itertools
 import os
 import threading
-import time
-from collections import deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -56,32 +68,31 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import ConfigError, TransferError
+from app.transfer.mooncake_lane import (
+    DRAIN_TIMEOUT_S,
+    LANE_QUEUE_LIMIT,
+    OK,
+    Counters,
+    Lane,
+    LaneStats,
+    Registered,
+)
 
-__all__ = ["EngineConfig", "MooncakeEngine"]
+__all__ = ["EngineConfig", "LaneStats", "MooncakeEngine"]
 
-# Descriptors in flight to one peer that the TCP lane accepted here; more poisons the session.
-_LANE_QUEUE_LIMIT = 2048
-# Bounds how long a reopen waits for other threads' writes on the old engine; one chunk is
-# itself bounded by the engine's 30 s progress timeout.
-_DRAIN_TIMEOUT_S = 120.0
-_OK = 0
-# transfer_check_status: 1 landed (the engine freed the id), 0 still going, -1 failed, -2 timed out.
-_LANDED, _GOING = 1, 0
-# transfer_submit_write returns -1 as an unsigned id when it refuses; this wheel returned 0.
-_REFUSED_IDS = frozenset({0, (1 << 64) - 1})
-# A polled write gives up like the engine's own sync calls: 30 s plus 1 s per GiB.
-_POLL_GRACE_S = 30.0
-_POLL_MIN_RATE = float(1 << 30)
-# Sleeps between polls double from the first to the cap while nothing lands: a landing is seen
-# at most ~0.2 ms late, and a write of milliseconds costs a few dozen wake-ups.
-_POLL_FIRST_S, _POLL_CAP_S = 20e-6, 200e-6
+# Lanes open at once. Peers are named by remote messages, so without a bound a stream of fresh
+# names (an attacker's or a churning fleet's) would open an engine each: 3 threads, 6 fds, an RPC
+# port and a registration of every span (under RDMA, memory regions the NIC tracks). 64 is well
+# above the decode peers one prefill sidecar writes to at once, and costs ~200 threads at most.
+_MAX_LANES = 64
 
 Wait = Literal["poll", "spin"]
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How to start the local engine and how to cut writes into submits."""
+    """How to start the local engines (the receiving one and each lane's) and how to cut writes
+    into submits."""
 
     host: str = "127.0.0.1"
     protocol: str = "tcp"  # "tcp" or "rdma"
@@ -98,9 +109,9 @@ class EngineConfig:
             raise ConfigError(
                 f"EngineConfig.protocol must be 'tcp' or 'rdma', got {self.protocol!r}"
             )
-        if not 1 <= self.max_descriptors_per_submit <= _LANE_QUEUE_LIMIT:
+        if not 1 <= self.max_descriptors_per_submit <= LANE_QUEUE_LIMIT:
             raise ConfigError(
-                f"EngineConfig.max_descriptors_per_submit must be in 1..{_LANE_QUEUE_LIMIT} "
+                f"EngineConfig.max_descriptors_per_submit must be in 1..{LANE_QUEUE_LIMIT} "
                 f"(larger batches poison the session), got {self.max_descriptors_per_submit}"
             )
         if self.spin_threads < 1:
@@ -133,12 +144,18 @@ def _as_u64(name: str, arr: Any) -> npt.NDArray[np.uint64]:
 
 
 class MooncakeEngine:
-    """One local Mooncake ``TransferEngine`` plus the registrations and recovery around it.
+    """A receiving Mooncake ``TransferEngine``, a lane per peer written to, and the
+    registrations and recovery around them.
 
-    Counters: ``submits`` counts submissions the engine accepted or refused (a batch per chunk
-    when spinning, one per descriptor when polling), ``descriptors`` and ``bytes`` what the
-    engine confirmed written, ``failures`` write calls that raised (injected ones included),
-    ``reopens`` engine replacements.
+    Aggregate counters, over every lane ever open: ``submits`` counts submissions an engine
+    accepted or refused (a batch per chunk when spinning, one per descriptor when polling),
+    ``descriptors`` and ``bytes`` what an engine confirmed written, ``failures`` write calls that
+    raised (injected ones and failed source checks included), ``reopens`` lane engines replaced.
+    ``lane_stats`` has the same per open lane.
+
+    Locks, always taken in this order: a lane's ``admin``, ``_admin_lock`` (the spans and which
+    engines they are registered on), ``_guard`` (the lane map, ``_closed``, the published spans),
+    a lane's ``cond``.
     """
 
     def __init__(self, config: EngineConfig = EngineConfig()) -> None:
@@ -148,29 +165,19 @@ class MooncakeEngine:
             # The engine picks RDMA whenever it finds an HCA unless told otherwise.
             os.environ["MC_FORCE_TCP"] = "1"
 
-        # Serialises everything that changes the engine or the registrations.
         self._admin_lock = threading.Lock()
-        # Guards the engine reference, the writers using it and the per-peer in-flight budget.
-        self._cond = threading.Condition()
-        self._stats_lock = threading.Lock()
-
+        self._guard = threading.Lock()
+        self._counters = Counters()
         self._spans: dict[int, int] = {}
-        # Sorted copies of the spans for the per-write source check; swapped under _cond.
+        # Sorted copies of the spans for the per-write source check; swapped under _guard.
         self._span_starts = np.empty(0, dtype=np.uint64)
         self._span_ends = np.empty(0, dtype=np.uint64)
-        self._active_writers = 0
-        self._reopening = False
-        self._inflight: dict[str, int] = {}
+        self._lanes: OrderedDict[str, Lane] = OrderedDict()  # least recently used first
         self._closed = False
-        self._generation = 0
-        self._inject_remaining = 0
-        self._submits = 0
-        self._descriptors = 0
-        self._bytes = 0
-        self._failures = 0
-        self._reopens = 0
+        self._inject_remaining = 0  # under _counters.lock
 
-        self._engine, self._session_id = self._start_engine()
+        self._recv: Registered | None = Registered(*self._start_engine())
+        self._session_id = self._recv.session
         self._pool = ThreadPoolExecutor(
             max_workers=config.spin_threads, thread_name_prefix="mooncake-spin"
         )
@@ -184,15 +191,33 @@ class MooncakeEngine:
 
     @property
     def session_id(self) -> str:
-        """``host:rpc_port`` of the current local engine; changes on every reopen."""
-        with self._cond:
-            return self._session_id
+        """``host:rpc_port`` of the receiving engine, the address peers write to; never changes."""
+        return self._session_id
 
     @property
     def generation(self) -> int:
-        """How many times the local engine has been replaced since construction."""
-        with self._cond:
-            return self._generation
+        """Replacements of the receiving engine: always 0, failed writes replace only lanes."""
+        return 0
+
+    def lane_generation(self, peer: str) -> int:
+        """How many times the open lane to ``peer`` has been replaced since it was opened."""
+        with self._guard:
+            lane = self._lanes.get(peer)
+        if lane is None:
+            raise TransferError(f"no lane to {peer} is open; open lanes: {self.lane_peers()}")
+        with lane.cond:
+            return lane.generation
+
+    def lane_peers(self) -> list[str]:
+        """Peers with an open lane, least recently used first."""
+        with self._guard:
+            return list(self._lanes)
+
+    def lane_stats(self) -> dict[str, LaneStats]:
+        """Every open lane's generation and counters, least recently used first."""
+        with self._guard:
+            lanes = list(self._lanes.values())
+        return {lane.peer: lane.stats() for lane in lanes}
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -202,53 +227,42 @@ class MooncakeEngine:
 
     @property
     def submits(self) -> int:
-        """Submissions made to the engine, failed ones included."""
-        with self._stats_lock:
-            return self._submits
+        """Submissions made to an engine, failed ones included."""
+        return self.counters()["submits"]
 
     @property
     def descriptors(self) -> int:
         """Descriptors confirmed written."""
-        with self._stats_lock:
-            return self._descriptors
+        return self.counters()["descriptors"]
 
     @property
     def bytes(self) -> int:
         """Bytes confirmed written."""
-        with self._stats_lock:
-            return self._bytes
+        return self.counters()["bytes"]
 
     @property
     def failures(self) -> int:
         """Write calls that raised, injected failures included."""
-        with self._stats_lock:
-            return self._failures
+        return self.counters()["failures"]
 
     @property
     def reopens(self) -> int:
-        """Times the local engine was replaced after a failed submit."""
-        with self._stats_lock:
-            return self._reopens
+        """Lane engines replaced after a failed submit."""
+        return self.counters()["reopens"]
 
     def counters(self) -> dict[str, int]:
-        """All counters taken at one instant."""
-        with self._stats_lock:
-            return {
-                "submits": self._submits,
-                "descriptors": self._descriptors,
-                "bytes": self._bytes,
-                "failures": self._failures,
-                "reopens": self._reopens,
-            }
+        """All aggregate counters taken at one instant."""
+        return self._counters.snapshot()
 
     # ------------------------------------------------------------------ registration
 
     def register(self, ptr: int, length: int) -> None:
-        """Register ``[ptr, ptr + length)`` with the engine and remember it for reopens."""
+        """Register ``[ptr, ptr + length)`` with every engine and remember it for new ones."""
         self.register_many([(ptr, length)])
 
     def register_many(self, spans: Sequence[tuple[int, int]]) -> None:
-        """Register several spans in one engine call; all or none are remembered."""
+        """Register several spans with the receiving engine and every lane (one call per engine);
+        all or none are remembered."""
         items = [(int(p), int(n)) for p, n in spans]
         if not items:
             return
@@ -264,50 +278,50 @@ class MooncakeEngine:
                         f"span ({p1:#x}, {n1}) overlaps ({p0:#x}, {n0}); the engine "
                         "rejects overlapping registrations"
                     )
-            with self._cond:
-                engine = self._engine
-            self._register_on(engine, items)
+            done: list[Registered] = []
+            try:
+                for rec in self._registered():
+                    rec.register(items)
+                    done.append(rec)
+            except TransferError:
+                for rec in done:
+                    with contextlib.suppress(TransferError):
+                        rec.unregister([p for p, _ in items])
+                raise
             self._spans.update(items)
             self._publish_spans()
 
     def unregister_all(self) -> None:
-        """Unregister every remembered span from the current engine and forget them."""
+        """Unregister every remembered span from every engine and forget them."""
         with self._admin_lock:
-            with self._cond:
-                engine = self._engine
-            ptrs = list(self._spans)
             self._spans.clear()
             self._publish_spans()
-            if engine is not None:
-                self._unregister_on(engine, ptrs)
+            errors: list[TransferError] = []
+            for rec in self._registered():
+                try:
+                    rec.unregister(list(rec.ptrs))
+                except TransferError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+
+    def _registered(self) -> list[Registered]:
+        """Every engine a registration must reach; caller holds ``_admin_lock``."""
+        with self._guard:
+            lanes = list(self._lanes.values())
+        recs = [] if self._recv is None else [self._recv]
+        for lane in lanes:
+            recs.append(lane.rec)
+            if lane.pending is not None:
+                recs.append(lane.pending)
+        return recs
 
     def _publish_spans(self) -> None:
         items = sorted(self._spans.items())
         starts = np.array([p for p, _ in items], dtype=np.uint64)
         ends = np.array([p + n for p, n in items], dtype=np.uint64)
-        with self._cond:
+        with self._guard:
             self._span_starts, self._span_ends = starts, ends
-
-    def _register_on(self, engine: Any, items: Sequence[tuple[int, int]]) -> None:
-        rc = engine.batch_register_memory([p for p, _ in items], [n for _, n in items])
-        if rc != _OK:
-            # The batch may have registered a prefix; drop it so the engine matches our list.
-            for p, _ in items:
-                engine.unregister_memory(p)
-            raise TransferError(
-                f"batch_register_memory of {len(items)} span(s) returned {rc}, expected 0 "
-                f"(first span {items[0][0]:#x}+{items[0][1]})"
-            )
-
-    @staticmethod
-    def _unregister_on(engine: Any, ptrs: Sequence[int]) -> None:
-        bad = [(p, rc) for p in ptrs if (rc := engine.unregister_memory(p)) != _OK]
-        if bad:
-            p, rc = bad[0]
-            raise TransferError(
-                f"unregister_memory failed for {len(bad)} of {len(ptrs)} span(s): "
-                f"{p:#x} returned {rc}, expected 0"
-            )
 
     # ------------------------------------------------------------------------ writes
 
@@ -315,7 +329,7 @@ class MooncakeEngine:
         """Make the next ``n`` write calls raise TransferError before touching the wire."""
         if n < 0:
             raise TransferError(f"inject_failures needs n >= 0, got {n}")
-        with self._stats_lock:
+        with self._counters.lock:
             self._inject_remaining += n
 
     def write_sync(
@@ -328,22 +342,22 @@ class MooncakeEngine:
         """Blocking: write every ``src[i] -> dst[i]`` of ``length[i]`` bytes to ``peer``.
 
         At most ``max_descriptors_per_submit`` descriptors are in flight (or in one batch) at a
-        time. A failed write replaces the local engine (see the module docstring), then raises
+        time. A failed write replaces the lane to ``peer`` (see the module docstring), then raises
         TransferError saying how many descriptors landed before the failure; later ones may or
-        may not have. Every failure costs a reopen (~1 s with the GIL held), so stop writing to a
-        peer that keeps failing.
+        may not have. Every failure costs a reopen (up to ~1 s with the GIL held), so stop
+        writing to a peer that keeps failing, and ``close_lane`` it.
         """
-        with self._cond:
-            self._check_open()
+        self._check_open()
         s, d, n = _as_u64("src", src), _as_u64("dst", dst), _as_u64("length", length)
         if not s.size == d.size == n.size:
             raise TransferError(
                 f"src, dst and length must have equal sizes, got {s.size}, {d.size}, {n.size}"
             )
-        with self._stats_lock:
+        c = self._counters
+        with c.lock:
             if self._inject_remaining > 0:
                 self._inject_remaining -= 1
-                self._failures += 1
+                c.failures += 1
                 left = self._inject_remaining
                 raise TransferError(
                     f"injected failure writing {s.size} descriptor(s) to {peer} ({left} left)"
@@ -353,122 +367,31 @@ class MooncakeEngine:
         try:
             self._check_sources(s, n)
         except TransferError:
-            self._count(failures=1)
+            with c.lock:
+                c.failures += 1
             raise
 
         src_l, dst_l, len_l = s.tolist(), d.tolist(), n.tolist()
-        write = self._write_polled if self._config.wait == "poll" else self._write_batches
-        engine, generation, session = self._enter_writer()
+        lane = self._acquire_lane(peer)
         try:
-            failed = write(engine, peer, src_l, dst_l, len_l)
-        finally:
-            self._leave_writer()
-        if failed is None:
-            return
-        self._count(failures=1)
-        what = f"write of {len(src_l)} descriptors from {session} to {peer}: {failed}"
-        try:
-            self._reopen(generation)
-        except TransferError as exc:
-            raise TransferError(f"{what}; replacing the local engine failed too: {exc}") from exc
-        raise TransferError(
-            f"{what}; local engine replaced, now {self.session_id} (generation {self.generation})"
-        )
-
-    def _write_batches(
-        self, engine: Any, peer: str, src: list[int], dst: list[int], length: list[int]
-    ) -> str | None:
-        """``spin``: sync batch calls of at most ``max_descriptors_per_submit``; None if all
-        landed, else what failed."""
-        total = len(src)
-        step = self._config.max_descriptors_per_submit
-        for start in range(0, total, step):
-            end = min(start + step, total)
-            nbytes = sum(length[start:end])
-            self._take_budget(peer, end - start)
+            engine, session, generation = lane.enter()
             try:
-                rc = engine.batch_transfer_sync_write(
-                    peer, src[start:end], dst[start:end], length[start:end]
-                )
+                failed = lane.write(engine, src_l, dst_l, len_l)
             finally:
-                self._return_budget(peer, end - start)
-            self._count(submits=1, landed=end - start if rc == _OK else 0, nbytes=nbytes)
-            if rc != _OK:
-                return (
-                    f"batch_transfer_sync_write returned {rc}, expected 0, for descriptors "
-                    f"{start}..{end - 1} ({end - start} descriptors, {nbytes} bytes; "
-                    f"{start} landed before)"
-                )
-        return None
-
-    def _write_polled(
-        self, engine: Any, peer: str, src: list[int], dst: list[int], length: list[int]
-    ) -> str | None:
-        """``poll``: one transfer per descriptor, a sliding window of them in flight, landings
-        polled oldest first; None if all landed, else what failed."""
-        total = len(src)
-        window = self._config.max_descriptors_per_submit
-        t0 = time.monotonic()
-        deadline = t0 + _POLL_GRACE_S + sum(length) / _POLL_MIN_RATE
-        pending: deque[int] = deque()  # transfer ids of descriptors landed..sent-1
-        landed = sent = 0
-        pause = _POLL_FIRST_S
-        try:
-            while landed < total:
-                if sent < total and len(pending) < window:
-                    k = min(window - len(pending), total - sent)
-                    self._take_budget(peer, k)
-                    for i in range(sent, sent + k):
-                        tid = engine.transfer_submit_write(peer, src[i], dst[i], length[i])
-                        if tid in _REFUSED_IDS:
-                            self._return_budget(peer, sent + k - i)
-                            self._count(submits=i - sent + 1)
-                            return (
-                                f"transfer_submit_write refused descriptor {i} ({length[i]} "
-                                f"bytes; {landed} landed before)"
-                            )
-                        pending.append(tid)
-                    sent += k
-                    self._count(submits=k)
-                done = nbytes = 0
-                while pending:
-                    rc = engine.transfer_check_status(pending[0])
-                    if rc == _GOING:
-                        break
-                    if rc != _LANDED:
-                        i = landed + done
-                        self._finish_polled(peer, done, nbytes)
-                        return (
-                            f"transfer_check_status returned {rc}, expected 1, for descriptor "
-                            f"{i} ({length[i]} bytes; {i} landed before)"
-                        )
-                    pending.popleft()
-                    nbytes += length[landed + done]
-                    done += 1
-                if done:
-                    landed += done
-                    self._finish_polled(peer, done, nbytes)
-                    pause = _POLL_FIRST_S
-                elif time.monotonic() > deadline:
-                    return (
-                        f"descriptor {landed} ({length[landed]} bytes) had not landed "
-                        f"{time.monotonic() - t0:.0f} s after the write began; {landed} landed "
-                        "before"
-                    )
-                else:
-                    time.sleep(pause)
-                    pause = min(2 * pause, _POLL_CAP_S)
-            return None
+                # Let go before a reopen, so its discard, not this frame, destroys the engine.
+                del engine
+                lane.leave()
+            if failed is None:
+                return
+            lane.count(failures=1)
+            what = f"write of {len(src_l)} descriptors from {session} to {peer}: {failed}"
+            try:
+                outcome = self._reopen_lane(lane, generation)
+            except TransferError as exc:
+                raise TransferError(f"{what}; replacing the lane to {peer} failed: {exc}") from exc
+            raise TransferError(f"{what}; {outcome}; receive session {self._session_id} unchanged")
         finally:
-            # Failed or abandoned transfers no longer count against the peer's lane: the
-            # engine that holds them is replaced before the failure is raised.
-            if pending:
-                self._return_budget(peer, len(pending))
-
-    def _finish_polled(self, peer: str, landed: int, nbytes: int) -> None:
-        if landed:
-            self._return_budget(peer, landed)
-            self._count(landed=landed, nbytes=nbytes)
+            lane.unpin()
 
     async def write(
         self,
@@ -488,19 +411,9 @@ class MooncakeEngine:
             raise TransferError(f"MooncakeEngine is closed; write to {peer} not sent") from exc
         await fut
 
-    def _count(
-        self, *, submits: int = 0, landed: int = 0, nbytes: int = 0, failures: int = 0
-    ) -> None:
-        with self._stats_lock:
-            self._submits += submits
-            self._failures += failures
-            if landed:
-                self._descriptors += landed
-                self._bytes += nbytes
-
     def _check_sources(self, s: npt.NDArray[np.uint64], n: npt.NDArray[np.uint64]) -> None:
         # TCP reads any local address without checking it is registered; fail here instead.
-        with self._cond:
+        with self._guard:
             starts, ends = self._span_starts, self._span_ends
         if not starts.size:
             raise TransferError(f"no local memory registered; cannot send {s.size} descriptor(s)")
@@ -515,13 +428,13 @@ class MooncakeEngine:
                 f"span; first is descriptor {i}: {int(s[i]):#x}+{int(n[i])}"
             )
 
-    # ------------------------------------------------------- engine lifetime & budget
+    # ------------------------------------------------------------- engines and lanes
 
     def _start_engine(self) -> tuple[Any, str]:
         cfg = self._config
         engine = self._engine_cls()
         rc = engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
-        if rc != _OK:
+        if rc != OK:
             raise TransferError(
                 f"TransferEngine.initialize({cfg.host!r}, 'P2PHANDSHAKE', {cfg.protocol!r}, "
                 f"{cfg.device_name!r}) returned {rc}, expected 0"
@@ -532,96 +445,171 @@ class MooncakeEngine:
         if self._closed:
             raise TransferError("MooncakeEngine is closed")
 
-    def _enter_writer(self) -> tuple[Any, int, str]:
-        with self._cond:
-            # A reopen in progress would hand us an engine about to be destroyed.
-            if not self._cond.wait_for(lambda: not self._reopening, timeout=_DRAIN_TIMEOUT_S):
-                raise TransferError(
-                    f"engine reopen did not finish within {_DRAIN_TIMEOUT_S:.0f} s; write not sent"
-                )
+    def _acquire_lane(self, peer: str) -> Lane:
+        """The lane to ``peer``, opened if need be, pinned against eviction until unpinned."""
+        with self._guard:
             self._check_open()
-            self._active_writers += 1
-            return self._engine, self._generation, self._session_id
-
-    def _leave_writer(self) -> None:
-        with self._cond:
-            self._active_writers -= 1
-            self._cond.notify_all()
-
-    def _take_budget(self, peer: str, k: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._inflight.get(peer, 0) + k <= _LANE_QUEUE_LIMIT)
-            self._inflight[peer] = self._inflight.get(peer, 0) + k
-
-    def _return_budget(self, peer: str, k: int) -> None:
-        with self._cond:
-            left = self._inflight[peer] - k
-            if left:
-                self._inflight[peer] = left
-            else:
-                del self._inflight[peer]
-            self._cond.notify_all()
-
-    def _reopen(self, failed_generation: int) -> None:
-        """Replace the local engine unless another thread already did since the failure."""
-        with self._admin_lock:
-            with self._cond:
-                if self._closed or self._generation != failed_generation:
-                    return
-                self._reopening = True
-            try:
-                new_engine, new_session = self._start_engine()
+            lane = self._lanes.get(peer)
+            if lane is not None:
+                self._lanes.move_to_end(peer)
+                lane.pin()
+                return lane
+        evicted: Lane | None = None
+        try:
+            with self._admin_lock:
+                with self._guard:
+                    # Checked again: another writer may have opened it, or close() begun.
+                    self._check_open()
+                    lane = self._lanes.get(peer)
+                    if lane is not None:
+                        self._lanes.move_to_end(peer)
+                        lane.pin()
+                        return lane
+                    if len(self._lanes) >= _MAX_LANES:
+                        evicted = self._evict_idle(peer)
+                rec = Registered(*self._start_engine())
                 try:
-                    # Register before draining so the swap itself is quick.
-                    self._register_on(new_engine, sorted(self._spans.items()))
-                    with self._cond:
-                        if not self._cond.wait_for(
-                            lambda: self._active_writers == 0, timeout=_DRAIN_TIMEOUT_S
+                    rec.register(sorted(self._spans.items()))
+                except BaseException:
+                    with contextlib.suppress(TransferError):
+                        rec.discard()
+                    raise
+                cfg = self._config
+                lane = Lane(
+                    peer,
+                    rec,
+                    self._counters,
+                    window=cfg.max_descriptors_per_submit,
+                    poll=cfg.wait == "poll",
+                )
+                lane.pin()
+                with self._guard:
+                    self._lanes[peer] = lane
+                return lane
+        finally:
+            if evicted is not None:  # out of the locks: its destructor holds the GIL ~1 s
+                evicted.rec.discard()
+
+    def _evict_idle(self, peer: str) -> Lane:
+        """Close the least recently used lane nothing is using; caller holds ``_admin_lock``
+        and ``_guard``."""
+        for lane in self._lanes.values():
+            with lane.cond:
+                if lane.users == 0 and not lane.reopening:
+                    lane.closed = True
+                    break
+        else:
+            raise TransferError(
+                f"all {_MAX_LANES} lanes are in use; write to {peer} not sent (expected a lane "
+                "with no write in progress to close)"
+            )
+        del self._lanes[lane.peer]
+        return lane
+
+    def _reopen_lane(self, lane: Lane, failed_generation: int) -> str:
+        """Replace the lane's engine unless another writer already did or the lane was closed;
+        says which happened."""
+        with lane.admin:
+            with lane.cond:
+                if lane.closed:
+                    return f"lane to {lane.peer} was closed meanwhile"
+                if lane.generation != failed_generation:
+                    return (
+                        f"lane to {lane.peer} already replaced by another write "
+                        f"(lane generation {lane.generation})"
+                    )
+                lane.reopening = True
+            try:
+                new = Registered(*self._start_engine())
+                try:
+                    with self._admin_lock:
+                        self._check_open()
+                        # Registered before draining so the swap itself is quick; as pending,
+                        # registrations made while draining reach it too.
+                        new.register(sorted(self._spans.items()))
+                        lane.pending = new
+                    with lane.cond:
+                        if not lane.cond.wait_for(
+                            lambda: lane.writers == 0, timeout=DRAIN_TIMEOUT_S
                         ):
                             raise TransferError(
-                                f"{self._active_writers} write(s) still running on the old "
-                                f"engine after {_DRAIN_TIMEOUT_S:.0f} s; old engine kept"
+                                f"{lane.writers} write(s) to {lane.peer} still running on the "
+                                f"old engine after {DRAIN_TIMEOUT_S:.0f} s; old engine kept"
                             )
-                        old = self._engine
-                        self._engine, self._session_id = new_engine, new_session
-                        self._generation += 1
+                    with self._admin_lock, lane.cond:
+                        old, lane.rec, lane.pending = lane.rec, new, None
+                        lane.generation += 1
+                        generation = lane.generation
                 except BaseException:
+                    with self._admin_lock:
+                        lane.pending = None
                     # Keep the original error; the spans may not all be registered there.
                     with contextlib.suppress(TransferError):
-                        self._discard(new_engine, list(self._spans))
+                        new.discard()
                     raise
             finally:
-                with self._cond:
-                    self._reopening = False
-                    self._cond.notify_all()
-            with self._stats_lock:
-                self._reopens += 1
-            self._discard(old, list(self._spans))
+                with lane.cond:
+                    lane.reopening = False
+                    lane.cond.notify_all()
+        lane.count(reopens=1)
+        old.discard()
+        return f"lane to {lane.peer} replaced, now {new.session} (lane generation {generation})"
 
-    def _discard(self, engine: Any, ptrs: list[int]) -> None:
-        # Leaves none of our memory registered with an engine we drop. Its destructor then
-        # takes ~1 s with the GIL held: better now than at some later garbage collection.
-        try:
-            self._unregister_on(engine, ptrs)
-        finally:
-            del engine
+    def close_lane(self, peer: str) -> bool:
+        """Close the lane to a peer that is gone; False if none was open.
+
+        Waits for a reopen of that lane and for the writes on it (a write to a stopped peer
+        fails after 30 s); writes still waiting to start fail. Blocking: call it off the loop.
+        """
+        with self._guard:
+            lane = self._lanes.get(peer)
+        return lane is not None and self._close_lane(lane)
+
+    def _close_lane(self, lane: Lane) -> bool:
+        with lane.admin:
+            with self._admin_lock:
+                with self._guard:
+                    if self._lanes.get(lane.peer) is lane:
+                        del self._lanes[lane.peer]
+                with lane.cond:
+                    if lane.closed:
+                        return False
+                    lane.closed = True
+                    lane.cond.notify_all()
+            with lane.cond:
+                if not lane.cond.wait_for(lambda: lane.writers == 0, timeout=DRAIN_TIMEOUT_S):
+                    # Writers hold the engine; it goes, registrations and all, after the last.
+                    raise TransferError(
+                        f"{lane.writers} write(s) to {lane.peer} still running "
+                        f"{DRAIN_TIMEOUT_S:.0f} s after its lane was closed; expected none"
+                    )
+            lane.rec.discard()
+        return True
 
     def close(self) -> None:
-        """Stop the pool, unregister every span and drop the engine; idempotent."""
-        with self._cond:
+        """Stop the pool, close every lane, unregister every span and drop the receiving engine;
+        idempotent."""
+        with self._guard:
             if self._closed:
                 return
             self._closed = True
         self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._admin_lock, self._guard:
+            lanes = list(self._lanes.values())  # complete: no lane opens once _closed is set
+        errors: list[TransferError] = []
+        for lane in lanes:
+            try:
+                self._close_lane(lane)
+            except TransferError as exc:
+                errors.append(exc)
         with self._admin_lock:
-            with self._cond:
-                self._cond.wait_for(lambda: self._active_writers == 0, timeout=_DRAIN_TIMEOUT_S)
-                engine, self._engine = self._engine, None
-            ptrs = list(self._spans)
+            recv, self._recv = self._recv, None
             self._spans.clear()
             self._publish_spans()
-            if engine is not None:
-                self._discard(engine, ptrs)
+        if recv is not None:
+            recv.discard()
+        if errors:
+            raise errors[0]
 
     def __enter__(self) -> MooncakeEngine:
         return self

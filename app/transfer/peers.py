@@ -78,6 +78,7 @@ class Peers:
         on_lost: OnLost,
         on_handshake: Callable[[float], None],
         auth: FrameAuth | None = None,
+        on_drop: Callable[[Peer], Awaitable[None]] | None = None,
     ) -> None:
         self.table: dict[str, Peer] = {}
         self.counters = {"handshakes": 0, "leases_lost": 0}
@@ -87,6 +88,7 @@ class Peers:
         self._hello, self._make_planners = hello, make_planners
         self._on_lost, self._on_handshake = on_lost, on_handshake
         self._auth = auth
+        self._on_drop = on_drop
 
     # ---- lookup ----------------------------------------------------------------------------
 
@@ -239,6 +241,8 @@ class Peers:
         if self.table.get(peer.endpoint) is peer:
             del self.table[peer.endpoint]
         await peer.client.close()
+        if self._on_drop is not None:
+            await self._on_drop(peer)
 
     async def close(self) -> None:
         for peer in list(self.table.values()):

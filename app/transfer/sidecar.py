@@ -97,6 +97,7 @@ class Sidecar:
             self.ctx,
             settings,
             auth=self._auth,
+            on_drop=self._close_lane,
             hello=self._hello_msg,
             make_planners=self._planners,
             on_lost=self._peer_lost,
@@ -458,6 +459,17 @@ class Sidecar:
             te_session=self.engine.session_id,
             ranks=[rank_metadata(a.desc) for a in self.agents.values()],
         )
+
+    async def _close_lane(self, peer: Peer) -> None:
+        # A forgotten peer keeps no sending engine (3 threads, 6 fds) behind. In the
+        # background: closing waits for the lane's writes, 30 s to a frozen peer.
+        engine = self.engine
+        if peer.te_session and engine is not None:
+
+            async def close() -> None:
+                await asyncio.to_thread(engine.close_lane, peer.te_session)
+
+            self._spawn(close())
 
     async def _peer_lost(self, peer: Peer, reason: str) -> None:
         await self.send.peer_lost(peer, reason)

@@ -134,10 +134,13 @@ def test_many_descriptors_are_chunked_and_land_byte_exact(
     assert engine.failures == 0 and engine.reopens == 0
 
 
-def test_write_outside_peer_region_fails_and_engine_is_replaced(
+def test_write_outside_peer_region_fails_and_only_the_lane_is_replaced(
     engine: MooncakeEngine, peer: Peer, local: U8
 ) -> None:
-    old_session, old_raw = engine.session_id, engine._engine
+    write_one(engine, peer, local)  # opens the lane to the peer
+    assert engine._recv is not None
+    session, recv_raw = engine.session_id, engine._recv.engine
+    old_raw = engine._lanes[peer.session].rec.engine
     k = 40  # on the old engine these rejections would hold the lane for ~10 s
     with pytest.raises(TransferError, match=r"returned -1") as info:
         engine.write_sync(
@@ -146,22 +149,28 @@ def test_write_outside_peer_region_fails_and_engine_is_replaced(
             peer.addr + PEER_SIZE + 64 * np.arange(k, dtype=np.uint64),
             u64([64] * k),
         )
-    assert peer.session in str(info.value) and f"{k} descriptors" in str(info.value)
-    assert engine.generation == 1
-    assert engine.session_id != old_session
-    assert engine.session_id in str(info.value)
-    assert (engine.failures, engine.reopens, engine.descriptors) == (1, 1, 0)
-    # Not observable through the API: the old engine must hold none of our memory (-3 = not
-    # registered) and the new one all of it (-7 = overlaps an existing registration).
+    msg = str(info.value)
+    assert peer.session in msg and f"{k} descriptors" in msg
+    assert f"lane to {peer.session} replaced" in msg and f"receive session {session}" in msg
+    assert engine.lane_generation(peer.session) == 1
+    assert engine.session_id == session and engine.generation == 0
+    assert (engine.failures, engine.reopens, engine.descriptors) == (1, 1, 1)
+    lane = engine.lane_stats()[peer.session]
+    assert (lane.generation, lane.failures, lane.reopens, lane.inflight) == (1, 1, 1, 0)
+    # Not observable through the API: the old lane engine must hold none of our memory (-3 = not
+    # registered), the new one all of it (-7 = overlaps an existing registration), and the
+    # receiving engine is the same object, still holding it.
     assert old_raw.unregister_memory(local.ctypes.data) == -3
-    assert engine._engine.register_memory(local.ctypes.data, local.nbytes) == -7
-    del old_raw
+    assert engine._lanes[peer.session].rec.engine.register_memory(local.ctypes.data, 8) == -7
+    assert engine._recv is not None and engine._recv.engine is recv_raw
+    assert recv_raw.register_memory(local.ctypes.data, 8) == -7
+    del old_raw, recv_raw
 
     t0 = time.monotonic()
     write_one(engine, peer, local, n=1 << 20)
     assert time.monotonic() - t0 < 3.0
     assert np.array_equal(peer.view[: 1 << 20], local[: 1 << 20])
-    assert engine.failures == 1 and engine.generation == 1
+    assert engine.failures == 1 and engine.lane_generation(peer.session) == 1
 
 
 def test_inject_failures_fails_exactly_n_calls_before_the_wire(
@@ -310,13 +319,17 @@ async def test_close_unregisters_and_refuses_work(peer: Peer, local: U8) -> None
     assert eng.spans == sorted(
         [(local.ctypes.data, local.nbytes), (second.ctypes.data, second.nbytes)]
     )
-    raw = eng._engine
+    write_one(eng, peer, local)  # opens a lane: close() must drop it as well
+    assert eng._recv is not None
+    raws = [eng._recv.engine, eng._lanes[peer.session].rec.engine]
     eng.close()
     eng.close()  # idempotent
-    assert raw.unregister_memory(local.ctypes.data) == -3
-    assert raw.unregister_memory(second.ctypes.data) == -3
-    del raw
-    assert eng.spans == []
+    for raw in raws:
+        assert raw.unregister_memory(local.ctypes.data) == -3
+        assert raw.unregister_memory(second.ctypes.data) == -3
+    del raws, raw
+    assert eng.spans == [] and eng.lane_peers() == []
+    peer.view[:4096] = 0
     with pytest.raises(TransferError, match="closed"):
         write_one(eng, peer, local)
     with pytest.raises(TransferError, match="closed"):
@@ -330,26 +343,28 @@ def test_polled_write_slides_its_window_and_lands_byte_exact(peer: Peer, local: 
     n, size = 300, 4096
     with MooncakeEngine(EngineConfig(max_descriptors_per_submit=7, wait="poll")) as eng:
         eng.register(local.ctypes.data, local.nbytes)
+        write_one(eng, peer, local, n=size, off=n * size)  # opens the lane, past the checked part
+        lane = eng._lanes[peer.session]
         taken: list[int] = []
         inflight: list[int] = []
-        take = eng._take_budget
+        take = lane.take_budget
 
-        def spy(peer_session: str, k: int) -> None:
-            take(peer_session, k)
+        def spy(k: int) -> None:
+            take(k)
             taken.append(k)
-            inflight.append(eng._inflight[peer_session])
+            inflight.append(lane.inflight)
 
-        eng._take_budget = spy  # type: ignore[method-assign]
+        lane.take_budget = spy  # type: ignore[method-assign]
         src = np.arange(n, dtype=np.uint64)[::-1] * np.uint64(size)  # reversed: no runs
         dst = np.arange(n, dtype=np.uint64) * np.uint64(size)
         eng.write_sync(peer.session, local.ctypes.data + src, peer.addr + dst, u64([size] * n))
         # Topped up as descriptors land, never more than the window in flight.
         assert sum(taken) == n and len(taken) > n // 7 and max(inflight) <= 7
-        assert eng._inflight == {}  # every descriptor's budget returned
+        assert lane.inflight == 0  # every descriptor's budget returned
         for i in range(n):
             s = (n - 1 - i) * size
             assert np.array_equal(peer.view[i * size : (i + 1) * size], local[s : s + size])
-        assert (eng.submits, eng.descriptors, eng.bytes) == (n, n, n * size)
+        assert (eng.submits, eng.descriptors, eng.bytes) == (n + 1, n + 1, (n + 1) * size)
 
 
 def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
