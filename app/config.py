@@ -318,6 +318,21 @@ class SidecarSettings(BaseSettings):
             "default: control_host, or this host's address when that is a wildcard."
         ),
     )
+    auth_key_file: Path | None = Field(
+        default=None,
+        description=(
+            "File holding the control-plane key (at least 32 bytes, e.g. a mounted Secret); "
+            "every sidecar must have the same key. With neither this nor auth_key, a loopback "
+            "control_host uses a generated per-user key file and any other refuses to start."
+        ),
+    )
+    auth_key: SecretStr | None = Field(
+        default=None,
+        description=(
+            "The control-plane key itself (at least 32 characters), when no auth_key_file; "
+            "a file keeps it out of the process environment."
+        ),
+    )
     engine_ipc: str = Field(
         default="ipc:///dev/shm/kvsidecar/engine.sock",
         description="ZMQ endpoint the engines connect to (ipc:// path shared through /dev/shm).",
@@ -383,6 +398,18 @@ class SidecarSettings(BaseSettings):
         gt=0,
         le=_MAX_DEADLINE_S,
         description="Decode: deadline for every expected sender's Done before EXPIRED.",
+    )
+    heartbeat_interval_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Interval of the heartbeats a sidecar sends each peer it shares requests with.",
+    )
+    lease_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="A peer silent this long is dead: its requests end and nothing is written.",
     )
     shutdown_grace_s: float = Field(
         default=10.0,
@@ -489,11 +516,22 @@ class SidecarSettings(BaseSettings):
             return value
         raise ValueError("must be a ZMQ endpoint starting with ipc:// or tcp://")
 
-    @field_validator("admin_token", mode="before")
+    @field_validator("admin_token", "auth_key", "auth_key_file", mode="before")
     @classmethod
     def _blank_token_is_none(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
             return None
+        return value
+
+    @field_validator("auth_key")
+    @classmethod
+    def _check_auth_key(cls, value: SecretStr | None) -> SecretStr | None:
+        # 32 bytes: the HMAC-SHA256 key size that gives its full strength (app.transfer.auth).
+        if value is not None and len(value.get_secret_value().strip().encode()) < 32:
+            raise ValueError(
+                "must be at least 32 characters; generate one with "
+                "`python -c 'import secrets; print(secrets.token_hex(32))'`"
+            )
         return value
 
     @field_validator("max_descriptors_per_submit")
@@ -531,6 +569,32 @@ class SidecarSettings(BaseSettings):
                     f"are both {port}: each listener needs its own port."
                 )
             seen.setdefault(port, name)
+        if self.auth_key_file is not None and self.auth_key is not None:
+            problems.append(
+                f"auth_key_file ({env_var_for('auth_key_file')}) and auth_key "
+                f"({env_var_for('auth_key')}) are both set: set one, so that which key is used "
+                "is never a guess."
+            )
+        if (
+            self.auth_key_file is None
+            and self.auth_key is None
+            and not _is_loopback(self.control_host)
+        ):
+            problems.append(
+                f"control_host ({env_var_for('control_host')}) is {self.control_host}, which "
+                "other hosts can reach, but no control-plane key is set: anyone who reaches the "
+                "control port could read region addresses and abort or complete requests. Mount "
+                "a Secret holding at least 32 random bytes and set "
+                f"{env_var_for('auth_key_file')} to its file (k8s/auth-key-secret.example.yaml), "
+                f"or set {env_var_for('auth_key')}."
+            )
+        if self.lease_s < 2 * self.heartbeat_interval_s:
+            problems.append(
+                f"lease_s ({env_var_for('lease_s')}) is {self.lease_s:g} but heartbeats come "
+                f"every {self.heartbeat_interval_s:g} s ({env_var_for('heartbeat_interval_s')}): "
+                "the lease must cover at least two heartbeats, or one lost ping declares a "
+                "healthy peer dead"
+            )
         if problems:
             # One line per problem; format_settings_error turns each into its own sentence.
             raise ValueError("\n".join(problems))
@@ -613,7 +677,7 @@ def _sentence(text: str) -> str:
 
 
 def _shown(setting: str, value: object) -> str:
-    if setting == "admin_token":
+    if setting in ("admin_token", "auth_key"):
         return "(hidden)"
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -27,6 +27,12 @@ class ProtocolError(KVSidecarError):
     """A malformed, unknown or wrong-version control message."""
 
 
+class AuthError(ProtocolError):
+    """A control frame that fails authentication: wrong auth version, bad HMAC tag, or a
+    timestamp outside the skew window. A ProtocolError, so callers that handle a bad frame or a
+    bad reply handle this one too."""
+
+
 class DeadlineExceeded(KVSidecarError):
     """A wait ran past its deadline."""
 

@@ -330,9 +330,11 @@ def test_each_invalid_value_is_a_config_error(overrides: dict[str, object], env:
 
 def test_advertise_host() -> None:
     assert load_settings().resolved_advertise_host() == "127.0.0.1"
-    s = load_settings({"control_host": "0.0.0.0", "advertise_host": "10.0.0.5"})
+    # A control port other hosts can reach needs the control-plane key (app.transfer.auth).
+    key = {"auth_key": "k" * 32}
+    s = load_settings({"control_host": "0.0.0.0", "advertise_host": "10.0.0.5", **key})
     assert s.resolved_advertise_host() == "10.0.0.5"
-    assert load_settings({"control_host": "0.0.0.0"}).resolved_advertise_host() != "0.0.0.0"
+    assert load_settings({"control_host": "0.0.0.0", **key}).resolved_advertise_host() != "0.0.0.0"
 
 
 def test_exposed_admin_without_token_warns() -> None:

@@ -197,7 +197,13 @@ class SidecarCollector(Collector):
         )
         rejected = CounterMetricFamily(
             "kvsidecar_rejected_frames",
-            "Frames that did not decode or had an unknown protocol version.",
+            "Frames that did not authenticate, decode, or had an unknown protocol version.",
+            labels=["socket"],
+        )
+        unauthenticated = CounterMetricFamily(
+            "kvsidecar_unauthenticated_frames",
+            "Frames refused because their HMAC, version or timestamp did not check (also in "
+            "rejected_frames): a peer with another key, clock skew, or a stranger.",
             labels=["socket"],
         )
         errors = CounterMetricFamily(
@@ -215,7 +221,8 @@ class SidecarCollector(Collector):
             frames.add_metric([name], c.get("frames", 0))
             rejected.add_metric([name], c.get("rejected", 0))
             errors.add_metric([name], c.get("handler_errors", 0))
-        yield from (frames, rejected, errors)
+            unauthenticated.add_metric([name], c.get("unauthenticated_frames", 0))
+        yield from (frames, rejected, unauthenticated, errors)
 
     def _mooncake(self) -> Iterator[Metric]:
         engine = self.sidecar.engine

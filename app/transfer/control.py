@@ -27,6 +27,17 @@ Framing, fixed:
   ``None`` to a request (not one-way) is answered with ``Error`` too, so the caller fails now
   instead of at its deadline.
 
+Authentication (``auth``, a :class:`~app.transfer.auth.FrameAuth`; the peer port has one, the
+engines' same-pod ``ipc://`` socket does not): every ``payload`` is sealed (an HMAC header in
+front of ``protocol.encode(msg)``). The server opens each frame after the size cap (which applies
+to the sealed frame) and before decoding; a frame that fails is counted in ``rejected`` and
+``unauthenticated_frames``, never reaches the handler, and is answered with the fixed
+``UNAUTHENTICATED_REASON``. Replies to authenticated frames are sealed; replies to any frame that
+was not authenticated (bad framing, over the cap, failing auth) are not: their text may echo the
+sender's bytes, and sealing it would hand a forger a sealed message of its choosing. A client
+with ``auth`` fails a request whose reply does not open, like any bad reply, and quotes an
+unsealed ``Error`` in its exception as unverified so that a key mismatch can be diagnosed.
+
 Replies are matched by ``corr_id`` only, so one client may have many requests in flight; a reply
 that comes after its request's deadline is dropped and counted. A reply that is over the cap or
 does not decode fails only the request it answers (or is dropped when it answers none); the
@@ -39,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import itertools
 import logging
 import struct
@@ -49,7 +61,8 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from app.errors import ConfigError, DeadlineExceeded, KVSidecarError, ProtocolError
+from app.errors import AuthError, ConfigError, DeadlineExceeded, KVSidecarError, ProtocolError
+from app.transfer.auth import MAX_SKEW_S, UNAUTHENTICATED_REASON, FrameAuth
 from app.transfer.protocol import AnyMsg, Error, Msg, decode, describe, encode
 
 __all__ = [
@@ -144,6 +157,9 @@ def _ipc_prepare(endpoint: str) -> None:
 class ControlServer:
     """ROUTER that decodes each frame and answers through ``handler``, one task per message.
 
+    ``auth`` seals and opens every frame (see the module's docstring); None serves unsealed
+    frames, for the engines' local socket only.
+
     ``max_frame_bytes`` caps a payload (default: ``DEFAULT_MAX_FRAME_BYTES`` for a ``tcp://``
     endpoint, which peers reach, ``DEFAULT_ENGINE_FRAME_BYTES`` for the engines' ``ipc://``).
 
@@ -165,6 +181,7 @@ class ControlServer:
         inline: tuple[type[Msg], ...] = (),
         max_frame_bytes: int | None = None,
         log_interval_s: float = _LOG_INTERVAL_S,
+        auth: FrameAuth | None = None,
     ) -> None:
         if max_inflight < 1:
             raise ConfigError(f"{name}: max_inflight must be >= 1, got {max_inflight}")
@@ -178,6 +195,7 @@ class ControlServer:
         self._endpoint = endpoint
         self._handler = handler
         self._inline = inline
+        self._auth = auth
         self.name = name
         self._sem = asyncio.Semaphore(max_inflight)
         self._sock: zmq.asyncio.Socket | None = None
@@ -188,6 +206,7 @@ class ControlServer:
         self.frames = 0
         self.replies = 0
         self.rejected = 0
+        self.unauthenticated_frames = 0
         self.handler_errors = 0
 
     def counters(self) -> dict[str, int]:
@@ -195,6 +214,7 @@ class ControlServer:
             "frames": self.frames,
             "replies": self.replies,
             "rejected": self.rejected,
+            "unauthenticated_frames": self.unauthenticated_frames,
             "handler_errors": self.handler_errors,
         }
 
@@ -226,6 +246,13 @@ class ControlServer:
             self._serve(sock), name=f"{self.name}-recv"
         )
         log.info("%s: serving on %s", self.name, self.endpoint)
+        if self._auth is None and _exposed(self.endpoint):
+            log.warning(
+                "%s: %s serves without frame authentication: anyone who reaches it can send "
+                "control messages",
+                self.name,
+                self.endpoint,
+            )
         return self.endpoint
 
     async def stop(self) -> None:
@@ -269,7 +296,8 @@ class ControlServer:
                 if corr != ONE_WAY:
                     with contextlib.suppress(Exception):
                         reason = f"{self.name}: internal error on this frame: {e!r}"[:300]
-                        await self._send(sock, frames[0], corr, Error(reason=reason))
+                        # Unsealed: the frame may not have been authenticated.
+                        await self._send(sock, frames[0], corr, Error(reason=reason), sealed=False)
 
     async def _dispatch(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -289,10 +317,21 @@ class ControlServer:
             )
             await self._reject(sock, identity, corr, reason, "oversized")
             return
+        if self._auth is not None:
+            try:
+                payload = self._auth.open(payload)
+            except AuthError as e:
+                self.unauthenticated_frames += 1
+                # The sender learns only the fixed reason; the log has what failed.
+                await self._reject(
+                    sock, identity, corr, UNAUTHENTICATED_REASON, "unauthenticated", detail=str(e)
+                )
+                return
         try:
             msg = decode(payload)
         except ProtocolError as e:
-            await self._reject(sock, identity, corr, str(e), "malformed")
+            # Authenticated (or no auth): a key holder speaking another protocol version.
+            await self._reject(sock, identity, corr, str(e), "malformed", sealed=True)
             return
         if isinstance(msg, self._inline):
             await self._handle(sock, identity, corr, msg)
@@ -310,12 +349,23 @@ class ControlServer:
         self._sem.release()
 
     async def _reject(
-        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reason: str, kind: str
+        self,
+        sock: zmq.asyncio.Socket,
+        identity: bytes,
+        corr: bytes,
+        reason: str,
+        kind: str,
+        *,
+        sealed: bool = False,
+        detail: str | None = None,
     ) -> None:
+        """Count, log (``detail`` if given, else ``reason``) and answer ``Error(reason)``."""
         self.rejected += 1
-        self._throttle.log(kind, "%s: rejected a frame from %r: %s", self.name, identity, reason)
+        self._throttle.log(
+            kind, "%s: rejected a frame from %r: %s", self.name, identity, detail or reason
+        )
         if corr != ONE_WAY:
-            await self._send(sock, identity, corr, Error(reason=reason))
+            await self._send(sock, identity, corr, Error(reason=reason), sealed=sealed)
 
     async def _handle(
         self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, msg: AnyMsg
@@ -344,20 +394,33 @@ class ControlServer:
         await self._send(sock, identity, corr, reply)
 
     async def _send(
-        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, reply: Msg
+        self,
+        sock: zmq.asyncio.Socket,
+        identity: bytes,
+        corr: bytes,
+        reply: Msg,
+        *,
+        sealed: bool = True,
     ) -> None:
+        """Send ``reply``, sealed when this server has auth and ``sealed`` (the request was
+        authenticated)."""
         try:
             payload = encode(reply)
         except Exception as e:  # a handler returned something that is not a wire message
             self.handler_errors += 1
             payload = encode(Error(reason=f"{self.name}: reply does not encode: {e}"))
+        if sealed and self._auth is not None:
+            payload = self._auth.seal(payload)
         # ROUTER never blocks on send: a peer that left or is over its HWM just loses the reply.
         await sock.send_multipart([identity, corr, payload])
         self.replies += 1
 
 
 class PeerClient:
-    """Asyncio DEALER to one endpoint; many requests may be in flight. Event loop only."""
+    """Asyncio DEALER to one endpoint; many requests may be in flight. Event loop only.
+
+    With ``auth`` every request is sealed and every reply must open (same key as the server).
+    """
 
     def __init__(
         self,
@@ -365,11 +428,13 @@ class PeerClient:
         endpoint: str,
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        auth: FrameAuth | None = None,
     ) -> None:
         if max_frame_bytes < 1:
             raise ConfigError(f"{endpoint}: max_frame_bytes must be >= 1, got {max_frame_bytes}")
         self.endpoint = endpoint
         self.max_frame_bytes = max_frame_bytes
+        self._auth = auth
         self._sock: zmq.asyncio.Socket = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         # No MAXMSGSIZE here: a DEALER that hits it drops its connection and (libzmq 4.3.5, as
@@ -386,6 +451,7 @@ class PeerClient:
         self.replies = 0
         self.dropped = 0
         self.malformed = 0
+        self.unauthenticated = 0
 
     def counters(self) -> dict[str, int]:
         return {
@@ -394,6 +460,7 @@ class PeerClient:
             "replies": self.replies,
             "dropped": self.dropped,
             "malformed": self.malformed,
+            "unauthenticated": self.unauthenticated,
         }
 
     async def request(self, msg: Msg, timeout: float) -> AnyMsg:
@@ -412,7 +479,7 @@ class PeerClient:
         try:
             # The send is inside the deadline too: it waits while the queue to the peer is full.
             async with asyncio.timeout(timeout):
-                await self._sock.send_multipart([corr, encode(msg)])
+                await self._sock.send_multipart([corr, self._payload(msg)])
                 return await fut
         except TimeoutError:
             raise DeadlineExceeded(
@@ -426,7 +493,7 @@ class PeerClient:
         self._check_open()
         try:
             async with asyncio.timeout(timeout):
-                await self._sock.send_multipart([ONE_WAY, encode(msg)])
+                await self._sock.send_multipart([ONE_WAY, self._payload(msg)])
         except TimeoutError:
             raise DeadlineExceeded(
                 f"could not queue {type(msg).__name__} to {self.endpoint} within {timeout}s"
@@ -450,6 +517,12 @@ class PeerClient:
     def _check_open(self) -> None:
         if self._closed:
             raise ClientClosed(f"client to {self.endpoint} is closed")
+
+    def _payload(self, msg: Msg) -> bytes:
+        # Sealed when the request is made, so time queued for a down peer counts against the
+        # skew window: a request that waited past it is refused, as its deadline has passed.
+        payload = encode(msg)
+        return payload if self._auth is None else self._auth.seal(payload)
 
     async def _read(self) -> None:
         while True:
@@ -492,7 +565,15 @@ class PeerClient:
                     f"frame too large: expected at most {self.max_frame_bytes} bytes, got "
                     f"{describe(payload)}"
                 )
+            if self._auth is not None:
+                payload = self._open(payload)
             msg = decode(payload)
+        except AuthError as e:
+            self.malformed += 1
+            self.unauthenticated += 1
+            self._throttle.log("unauthenticated", "bad reply from %s: %s", self.endpoint, e)
+            fut.set_exception(e)
+            return
         except Exception as e:  # decode raises only ProtocolError; anything else fails here too
             # Fails the one request this answers; the others and later ones are untouched.
             self.malformed += 1
@@ -501,6 +582,43 @@ class PeerClient:
             return
         fut.set_result(msg)
         self.replies += 1
+
+    def _open(self, payload: bytes) -> bytes:
+        try:
+            return self._auth.open(payload) if self._auth is not None else payload
+        except AuthError as e:
+            said = _unverified_reason(payload)
+            raise AuthError(
+                f"reply from {self.endpoint} is not authenticated ({e}). Likely cause: the peer "
+                "has a different control-plane key or none, or the clocks differ by more than "
+                f"{MAX_SKEW_S:g} s{said}"
+            ) from None
+
+
+def _unverified_reason(payload: bytes) -> str:
+    """The text of an unsealed ``Error`` reply, marked as unverified; empty for anything else.
+
+    A server answers a frame it could not authenticate unsealed, so this is where a key
+    mismatch says so. Anyone on the path could have written it: it only goes into the error.
+    """
+    try:
+        msg = decode(payload)
+    except Exception:
+        return ""
+    if not isinstance(msg, Error):
+        return ""
+    return f". The peer answered (unverified): {msg.reason[:300]!r}"
+
+
+def _exposed(endpoint: str) -> bool:
+    """A ``tcp://`` endpoint bound to more than loopback: other hosts may reach it."""
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint.removeprefix("tcp://").rsplit(":", 1)[0].strip("[]")
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True
 
 
 class SyncClient:

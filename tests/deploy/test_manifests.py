@@ -42,7 +42,7 @@ K8S = ROOT / "k8s"
 K8S_VERSION = "1.33.0"
 KUSTOMIZATION = K8S / "kustomization.yaml"
 # Examples hold placeholders and are applied by hand, never through the kustomization.
-EXAMPLES = {"admin-token-secret.example.yaml"}
+EXAMPLES = {"admin-token-secret.example.yaml", "auth-key-secret.example.yaml"}
 POD_FILES = {"prefill": "prefill.yaml", "decode": "decode.yaml"}
 PROXY_FILE = "proxy.yaml"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}

@@ -10,10 +10,12 @@ import httpx
 import msgspec
 import zmq
 
+from app.config import load_settings
 from app.sim.cluster import Cluster, summarize
 from app.sim.engine import Command
 from app.store.master import free_port
-from app.transfer.protocol import Ack, Done, Error, Hello, Role, Status, decode, encode
+from app.transfer.auth import load_auth
+from app.transfer.protocol import Ack, Done, Error, Hello, Rejected, Role, Status, decode, encode
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
 
@@ -170,21 +172,33 @@ def test_malformed_frame_gets_error_and_loop_keeps_serving(
     sock.linger = 0
     sock.connect(f"tcp://127.0.0.1:{d.control_port}")
     try:
-        sock.send_multipart([b"\x00" * 7 + b"\x01", b"\xc1 not msgpack"])
+        # Sealed with the key the sidecars share (per-user on loopback), so that what is tested
+        # is the decoding behind the authentication.
+        auth = load_auth(load_settings())
+        sock.send_multipart([b"\x00" * 7 + b"\x01", auth.seal(b"\xc1 not msgpack")])
         assert sock.poll(5000)
         _, payload = sock.recv_multipart()
-        reply = decode(payload)
+        reply = decode(auth.open(payload))
         assert isinstance(reply, Error) and "malformed" in reply.reason
         sock.send_multipart(
-            [b"\x00" * 7 + b"\x02", msgspec.msgpack.encode({"type": "hello", "version": 99})]
+            [
+                b"\x00" * 7 + b"\x02",
+                auth.seal(msgspec.msgpack.encode({"type": "hello", "version": 99})),
+            ]
         )
         assert sock.poll(5000)
-        reply = decode(sock.recv_multipart()[1])
+        reply = decode(auth.open(sock.recv_multipart()[1]))
         assert isinstance(reply, Error) and "version" in reply.reason
         hello = Hello(compat_hash="nope", engine_id="x", role=Role.PREFILL)
-        sock.send_multipart([b"\x00" * 7 + b"\x03", encode(hello)])
+        sock.send_multipart([b"\x00" * 7 + b"\x03", auth.seal(encode(hello))])
         assert sock.poll(5000)
-        assert "model mismatch" in decode(sock.recv_multipart()[1]).reason  # type: ignore[union-attr]
+        reply = decode(auth.open(sock.recv_multipart()[1]))
+        assert isinstance(reply, Error | Rejected) and "model mismatch" in reply.reason
+        # Unsealed, the same frame is refused before it is decoded.
+        sock.send_multipart([b"\x00" * 7 + b"\x04", encode(hello)])
+        assert sock.poll(5000)
+        reply = decode(sock.recv_multipart()[1])
+        assert isinstance(reply, Error) and "not authenticated" in reply.reason
     finally:
         ctx.destroy(0)
     pairs = c.make_requests([128])
@@ -275,15 +289,16 @@ def test_repeated_done_is_acknowledged_once_counted(make_cluster: Callable[..., 
         groups=groups,
         bytes=entry["bytes"],
     )
+    auth = load_auth(load_settings())
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(f"tcp://127.0.0.1:{d.control_port}")
     try:
         for corr in (1, 2):
-            sock.send_multipart([corr.to_bytes(8, "big"), encode(repeat)])
+            sock.send_multipart([corr.to_bytes(8, "big"), auth.seal(encode(repeat))])
             assert sock.poll(5000)
-            ack = decode(sock.recv_multipart()[1])
+            ack = decode(auth.open(sock.recv_multipart()[1]))
             assert isinstance(ack, Ack) and ack.ok, ack
     finally:
         ctx.destroy(0)

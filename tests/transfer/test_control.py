@@ -137,7 +137,13 @@ async def test_round_trip_tcp(ctx: zmq.asyncio.Context) -> None:
         bad = await c.request(hello("e1", compat="other"), timeout=2.0)
         assert isinstance(bad, Rejected) and "other" in bad.reason
         assert len(app.peers) == 1
-        assert server.counters() == {"frames": 2, "replies": 2, "rejected": 0, "handler_errors": 0}
+        assert server.counters() == {
+            "frames": 2,
+            "replies": 2,
+            "rejected": 0,
+            "unauthenticated_frames": 0,
+            "handler_errors": 0,
+        }
         assert c.counters()["replies"] == 2
 
 
