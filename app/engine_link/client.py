@@ -21,7 +21,6 @@ from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
 from app.kvcache.presets import load_preset
-from app.transfer.control import SyncClient
 from app.transfer.protocol import (
     AbortRequest,
     AddSend,
@@ -44,6 +43,7 @@ from app.transfer.protocol import (
     SidecarInfo,
     StepSlice,
 )
+from app.transfer.sync_client import SyncClient
 
 
 class EngineLinkError(KVSidecarError):

@@ -2,7 +2,8 @@
 
 One ``ControlServer`` (a ROUTER) serves the peer control port (``tcp://``) and another the
 engines' socket (``ipc://``). ``PeerClient`` (asyncio DEALER) talks to a remote sidecar;
-``SyncClient`` (blocking DEALER) is for engine workers, which are synchronous code.
+``SyncClient`` (blocking DEALER, in ``sync_client``) is for engine workers, which are
+synchronous code.
 
 Framing, fixed:
 
@@ -74,7 +75,6 @@ __all__ = [
     "Handler",
     "LogThrottle",
     "PeerClient",
-    "SyncClient",
 ]
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,6 @@ _CORR = struct.Struct(">Q")
 # A stuck peer should not hold an async notify forever, but a busy one gets a while to drain.
 _NOTIFY_TIMEOUT_S = 5.0
 # Engines must not stall the forward pass for long on a sidecar that stopped reading.
-_SYNC_NOTIFY_TIMEOUT_S = 1.0
 # Peers send handshakes, Done and Abort: kilobytes. A frame far past that is an attack or a bug,
 # and decoding it would hold the event loop (an 8 MiB frame stalled /livez for seconds).
 DEFAULT_MAX_FRAME_BYTES = 1 << 20
@@ -137,7 +136,7 @@ class LogThrottle:
         log.warning(msg, *args, exc_info=exc_info, stacklevel=2)
 
 
-def _corr_ids() -> Callable[[], bytes]:
+def corr_ids() -> Callable[[], bytes]:
     counter = itertools.count(1)  # 0 is ONE_WAY
     return lambda: _CORR.pack(next(counter))
 
@@ -442,7 +441,7 @@ class PeerClient:
         # cap are refused after receipt instead.
         self._sock.connect(endpoint)
         self._throttle = LogThrottle()
-        self._next_corr = _corr_ids()
+        self._next_corr = corr_ids()
         self._pending: dict[bytes, asyncio.Future[AnyMsg]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._closed = False
@@ -619,95 +618,3 @@ def _exposed(endpoint: str) -> bool:
         return not ipaddress.ip_address(host).is_loopback
     except ValueError:
         return True
-
-
-class SyncClient:
-    """Blocking DEALER for engine workers. Use from one thread only (ZMQ sockets are not
-    thread-safe); create it in the process that uses it, after any fork.
-    """
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        ctx: zmq.Context | None = None,
-        notify_timeout: float = _SYNC_NOTIFY_TIMEOUT_S,
-    ) -> None:
-        self.endpoint = endpoint
-        self._own_ctx = ctx is None
-        if ctx is None:
-            ctx = zmq.Context()
-        elif isinstance(ctx, zmq.asyncio.Context):
-            # An asyncio context would hand out asyncio sockets; share its I/O threads instead.
-            ctx = zmq.Context.shadow(ctx.underlying)
-        self._ctx = ctx
-        self._sock = ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-        self._notify_timeout = notify_timeout
-        self._next_corr = _corr_ids()
-        self._closed = False
-        self.requests = 0
-        self.notifies = 0
-        self.dropped = 0
-
-    def counters(self) -> dict[str, int]:
-        return {"requests": self.requests, "notifies": self.notifies, "dropped": self.dropped}
-
-    def request(self, msg: Msg, timeout: float) -> AnyMsg:
-        """Send ``msg`` and block for its reply; ``Error`` replies are returned, not raised."""
-        self._check_open()
-        deadline = time.monotonic() + timeout
-        corr = self._next_corr()
-        self.requests += 1
-        what = type(msg).__name__
-        err = f"no reply from {self.endpoint} to {what} within {timeout}s"
-        self._send([corr, encode(msg)], deadline, err)
-        while True:
-            if not self._wait(zmq.POLLIN, deadline):
-                raise DeadlineExceeded(err)
-            frames = self._sock.recv_multipart(zmq.NOBLOCK)
-            if len(frames) != 2 or frames[0] != corr:
-                self.dropped += 1  # a late reply to an earlier request that timed out
-                continue
-            try:
-                return decode(frames[1])
-            except ProtocolError as e:
-                raise ProtocolError(f"reply from {self.endpoint}: {e}") from None
-
-    def notify(self, msg: Msg) -> None:
-        """Send ``msg`` one-way. Returns at once unless the queue to the sidecar is full; then
-        waits up to ``notify_timeout`` and raises ``DeadlineExceeded``.
-        """
-        self._check_open()
-        err = (
-            f"could not queue {type(msg).__name__} to {self.endpoint} within "
-            f"{self._notify_timeout}s: the sidecar is not reading"
-        )
-        self._send([ONE_WAY, encode(msg)], time.monotonic() + self._notify_timeout, err)
-        self.notifies += 1
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._sock.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClientClosed(f"client to {self.endpoint} is closed")
-
-    def _send(self, frames: list[bytes], deadline: float, err: str) -> None:
-        while True:
-            try:
-                self._sock.send_multipart(frames, zmq.NOBLOCK)
-                return
-            except zmq.Again:
-                if not self._wait(zmq.POLLOUT, deadline):
-                    raise DeadlineExceeded(err) from None
-
-    def _wait(self, event: int, deadline: float) -> bool:
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        return bool(self._sock.poll(remaining_ms, event))

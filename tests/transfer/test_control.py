@@ -14,7 +14,7 @@ import zmq
 import zmq.asyncio
 
 from app.errors import DeadlineExceeded
-from app.transfer.control import ONE_WAY, ClientClosed, ControlServer, PeerClient, SyncClient
+from app.transfer.control import ONE_WAY, ClientClosed, ControlServer, PeerClient
 from app.transfer.protocol import (
     Abort,
     Ack,
@@ -29,6 +29,7 @@ from app.transfer.protocol import (
     decode,
     encode,
 )
+from app.transfer.sync_client import SyncClient
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,107 @@
+"""The engine side of the engine link: a blocking DEALER for worker processes."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+import zmq.asyncio
+
+from app.errors import DeadlineExceeded, ProtocolError
+from app.transfer.control import ONE_WAY, ClientClosed, corr_ids
+from app.transfer.protocol import AnyMsg, Msg, decode, encode
+
+# A one-way message to the sidecar waits this long for room in the queue.
+_SYNC_NOTIFY_TIMEOUT_S = 1.0
+
+
+class SyncClient:
+    """Blocking DEALER for engine workers. Use from one thread only (ZMQ sockets are not
+    thread-safe); create it in the process that uses it, after any fork.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        *,
+        ctx: zmq.Context | None = None,
+        notify_timeout: float = _SYNC_NOTIFY_TIMEOUT_S,
+    ) -> None:
+        self.endpoint = endpoint
+        self._own_ctx = ctx is None
+        if ctx is None:
+            ctx = zmq.Context()
+        elif isinstance(ctx, zmq.asyncio.Context):
+            # An asyncio context would hand out asyncio sockets; share its I/O threads instead.
+            ctx = zmq.Context.shadow(ctx.underlying)
+        self._ctx = ctx
+        self._sock = ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+        self._notify_timeout = notify_timeout
+        self._next_corr = corr_ids()
+        self._closed = False
+        self.requests = 0
+        self.notifies = 0
+        self.dropped = 0
+
+    def counters(self) -> dict[str, int]:
+        return {"requests": self.requests, "notifies": self.notifies, "dropped": self.dropped}
+
+    def request(self, msg: Msg, timeout: float) -> AnyMsg:
+        """Send ``msg`` and block for its reply; ``Error`` replies are returned, not raised."""
+        self._check_open()
+        deadline = time.monotonic() + timeout
+        corr = self._next_corr()
+        self.requests += 1
+        what = type(msg).__name__
+        err = f"no reply from {self.endpoint} to {what} within {timeout}s"
+        self._send([corr, encode(msg)], deadline, err)
+        while True:
+            if not self._wait(zmq.POLLIN, deadline):
+                raise DeadlineExceeded(err)
+            frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            if len(frames) != 2 or frames[0] != corr:
+                self.dropped += 1  # a late reply to an earlier request that timed out
+                continue
+            try:
+                return decode(frames[1])
+            except ProtocolError as e:
+                raise ProtocolError(f"reply from {self.endpoint}: {e}") from None
+
+    def notify(self, msg: Msg) -> None:
+        """Send ``msg`` one-way. Returns at once unless the queue to the sidecar is full; then
+        waits up to ``notify_timeout`` and raises ``DeadlineExceeded``.
+        """
+        self._check_open()
+        err = (
+            f"could not queue {type(msg).__name__} to {self.endpoint} within "
+            f"{self._notify_timeout}s: the sidecar is not reading"
+        )
+        self._send([ONE_WAY, encode(msg)], time.monotonic() + self._notify_timeout, err)
+        self.notifies += 1
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=0)
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"client to {self.endpoint} is closed")
+
+    def _send(self, frames: list[bytes], deadline: float, err: str) -> None:
+        while True:
+            try:
+                self._sock.send_multipart(frames, zmq.NOBLOCK)
+                return
+            except zmq.Again:
+                if not self._wait(zmq.POLLOUT, deadline):
+                    raise DeadlineExceeded(err) from None
+
+    def _wait(self, event: int, deadline: float) -> bool:
+        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+        return bool(self._sock.poll(remaining_ms, event))
