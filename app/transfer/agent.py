@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from app.devices import Event
-from app.errors import DeadlineExceeded, KVSidecarError, TransferError
+from app.errors import DeadlineExceeded, KVSidecarError, ProtocolError, TransferError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
@@ -352,3 +352,16 @@ class Agent:
                 self.history.append(req)
         del self.history[:-256]
         return sending, recving, failed
+
+
+def agent_of(agents: dict[int, Agent], rank: int) -> Agent:
+    """The agent of ``rank``, or a ProtocolError the engine can act on."""
+    agent = agents.get(rank)
+    if agent is None:
+        raise ProtocolError(f"rank {rank} has not registered its KV caches with this sidecar")
+    return agent
+
+
+def blocks(ids: Sequence[Sequence[int]]) -> Blocks:
+    """Block ids per group off the wire, as arrays."""
+    return tuple(np.asarray(x, dtype=np.int64) for x in ids)

@@ -16,23 +16,15 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from app.config import SidecarSettings
-from app.errors import KVSidecarError, OutOfBoundsError, ProtocolError
-from app.transfer.agent import Agent, RecvRequest, receive_manifest
+from app.errors import KVSidecarError, OutOfBoundsError
+from app.transfer.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
 from app.transfer.peers import Peer, Peers
 from app.transfer.planner import check_block_ids
 from app.transfer.protocol import Abort, Ack, Claim, Done, ExpectRecv, Msg, Reply, Status
-from app.transfer.sending import blocks
 
 log = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
-
-
-def agent_of(agents: dict[int, Agent], rank: int) -> Agent:
-    agent = agents.get(rank)
-    if agent is None:
-        raise ProtocolError(f"rank {rank} has not registered its KV caches with this sidecar")
-    return agent
 
 
 class RecvSide:
@@ -50,7 +42,6 @@ class RecvSide:
         self._spawn, self._epoch = spawn, epoch
         self.admitting = True
         self.counters = {"duplicate_dones": 0, "quarantined": 0, "refused_claims": 0}
-        self.quarantine_seconds: list[float] = []
 
     def expect(self, msg: ExpectRecv) -> Msg:
         agent = agent_of(self._agents, msg.rank)
@@ -237,8 +228,11 @@ class RecvSide:
 
     def _maybe_release(self, req: RecvRequest) -> None:
         if req.quarantined_at is not None and not self._writers(req):
-            self.quarantine_seconds.append(time.monotonic() - req.quarantined_at)
-            del self.quarantine_seconds[:-4096]
+            log.info(
+                "request %s: out of quarantine after %.3f s",
+                req.id,
+                time.monotonic() - req.quarantined_at,
+            )
             req.quarantined_at = None
 
     def peer_lost(self, peer: Peer, reason: str) -> None:

@@ -16,8 +16,6 @@ import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
-import numpy as np
-
 from app.config import SidecarSettings
 from app.devices import CpuEvent
 from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
@@ -30,6 +28,8 @@ from app.transfer.agent import (
     LayerTask,
     SendRequest,
     StepState,
+    agent_of,
+    blocks,
 )
 from app.transfer.peers import Peer, Peers
 from app.transfer.planner import MambaMode, StepRequest, check_block_ids
@@ -53,10 +53,6 @@ Spawn = Callable[[Coroutine[Any, Any, None]], None]
 _DRAIN_POLL_S = 0.005
 
 
-def blocks(ids: Sequence[Sequence[int]]) -> tuple[np.ndarray, ...]:
-    return tuple(np.asarray(x, dtype=np.int64) for x in ids)
-
-
 class SendSide:
     """Prefill requests of every local rank."""
 
@@ -75,8 +71,6 @@ class SendSide:
         self.admitting = True
 
     def _agent(self, rank: int) -> Agent:
-        from app.transfer.receiving import agent_of  # one error text for both sides
-
         return agent_of(self._agents, rank)
 
     # ---- admission -------------------------------------------------------------------------

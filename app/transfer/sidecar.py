@@ -24,7 +24,7 @@ from app.errors import KVSidecarError
 from app.kvcache.desc import LayoutDesc
 from app.store.pool import PoolConfig
 from app.store.service import PoolService
-from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread
+from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth
 from app.transfer.control import ControlServer
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
@@ -63,9 +63,9 @@ from app.transfer.protocol import (
     Status,
     rank_metadata,
 )
-from app.transfer.receiving import RecvSide, agent_of
+from app.transfer.receiving import RecvSide
 from app.transfer.registry import Registry
-from app.transfer.sending import SendSide, blocks
+from app.transfer.sending import SendSide
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +178,6 @@ class Sidecar:
             **self.recv.counters,
             "generations": self.registry.generation,
         }
-
-    @property
-    def quarantine_seconds(self) -> list[float]:
-        return self.recv.quarantine_seconds
 
     # ---- lifecycle -------------------------------------------------------------------------
 
