@@ -18,7 +18,7 @@ from app.sim.engine import SimRequest
 from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request
 from app.sim.reference import _prefill, blocks_needed, build_instance
-from app.transfer.agent import ALL_LAYERS, LayerResult, LayerTask, StreamThread
+from app.transfer.agent import ALL_LAYERS, Batch, LayerResult, LayerTask, StreamThread
 from app.transfer.executor import execute
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
@@ -46,9 +46,12 @@ def _send(
         if len(results) == (len(planner.local.placements) if layer == ALL_LAYERS else 1):
             done.set()
 
-    stream = StreamThread("test", 4, write, on_result, lambda rid: True, lambda ids, d: None)
+    stream = StreamThread(
+        "test", 4, write, on_result, lambda endpoint, ids: list(ids), lambda ids: None
+    )
     try:
-        stream.put(LayerTask(1, layer, CpuEvent(), [("peer", planner, steps)]), 5)
+        batch = Batch("tcp://peer:1", "peer", planner, steps)
+        stream.put(LayerTask(1, layer, CpuEvent(), [batch]), 5)
         assert done.wait(30)
     finally:
         stream.stop()
