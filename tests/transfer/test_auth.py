@@ -84,13 +84,6 @@ class Decode:
         return Error(reason=f"unexpected {type(msg).__name__}")
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @asynccontextmanager
 async def serving(
     ctx: zmq.asyncio.Context, *, max_frame_bytes: int | None = None, log_interval_s: float = 5.0

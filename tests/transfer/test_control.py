@@ -75,13 +75,6 @@ class App:
         return Error(reason=f"unexpected {type(msg).__name__}")
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 @asynccontextmanager
 async def serving(
     ctx: zmq.asyncio.Context,

@@ -41,13 +41,6 @@ def big_lookup(nbytes: int) -> bytes:
 
 
 @pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
-
-
-@pytest.fixture
 async def raw(ctx: zmq.asyncio.Context) -> AsyncIterator[zmq.asyncio.Socket]:
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)

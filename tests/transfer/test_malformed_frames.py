@@ -6,7 +6,6 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -151,13 +150,6 @@ def decodes(frame: bytes) -> bool:
 
 async def ack_all(msg: AnyMsg, peer: bytes) -> Msg | None:
     return Ack(request=type(msg).__name__)
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 async def test_fuzzed_frames_are_all_counted_and_answered(

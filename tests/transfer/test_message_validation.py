@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
@@ -173,13 +172,6 @@ class Recorder:
     async def __call__(self, msg: AnyMsg, peer: bytes) -> Msg | None:
         self.seen.append(msg)
         return Error(reason="handler reached")
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    c = zmq.asyncio.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 @pytest.mark.parametrize(
