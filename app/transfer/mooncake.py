@@ -445,25 +445,28 @@ class MooncakeEngine:
         if self._closed:
             raise TransferError("MooncakeEngine is closed")
 
+    def _pin_open_lane(self, peer: str) -> Lane | None:
+        """Under ``_guard``: the open lane to ``peer``, pinned and most recently used."""
+        self._check_open()
+        lane = self._lanes.get(peer)
+        if lane is not None:
+            self._lanes.move_to_end(peer)
+            lane.pin()
+        return lane
+
     def _acquire_lane(self, peer: str) -> Lane:
         """The lane to ``peer``, opened if need be, pinned against eviction until unpinned."""
         with self._guard:
-            self._check_open()
-            lane = self._lanes.get(peer)
+            lane = self._pin_open_lane(peer)
             if lane is not None:
-                self._lanes.move_to_end(peer)
-                lane.pin()
                 return lane
         evicted: Lane | None = None
         try:
             with self._admin_lock:
                 with self._guard:
                     # Checked again: another writer may have opened it, or close() begun.
-                    self._check_open()
-                    lane = self._lanes.get(peer)
+                    lane = self._pin_open_lane(peer)
                     if lane is not None:
-                        self._lanes.move_to_end(peer)
-                        lane.pin()
                         return lane
                     if len(self._lanes) >= _MAX_LANES:
                         evicted = self._evict_idle(peer)

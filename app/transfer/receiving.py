@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from app.config import SidecarSettings
 from app.errors import KVSidecarError, OutOfBoundsError
@@ -21,10 +20,9 @@ from app.transfer.agent import Agent, RecvRequest, agent_of, blocks, receive_man
 from app.transfer.peers import Peer, Peers
 from app.transfer.planner import check_block_ids
 from app.transfer.protocol import Abort, Ack, Claim, Done, ExpectRecv, Msg, Reply, Status
+from app.transfer.sending import Spawn
 
 log = logging.getLogger(__name__)
-
-Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
 
 class RecvSide:

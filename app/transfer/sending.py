@@ -130,8 +130,7 @@ class SendSide:
             )
             ack = await peer.client.request(claim, self._settings.ack_timeout_s)
             if not isinstance(ack, Ack) or not ack.ok:
-                why = ack.error if isinstance(ack, Ack) else getattr(ack, "reason", "")
-                raise KVSidecarError(f"decode rank {d_rank} refused the request: {why}")
+                raise KVSidecarError(f"decode rank {d_rank} refused the request: {_why(ack)}")
             peer.last_heard = time.monotonic()
 
     def begin_step(self, msg: BeginStep) -> Msg:
@@ -300,8 +299,7 @@ class SendSide:
                 errors.append(str(e))
                 continue
             if not isinstance(ack, Ack) or not ack.ok:
-                reason = ack.error if isinstance(ack, Ack) else getattr(ack, "reason", "")
-                errors.append(f"decode rank {d_rank} refused Done: {reason}")
+                errors.append(f"decode rank {d_rank} refused Done: {_why(ack)}")
         if not errors and status is Status.DONE:
             for g in {g for groups in req.d_ranks.values() for g in groups}:
                 self._agents[req.rank].groups[g].done += 1
@@ -371,3 +369,8 @@ class SendSide:
 
     def live_peers(self) -> set[str]:
         return {r.peer for a in self._agents.values() for r in a.sends.values()}
+
+
+def _why(reply: Msg) -> str:
+    """What a refusal (a nack or an ``Error``/``Rejected`` reply) said."""
+    return (reply.error or "") if isinstance(reply, Ack) else getattr(reply, "reason", "")
