@@ -25,8 +25,10 @@ import numpy as np
 import zmq
 
 from app.engine_link.client import CacheParams
+from app.engine_link.shm import attach_allocator
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
 from app.kvcache.presets import load_preset
 from app.sim.engine import Command, SimRequest
 from app.sim.reference import BlockAllocator, blocks_needed
@@ -53,6 +55,9 @@ class Side:
     ipc: str = ""
     env: dict[str, str] = field(default_factory=dict)
     allocator: BlockAllocator | None = None
+    generation: int = 0  # engine starts behind this sidecar; names the KV segments
+    # (segment name prefix, engine process) of every engine started, for the clean-up
+    started: list[tuple[str, subprocess.Popen[bytes]]] = field(default_factory=list)
 
     @property
     def admin_url(self) -> str:
@@ -78,6 +83,13 @@ class ClusterSpec:
     sidecar_env: dict[str, str] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)
+    # Decode engines fill their whole cache with this sentinel seed at start, and ``untouched``
+    # then compares every byte (see ``kv_io.changed_outside``); None: caches start zeroed.
+    sentinel: int | None = None
+    engine_link_timeout_s: float = 10.0  # engines' per-call timeout to their sidecar
+    # An engine whose sidecar answered nothing this long fails its pending requests itself
+    # (a sidecar killed under it); None: link errors end the driver's command instead.
+    engine_link_lease_s: float | None = None
 
 
 class Cluster:
@@ -132,6 +144,10 @@ class Cluster:
 
     def start_side(self, side: Side) -> None:
         """Start (or restart) one instance's sidecar and engines."""
+        self.start_sidecar(side)
+        self.start_engines(side)
+
+    def start_sidecar(self, side: Side) -> None:
         side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
         env = dict(os.environ)
         env.update(
@@ -168,8 +184,16 @@ class Cluster:
         side.sidecar = subprocess.Popen(
             [sys.executable, "-m", "app", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
         )
+
+    def start_engines(self, side: Side) -> None:
+        """Start the instance's engine process (every rank) against its sidecar's socket."""
         endpoint = f"ipc://{self.tmp}/{side.role}-driver.sock"
         elog = open(self.log_dir / f"{side.role}-engine.log", "ab")  # noqa: SIM115
+        extra = ["--link-timeout", str(self.spec.engine_link_timeout_s)]
+        if self.spec.engine_link_lease_s is not None:
+            extra += ["--link-lease", str(self.spec.engine_link_lease_s)]
+        if self.spec.sentinel is not None and side.role == "decode":
+            extra += ["--sentinel", str(self.spec.sentinel)]
         side.engines = [
             subprocess.Popen(
                 [
@@ -188,20 +212,72 @@ class Cluster:
                     msgspec.json.encode(side.params).decode(),
                     "--shm-prefix",
                     self.shm_prefix(side),
+                    *extra,
                 ],
-                env=env,
+                env=side.env,
                 stdout=elog,
                 stderr=subprocess.STDOUT,
             )
         ]
+        side.started += [(self.shm_prefix(side), p) for p in side.engines]
         side.endpoints, side.sockets = [endpoint], []
 
-    def shm_prefix(self, side: Side) -> str:
-        return f"{Path(self.tmp).name}-{side.role}"
+    def restart_engines(self, side: Side, timeout: float = 120.0) -> None:
+        """Kill the instance's engine process (SIGKILL, if still running) and start a new one
+        behind the same live sidecar: it allocates new KV memory and registers every rank
+        again. Its segments get a new generation in their names; the old ones stay in
+        /dev/shm (a killed engine cannot remove them) until the cluster closes."""
+        self.kill_engines(side)
+        side.generation += 1
+        self.start_engines(side)
+        side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
 
-    def unlink_shm(self, side: Side) -> None:
-        """Remove a stopped instance's KV segments (a killed engine cannot)."""
-        for f in Path("/dev/shm").glob(f"{self.shm_prefix(side)}-*"):
+    def kill_engines(self, side: Side, sig: int = signal.SIGKILL) -> None:
+        """Signal the instance's engine process only; its sidecar keeps running."""
+        for p in side.engines:
+            if p.poll() is None:
+                p.send_signal(sig)
+        for p in side.engines:
+            p.wait(10)
+        for s in side.sockets:
+            s.close(0)
+        side.sockets = []
+
+    def signal_sidecar(self, side: Side, sig: int) -> None:
+        """Send ``sig`` to the instance's sidecar process (SIGKILL, SIGTERM, SIGSTOP, SIGCONT)."""
+        assert side.sidecar is not None
+        if side.sidecar.poll() is None:
+            side.sidecar.send_signal(sig)
+
+    def shm_prefix(self, side: Side) -> str:
+        gen = f"-g{side.generation}" if side.generation else ""
+        return f"{Path(self.tmp).name}-{side.role}{gen}"
+
+    def attach(self, side: Side, rank: int, generation: int | None = None) -> RankLayout:
+        """A rank's KV cache mapped from its segments in /dev/shm, for checks after its engine
+        died (the segments of a killed engine outlive it)."""
+        gen = side.generation if generation is None else generation
+        prefix = f"{Path(self.tmp).name}-{side.role}{f'-g{gen}' if gen else ''}-r{rank}-"
+        names = sorted(
+            (f.name for f in Path("/dev/shm").glob(f"{prefix}*")),
+            key=lambda n: int(n.rsplit("-", 1)[1]),
+        )
+        p = side.params
+        model = load_preset(p.model, layers=p.layers, dtype=p.dtype, cache_dtype=p.cache_dtype)
+        config = build_cache_config(model, p.tp_size, p.block_size, num_blocks=p.num_blocks)
+        return allocate(
+            config,
+            rank,
+            mode=LayoutMode(p.layout_mode),
+            kv_layout=KVLayout(p.kv_layout),
+            heads_major=p.heads_major,
+            allocator=attach_allocator(names),
+        )
+
+    def unlink_shm(self, side: Side, prefix: str | None = None) -> None:
+        """Remove a stopped instance's KV segments, every generation's (a killed engine
+        cannot); ``prefix``: only those of one engine start."""
+        for f in Path("/dev/shm").glob(f"{prefix or Path(self.tmp).name + '-' + side.role}-*"):
             f.unlink(missing_ok=True)
 
     def _socket(self, side: Side) -> zmq.Socket[bytes]:
@@ -286,6 +362,7 @@ class Cluster:
             for p in [*side.engines, side.sidecar]:
                 if p is None or p.poll() is not None:
                     continue
+                p.send_signal(signal.SIGCONT)  # a stopped process would sit on its SIGTERM
                 p.send_signal(signal.SIGTERM)
         for side in self.sides.values():
             for p in [*side.engines, side.sidecar]:
@@ -301,8 +378,12 @@ class Cluster:
             stop_master(self.master)
             self.master = None
         shutil.rmtree(self.tmp, ignore_errors=True)
+        # What engines that were killed (or crashed) could not remove. An engine that exited
+        # cleanly removed its own segments; anything of its left behind is a leak to see.
         for side in self.sides.values():
-            self.unlink_shm(side)
+            for prefix, p in side.started:
+                if p.poll() != 0:
+                    self.unlink_shm(side, prefix)
 
     # ---- requests --------------------------------------------------------------------------
 
@@ -397,15 +478,34 @@ class Cluster:
         self,
         pairs: Sequence[tuple[SimRequest, SimRequest]],
         mamba_mode: MambaMode = MambaMode.NONE,
+        *,
+        done: Sequence[str] | None = None,
     ) -> list[str]:
-        """What decode holds outside the requests' read sets; empty when all is well."""
+        """What decode holds outside the requests' read sets; empty when all is well.
+
+        With a sentinel (``ClusterSpec.sentinel`` or the engines' ``sentinel`` command) every
+        byte of decode's cache is compared; ``done`` names the requests that ended DONE (the
+        others may have left anything in their blocks), None meaning all of them.
+        """
+        return self.changed_outside(pairs, mamba_mode, done=done)[1]
+
+    def changed_outside(
+        self,
+        pairs: Sequence[tuple[SimRequest, SimRequest]],
+        mamba_mode: MambaMode = MambaMode.NONE,
+        *,
+        done: Sequence[str] | None = None,
+    ) -> tuple[int, list[str]]:
+        """``untouched`` with the number of bytes changed (0 without a sentinel)."""
         cmd = Command(
             cmd="untouched",
             requests=[dr for _, dr in pairs],
             mamba_mode=mamba_mode.value,
             num_spec=self.spec.num_spec,
+            done=None if done is None else list(done),
         )
-        return list(self.call(self.sides["decode"], cmd, 60)["problems"])
+        out = self.call(self.sides["decode"], cmd, 60)
+        return int(out.get("changed", 0)), list(out["problems"])
 
 
 def summarize(

@@ -11,6 +11,7 @@ of the tokens, which the pool's keys already name.
 from __future__ import annotations
 
 import hashlib
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -137,3 +138,19 @@ def state_values(
             vals = flat.reshape(count, *state.unit_shape)
         out[state.name] = _bits(np.ascontiguousarray(vals), size)
     return out
+
+
+@lru_cache(maxsize=8)
+def sentinel_bytes(nbytes: int, buffer: int, seed: int) -> torch.Tensor:
+    """What a sentinel-filled buffer holds before any transfer: every 8-byte word is a hash of
+    (seed, buffer index, word offset), so a stray write of zeros, of another block's bytes or
+    of the fill reads back as a change, wherever in the cache it lands. Cached: treat the
+    tensor as read-only."""
+    words = np.arange((nbytes + 7) // 8, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        x = words ^ (np.uint64(buffer) << np.uint64(48)) ^ np.uint64(seed)
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return torch.from_numpy(x.view(np.uint8)[:nbytes])

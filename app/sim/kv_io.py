@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from app.kvcache.groups import NULL_BLOCK
-from app.kvcache.layout import RankLayout
+from app.kvcache.layout import RankLayout, allocate
 from app.kvcache.specs import AttentionSpec, MambaSpec, SpecKind
-from app.sim.fill import LATENT, K, V, as_int, state_values, token_values
+from app.sim.fill import LATENT, K, V, as_int, sentinel_bytes, state_values, token_values
 
 
 def _token_index(
@@ -196,3 +196,143 @@ def verify_prefix(layout: RankLayout, blocks: Sequence[np.ndarray], hit_tokens: 
             if bad:
                 problems.append(f"rank {layout.rank} layer {c.index} ({c.name}): {bad} wrong")
     return problems
+
+
+# ---- whole-cache sentinel ------------------------------------------------------------------
+#
+# ``outside_read_set`` and ``untouched`` look at what the views of a request show and at free
+# blocks; bytes no view covers (a state page's padding up to the unified page, the gap between
+# slots) and a write shifted into another request's blocks can slip past them. The sentinel
+# check covers every byte of every buffer: fill it all with a known pattern before the
+# transfer, mark what the requests may have written, and count the bytes that changed anyway.
+
+
+def sentinel_fill(layout: RankLayout, seed: int) -> None:
+    """Every byte of every buffer of this rank set to the sentinel pattern."""
+    for i, buf in enumerate(layout.buffers):
+        buf.copy_(sentinel_bytes(buf.numel(), i, seed))
+
+
+def blank_like(layout: RankLayout) -> RankLayout:
+    """The same geometry (buffers, views) over private zeroed memory: a byte mask."""
+    return allocate(
+        layout.config,
+        layout.rank,
+        mode=layout.mode,
+        kv_layout=layout.kv_layout,
+        heads_major=layout.heads_major,
+        stacked=layout.stacked,
+    )
+
+
+def mark_read_set(
+    mask: RankLayout,
+    blocks: Sequence[np.ndarray],
+    prompt_len: int,
+    mamba_mode: str = "none",
+    num_spec: int = 0,
+) -> None:
+    """Set every byte a request's transfer may write: the complement of ``outside_read_set``
+    within its blocks (prompt tokens, from the first window block for a sliding window; the
+    final state block)."""
+    for g in mask.config.groups:
+        ids = blocks[g.index]
+        for c in g.layers:
+            if g.kind is SpecKind.MAMBA:
+                final = int(ids[state_block_index(ids.size, mamba_mode, num_spec)])
+                for view in mask.views[c.index].values():
+                    as_int(view)[final] = -1
+                continue
+            lo = 0
+            if g.kind is SpecKind.SLIDING and g.sliding_window:
+                lo = max(0, prompt_len - g.sliding_window) // g.block_size * g.block_size
+            tokens = np.arange(lo, prompt_len)
+            if not tokens.size:
+                continue
+            mid, sub, off = _token_index(mask, c.index, ids, tokens)
+            for name, _ in _token_streams(mask, c.index):
+                view = as_int(mask.views[c.index][name])
+                if mask.kv_layout.value == "HND" and name != "latent":
+                    view[mid, sub, :, off, :] = -1
+                else:
+                    view[mid, sub, off] = -1
+
+
+def mark_blocks(mask: RankLayout, blocks: Sequence[np.ndarray]) -> None:
+    """Set everything the views show of a request's blocks (the null block excepted): what a
+    request that did not end DONE may have left there."""
+    for g in mask.config.groups:
+        ids = blocks[g.index]
+        owned = torch.from_numpy(ids[ids != NULL_BLOCK])
+        for c in g.layers:
+            for view in mask.views[c.index].values():
+                as_int(view)[owned] = -1
+
+
+def changed_outside(
+    layout: RankLayout,
+    seed: int,
+    requests: Sequence[tuple[Sequence[np.ndarray], int, bool]],
+    mamba_mode: str = "none",
+    num_spec: int = 0,
+) -> tuple[int, list[str]]:
+    """Bytes of a sentinel-filled rank that changed outside what ``requests`` may write.
+
+    ``requests``: (block ids per group, prompt length, ended DONE). A DONE request may have
+    written its read set only; any other its blocks. Returns the number of changed bytes and
+    one line per buffer that has some.
+    """
+    mask = blank_like(layout)
+    for blocks, prompt_len, done in requests:
+        if done:
+            mark_read_set(mask, blocks, prompt_len, mamba_mode, num_spec)
+        else:
+            mark_blocks(mask, blocks)
+    total, problems = 0, []
+    for i, (buf, allowed) in enumerate(zip(layout.buffers, mask.buffers, strict=True)):
+        changed = (buf != sentinel_bytes(buf.numel(), i, seed)) & (allowed == 0)
+        n = int(changed.sum())
+        if n:
+            first = int(changed.nonzero()[0, 0])
+            page = buf.numel() // layout.num_blocks
+            total += n
+            problems.append(
+                f"rank {layout.rank} buffer {i}: {n} bytes changed outside the read sets "
+                f"(the first at byte {first}, block {first // page} if the buffer is "
+                "block-major)"
+            )
+    return total, problems
+
+
+def _blocks_mask(layout: RankLayout, requests: Sequence[Sequence[np.ndarray]]) -> RankLayout:
+    mask = blank_like(layout)
+    for blocks in requests:
+        mark_blocks(mask, blocks)
+    return mask
+
+
+def restore_sentinel(
+    layout: RankLayout, seed: int, requests: Sequence[Sequence[np.ndarray]]
+) -> None:
+    """Put the sentinel back into these requests' blocks: what an engine that frees them and
+    hands them to the next request would leave for ``changed_in_blocks`` to look at."""
+    if not requests:
+        return
+    mask = _blocks_mask(layout, requests)
+    for i, (buf, m) in enumerate(zip(layout.buffers, mask.buffers, strict=True)):
+        sel = m != 0
+        buf[sel] = sentinel_bytes(buf.numel(), i, seed)[sel]
+
+
+def changed_in_blocks(
+    layout: RankLayout, seed: int, requests: Sequence[Sequence[np.ndarray]]
+) -> int:
+    """Bytes of these requests' blocks that differ from the sentinel (after
+    ``restore_sentinel``: written after the engine had released them)."""
+    if not requests:
+        return 0
+    mask = _blocks_mask(layout, requests)
+    return sum(
+        int(((buf != sentinel_bytes(buf.numel(), i, seed)) & (m != 0)).sum())
+        for i, (buf, m) in enumerate(zip(layout.buffers, mask.buffers, strict=True))
+    )

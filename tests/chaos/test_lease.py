@@ -1,0 +1,76 @@
+"""A peer silent past its lease (SIGSTOP for three leases, then SIGCONT).
+
+The contract: sidecars that share requests heartbeat each other every
+``KVSIDECAR_HEARTBEAT_INTERVAL_S``; a peer that answered nothing for ``KVSIDECAR_LEASE_S`` is
+declared dead and every request with it ends FAILED on the live side at once, well before the
+requests' deadline (60 s here, so that only the lease can explain a prompt end). When the
+stopped side wakes up, its requests end too, exactly once, and none of them DONE.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+
+import pytest
+
+from tests.chaos.harness import LENS, Chaos, Outcome
+
+LEASE_S = 2.0
+STOP_S = 3 * LEASE_S
+DEADLINE_S = 60.0
+# Declared dead one lease after the last heartbeat answered, plus a heartbeat interval and
+# the engine's polling: a few seconds at most, against a deadline of 60.
+LIVE_BOUND_S = LEASE_S + 3.0
+ENV = {
+    "KVSIDECAR_HEARTBEAT_INTERVAL_S": "0.5",
+    "KVSIDECAR_LEASE_S": str(LEASE_S),
+    "KVSIDECAR_SEND_TIMEOUT_S": str(DEADLINE_S),
+    "KVSIDECAR_RECV_TIMEOUT_S": str(DEADLINE_S),
+}
+
+
+@pytest.mark.parametrize("stopped", ["prefill", "decode"])
+def test_peer_silent_past_its_lease(chaos: Callable[..., Chaos], stopped: str) -> None:
+    live = "decode" if stopped == "prefill" else "prefill"
+    ch = chaos(
+        f"{stopped[0].upper()} sidecar SIGSTOP {STOP_S:g}s (lease {LEASE_S:g}s)",
+        sidecar_env=ENV,
+        # The stopped side's engine blocks in a call to its sidecar until SIGCONT: let it.
+        engine_link_timeout_s=30.0,
+        engine_link_lease_s=None,
+    )
+    ch.start(LENS, deadline_s=DEADLINE_S, driver_s=DEADLINE_S + 10)
+    time.sleep(1.0)
+    fault = ch.at_fault()
+    ch.signal_sidecar(stopped, signal.SIGSTOP)
+    ch.sidecar_gone.add(stopped)  # checked for /livez again after SIGCONT, below
+    time.sleep(STOP_S)
+    ch.signal_sidecar(stopped, signal.SIGCONT)
+    ch.sidecar_gone.discard(stopped)
+
+    def expect(o: Outcome) -> list[str]:
+        out = []
+        if set(o.status[live].values()) != {"FAILED"}:
+            out.append(
+                f"scenario: the live side ({live}) should fail every request: {o.status[live]}"
+            )
+        slow = {
+            rid: None if (t := o.at(live, rid)) is None else round(t - fault, 2)
+            for rid in o.status[live]
+            if (o.at(live, rid) or float("inf")) - fault > LIVE_BOUND_S
+        }
+        if slow:
+            out.append(
+                f"scenario: the live side ({live}) ended {slow} (seconds after the stop), "
+                f"not within the lease ({LEASE_S:g}s) + 3s"
+            )
+        if "DONE" in o.status[stopped].values():
+            out.append(
+                f"scenario: the stopped side ({stopped}) must not complete requests its "
+                f"peer declared dead: {o.status[stopped]}"
+            )
+        return out
+
+    ch.verify(expect=expect)
