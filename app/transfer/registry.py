@@ -146,6 +146,12 @@ class Registry:
             agent.history = old.history
             if old.stream:
                 await asyncio.to_thread(old.stream.stop)
+            # Its memory was unregistered with its generation; let go of the mappings now,
+            # not when a reference cycle through the old stream thread is collected (the dead
+            # engine's segments stayed mapped for seconds).
+            old.memory.clear()
+            old.layout = None
+            old.stream = None
         self.agents[agent.rank] = agent
 
     async def _new_generation_if_restarted(self, rank: int) -> None:
@@ -178,9 +184,11 @@ class Registry:
         # Until each peer answered, it may still write to the old addresses, which the new
         # registration could reuse.
         note = NewEpoch(engine_id=self.settings.engine_id, old=old_epoch, new=self.epoch)
-        await asyncio.gather(
-            *(self._tell_new_epoch(p, note) for p in list(self._peers.table.values()))
-        )
+        peers = list(self._peers.table.values())
+        await asyncio.gather(*(self._tell_new_epoch(p, note) for p in peers))
+        # Their planners hold our old addresses: the next request handshakes anew.
+        for peer in peers:
+            await self._peers.drop(peer)
         self.compat_hash = ""
 
     async def _tell_new_epoch(self, peer: Peer, note: NewEpoch) -> None:

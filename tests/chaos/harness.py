@@ -110,6 +110,9 @@ class Chaos:
         self.sidecar_gone: set[str] = set()  # roles whose sidecar was killed or stopped
         self.decode_generation = 0  # the decode engine start that holds the requests' blocks
         self.notes: list[str] = []  # what the scenario adds to its row
+        # decode requests of the same cluster that completed DONE after the fault (check 2
+        # counts their read sets as written, and checks them byte-exact)
+        self.after: list[SimRequest] = []
         # decode rank -> requests its engine freed (sentinel put back) after they failed
         self.released: dict[int, list[str]] = {}
         self.started_at = time.monotonic()
@@ -256,9 +259,9 @@ class Chaos:
             freed = [blocks_of[rid] for rid in self.released.get(rank, [])]
             late += changed_in_blocks(layout, self.c.spec.sentinel, freed)
             reqs = []
-            for _, dr in self.pairs:
+            for dr in [dr for _, dr in self.pairs] + self.after:
                 blocks = [np.asarray(b, np.int64) for b in dr.blocks]
-                done = status.get(dr.id) == "DONE"
+                done = status.get(dr.id) == "DONE" or dr in self.after
                 reqs.append((blocks, dr.prompt_len, done))
                 if done:
                     wrong = verify_request(layout, blocks, dr.prompt_len, salt=request_salt(dr.id))
