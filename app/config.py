@@ -411,6 +411,13 @@ class SidecarSettings(BaseSettings):
         le=_MAX_DEADLINE_S,
         description="A peer silent this long is dead: its requests end and nothing is written.",
     )
+    quarantine_max_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Decode: longest a failed request's blocks stay allocated while a prefill "
+        "that claimed it may still write (it is silent, not known to be gone).",
+    )
     shutdown_grace_s: float = Field(
         default=10.0,
         ge=0,

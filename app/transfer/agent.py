@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -284,6 +285,9 @@ class StreamThread:
             )
 
 
+R = TypeVar("R", SendRequest, RecvRequest)
+
+
 class Agent:
     """One engine rank's KV cache, requests and counters."""
 
@@ -307,14 +311,13 @@ class Agent:
     def request(self, rid: str) -> Request | None:
         return self.sends.get(rid) or self.recvs.get(rid)
 
-    def recent_recv(self, rid: str) -> RecvRequest | None:
-        """A receive in flight, or ended and reported not long ago (for repeated messages)."""
-        req = self.recvs.get(rid)
-        if req is not None:
+    def recent(self, rid: str, kind: type[R]) -> R | None:
+        """A request in flight, or ended and reported not long ago (for repeated messages)."""
+        req = (self.sends if kind is SendRequest else self.recvs).get(rid)
+        if isinstance(req, kind):
             return req
         return next(
-            (r for r in reversed(self.history) if r.id == rid and isinstance(r, RecvRequest)),
-            None,
+            (r for r in reversed(self.history) if r.id == rid and isinstance(r, kind)), None
         )
 
     def all_requests(self) -> list[Request]:
@@ -335,7 +338,11 @@ class Agent:
         failed: list[FailedRequest] = []
         for table, done in ((self.sends, sending), (self.recvs, recving)):
             for rid, req in list(table.items()):
-                if not req.state.terminal or (isinstance(req, SendRequest) and req.inflight):
+                if not req.state.terminal:
+                    continue
+                if isinstance(req, SendRequest) and req.inflight and not req.peer_lost:
+                    # Our blocks are still read from. To a lost peer, that write lands (if ever)
+                    # in blocks decode keeps quarantined until we answer: report now.
                     continue
                 if isinstance(req, RecvRequest) and req.quarantined_at is not None:
                     continue

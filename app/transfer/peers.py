@@ -82,8 +82,9 @@ class Peers:
     ) -> None:
         self.table: dict[str, Peer] = {}
         self.counters = {"handshakes": 0, "leases_lost": 0}
-        # engine id -> the epoch we declared lost; its messages are refused until it says Hello
-        self.lost: dict[str, str] = {}
+        # engine id -> (the epoch we declared lost, its control endpoint); its messages are
+        # refused until it says Hello, and decode can still ask it whether it stopped writing
+        self.lost: dict[str, tuple[str, str]] = {}
         self._ctx, self._settings = ctx, settings
         self._hello, self._make_planners = hello, make_planners
         self._on_lost, self._on_handshake = on_lost, on_handshake
@@ -94,6 +95,19 @@ class Peers:
 
     def by_engine(self, engine_id: str) -> Peer | None:
         return next((p for p in self.table.values() if p.engine_id == engine_id), None)
+
+    def endpoint_of(self, engine_id: str) -> str | None:
+        """Where ``engine_id``'s sidecar listens, even after we declared it lost."""
+        peer = self.by_engine(engine_id)
+        if peer is not None:
+            return peer.endpoint
+        lost = self.lost.get(engine_id)
+        return lost[1] if lost else None
+
+    def connect(self, endpoint: str) -> PeerClient:
+        """A client of its own to ``endpoint`` (the caller closes it), whether or not the peer
+        has an entry: a lost peer has none."""
+        return PeerClient(self._ctx, endpoint, auth=self._auth)
 
     def fresh(self, endpoint: str) -> bool:
         """Whether a write to this peer may start now: we heard from it within half a lease,
@@ -177,7 +191,8 @@ class Peers:
 
     def heard(self, engine_id: str, epoch: str) -> bool:
         """A message came from ``engine_id``; False if we declared that peer lost."""
-        if self.lost.get(engine_id) == epoch:
+        lost = self.lost.get(engine_id)
+        if lost is not None and lost[0] == epoch:
             return False
         peer = self.by_engine(engine_id)
         if peer is not None and (not peer.epoch or peer.epoch == epoch):
@@ -231,7 +246,7 @@ class Peers:
         log.warning("%s; ending its requests", reason)
         peer.last_error = reason
         if peer.engine_id and peer.epoch:
-            self.lost[peer.engine_id] = peer.epoch
+            self.lost[peer.engine_id] = (peer.epoch, peer.endpoint)
             while len(self.lost) > _MAX_LOST:
                 del self.lost[next(iter(self.lost))]
         await self.drop(peer)
@@ -248,3 +263,19 @@ class Peers:
         for peer in list(self.table.values()):
             await peer.client.close()
         self.table.clear()
+
+
+async def refused(endpoint: str, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to ``endpoint`` is refused: nothing listens there, so the
+    sidecar that did is gone, and so are its transfer engine's writes. A stopped (SIGSTOP) or
+    unreachable one is not refused: its kernel still accepts, or nothing answers at all."""
+    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+    try:
+        async with asyncio.timeout(timeout_s):
+            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+    except ConnectionRefusedError:
+        return True
+    except (OSError, TimeoutError, ValueError):
+        return False
+    writer.close()
+    return False

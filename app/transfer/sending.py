@@ -211,7 +211,8 @@ class SendSide:
 
     def unpin(self, agent: Agent, ids: Sequence[str]) -> None:
         for rid in ids:
-            req = agent.sends.get(rid)
+            # Maybe reported already (its peer was lost): decode waits for this unpin.
+            req = agent.recent(rid, SendRequest)
             if req is not None:
                 req.unpin()
 
@@ -343,7 +344,10 @@ class SendSide:
 
     async def aborted_by_decode(self, rid: str, engine_id: str, reason: str) -> None:
         """Decode ended the request: stop writing, answer once nothing is on the wire."""
-        reqs = [a.sends[rid] for a in self._agents.values() if rid in a.sends]
+        # Also one already reported to our engine whose write to a lost peer is still on the
+        # wire: decode holds the blocks until we answer.
+        found = (a.recent(rid, SendRequest) for a in self._agents.values())
+        reqs = [r for r in found if r is not None]
         for req in reqs:
             peer = self._peers.table.get(req.peer)
             if peer is not None and peer.engine_id != engine_id:

@@ -417,8 +417,9 @@ class Sidecar:
             peer = self._peers.by_engine(msg.engine_id)
             if peer is not None:
                 why = f"peer {msg.engine_id} started a new generation (epoch {msg.new})"
+                # It drained its writes to us before it told us.
+                self.recv.peer_lost(peer, why, stopped=True)
                 await self.send.peer_lost(peer, why, epoch=msg.old)
-                self.recv.peer_lost(peer, why)
                 await self._peers.drop(peer)
             return Ack(request="")
         return Error(reason=f"unexpected message {type(msg).__name__} on the control port")
@@ -468,8 +469,8 @@ class Sidecar:
             self._spawn(close())
 
     async def _peer_lost(self, peer: Peer, reason: str) -> None:
-        await self.send.peer_lost(peer, reason)
         self.recv.peer_lost(peer, reason)
+        await self.send.peer_lost(peer, reason)
 
     # ---- background ------------------------------------------------------------------------
 

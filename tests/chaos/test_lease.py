@@ -5,6 +5,11 @@ The contract: sidecars that share requests heartbeat each other every
 declared dead and every request with it ends FAILED on the live side at once, well before the
 requests' deadline (60 s here, so that only the lease can explain a prompt end). When the
 stopped side wakes up, its requests end too, exactly once, and none of them DONE.
+
+A stopped *prefill* is not a dead one: its transfer engine finishes the write it had started
+when it wakes up. So decode ends the requests at the lease but keeps their blocks quarantined
+(its engine is not told) until the prefill, awake, answers that it stopped writing; no byte
+lands in blocks decode's engine freed (check 2's ``late``).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import signal
 import time
 from collections.abc import Callable
 
+import httpx
 import pytest
 
 from tests.chaos.harness import LENS, Chaos, Outcome
@@ -46,12 +52,25 @@ def test_peer_silent_past_its_lease(chaos: Callable[..., Chaos], stopped: str) -
     fault = ch.at_fault()
     ch.signal_sidecar(stopped, signal.SIGSTOP)
     ch.sidecar_gone.add(stopped)  # checked for /livez again after SIGCONT, below
-    time.sleep(STOP_S)
+    time.sleep(LIVE_BOUND_S)
+    ids = [pr.id for pr, _ in ch.pairs]
+    held = _quarantined(ch.d.admin_url, ids) if stopped == "prefill" else {}
+    time.sleep(STOP_S - LIVE_BOUND_S)
     ch.signal_sidecar(stopped, signal.SIGCONT)
     ch.sidecar_gone.discard(stopped)
 
     def expect(o: Outcome) -> list[str]:
         out = []
+        if stopped == "prefill":
+            # Ended within the lease, blocks held: the engine hears once prefill answered.
+            if held != {pr.id: ("FAILED", True) for pr, _ in ch.pairs}:
+                out.append(
+                    f"scenario: {LIVE_BOUND_S:g}s into the stop, decode should hold every "
+                    f"request FAILED and quarantined: {held}"
+                )
+            bound, when = STOP_S + 3.0, f"after the stop (prefill woke up at {STOP_S:g}s)"
+        else:
+            bound, when = LIVE_BOUND_S, f"after the stop, not within the lease ({LEASE_S:g}s) + 3s"
         if set(o.status[live].values()) != {"FAILED"}:
             out.append(
                 f"scenario: the live side ({live}) should fail every request: {o.status[live]}"
@@ -59,13 +78,10 @@ def test_peer_silent_past_its_lease(chaos: Callable[..., Chaos], stopped: str) -
         slow = {
             rid: None if (t := o.at(live, rid)) is None else round(t - fault, 2)
             for rid in o.status[live]
-            if (o.at(live, rid) or float("inf")) - fault > LIVE_BOUND_S
+            if (o.at(live, rid) or float("inf")) - fault > bound
         }
         if slow:
-            out.append(
-                f"scenario: the live side ({live}) ended {slow} (seconds after the stop), "
-                f"not within the lease ({LEASE_S:g}s) + 3s"
-            )
+            out.append(f"scenario: the live side ({live}) ended {slow} (seconds) {when}")
         if "DONE" in o.status[stopped].values():
             out.append(
                 f"scenario: the stopped side ({stopped}) must not complete requests its "
@@ -74,3 +90,13 @@ def test_peer_silent_past_its_lease(chaos: Callable[..., Chaos], stopped: str) -
         return out
 
     ch.verify(expect=expect)
+
+
+def _quarantined(admin: str, ids: list[str]) -> dict[str, tuple[str, bool]]:
+    """Decode's view of each request: (state, quarantined)."""
+    out = {}
+    for rid in ids:
+        entries = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10).json()["entries"]
+        recv = [e for e in entries if e["side"] == "recv"]
+        out[rid] = (recv[0]["state"], recv[0]["quarantined"]) if recv else ("unknown", False)
+    return out
