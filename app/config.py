@@ -411,6 +411,20 @@ class SidecarSettings(BaseSettings):
         le=_MAX_DEADLINE_S,
         description="A peer silent this long is dead: its requests end and nothing is written.",
     )
+    control_max_frame_bytes: int = Field(
+        default=1 << 20,
+        ge=64 << 10,
+        le=1 << 30,
+        description="Largest frame accepted on the control port (and from a peer); larger ones "
+        "are refused with an error. Raise it only if AgentMetadata of very many ranks exceeds it.",
+    )
+    engine_max_frame_bytes: int = Field(
+        default=64 << 20,
+        ge=64 << 10,
+        le=1 << 30,
+        description="Largest frame accepted from the local engines (token id lists of whole "
+        "prompts: a 1M-token PoolSave is about 5 MiB).",
+    )
     quarantine_max_s: float = Field(
         default=30.0,
         gt=0,

@@ -217,10 +217,16 @@ class Sidecar:
             self._on_peer,
             name="control",
             auth=self._auth,
+            max_frame_bytes=s.control_max_frame_bytes,
         )
         self.control_endpoint = await self.control.start()
         self.engine_server = ControlServer(
-            self.ctx, s.engine_ipc, self._on_engine, name="engine", inline=(GetFinished, BeginStep)
+            self.ctx,
+            s.engine_ipc,
+            self._on_engine,
+            name="engine",
+            inline=(GetFinished, BeginStep),
+            max_frame_bytes=s.engine_max_frame_bytes,
         )
         await self.engine_server.start()
         self._background = [
