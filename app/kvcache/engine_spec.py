@@ -8,7 +8,20 @@ engine's shapes and strides.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+
+# Bounds a registration must meet to decode at all: an engine (or a process on its socket) that
+# sends a negative offset, a TP size of 0 or a billion-entry shape gets a ProtocolError naming
+# the field, not an exception deep in the layout code or memory it cannot map. Generous
+# against every model in ../models: the largest have ~100 layers, 128 KV heads, 6 groups.
+_BIG = 1 << 48  # bytes and elements: more than any device or host holds
+Count = Annotated[int, msgspec.Meta(ge=0, le=_BIG)]
+Size = Annotated[int, msgspec.Meta(ge=1, le=_BIG)]
+Small = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]  # heads, head sizes, tokens per block
+Name = Annotated[str, msgspec.Meta(max_length=256)]
+Dims = Annotated[list[Size], msgspec.Meta(max_length=8)]
 
 
 class Axis(msgspec.Struct, array_like=True):
@@ -18,17 +31,17 @@ class Axis(msgspec.Struct, array_like=True):
     Without a ``kv`` axis an attention channel holds K's ``head_size`` channels then V's.
     """
 
-    role: str
-    size: int
-    stride: int
+    role: Name
+    size: Size
+    stride: Count
 
 
 class StatePart(msgspec.Struct, array_like=True):
     """A TP-sharded slice of a state tensor: ``units`` global units of ``unit_elems`` each."""
 
-    name: str
-    units: int
-    unit_elems: int
+    name: Name
+    units: Size
+    unit_elems: Size
 
 
 class StateTensor(msgspec.Struct):
@@ -39,61 +52,61 @@ class StateTensor(msgspec.Struct):
     before the rows); for a temporal state the one part is split over its first axis.
     """
 
-    name: str
-    dtype: str
-    offset: int
-    shape: list[int]
+    name: Name
+    dtype: Name
+    offset: Count
+    shape: Dims
     conv: bool
     dim_first: bool
-    parts: list[StatePart]
+    parts: Annotated[list[StatePart], msgspec.Meta(max_length=16)]
 
 
 class EngineLayer(msgspec.Struct):
     """One layer's KV tensor: where its block 0 starts and how it is laid out."""
 
-    name: str
-    group: int
-    buffer: int  # index into ``EngineRegistration.memory``
-    offset: int  # bytes from the buffer start to element 0 of the tensor view
-    dtype: str
-    axes: list[Axis] = []  # attention and MLA
-    head_size: int = 0
-    head_size_v: int = 0
-    total_heads: int = 0  # KV heads of the whole model (before TP)
-    block_stride: int = 0  # bytes; set for state pages (one state per block)
-    states: list[StateTensor] = []
+    name: Name
+    group: Annotated[int, msgspec.Meta(ge=0, lt=64)]
+    buffer: Annotated[int, msgspec.Meta(ge=0, lt=4096)]  # index into ``memory``
+    offset: Count  # bytes from the buffer start to element 0 of the tensor view
+    dtype: Name
+    axes: Annotated[list[Axis], msgspec.Meta(max_length=8)] = []  # attention and MLA
+    head_size: Small = 0
+    head_size_v: Small = 0
+    total_heads: Small = 0  # KV heads of the whole model (before TP)
+    block_stride: Count = 0  # bytes; set for state pages (one state per block)
+    states: Annotated[list[StateTensor], msgspec.Meta(max_length=8)] = []
 
 
 class EngineGroup(msgspec.Struct):
     """A KV cache group as the engine built it (vLLM ``KVCacheGroupSpec``)."""
 
-    kind: str  # full | sliding | mla | mamba
-    block_size: int
-    kernel_block_size: int
-    layers: list[str]
-    sliding_window: int | None = None
-    mamba_mode: str = "none"  # vLLM's mamba_cache_mode: where the final state lives
-    num_spec: int = 0  # speculative state blocks after it (align mode)
+    kind: Name  # full | sliding | mla | mamba
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+    kernel_block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]
+    layers: Annotated[list[Name], msgspec.Meta(max_length=4096)]
+    sliding_window: Annotated[int, msgspec.Meta(ge=1, le=1 << 30)] | None = None
+    mamba_mode: Name = "none"  # vLLM's mamba_cache_mode: where the final state lives
+    num_spec: Annotated[int, msgspec.Meta(ge=0, le=64)] = 0  # speculative state blocks after it
 
 
 class MemorySpan(msgspec.Struct, array_like=True):
     """A shared-memory file holding KV: data starts ``offset`` bytes in, ``size`` bytes long."""
 
-    name: str
-    offset: int
-    size: int
+    name: Name
+    offset: Count
+    size: Size
 
 
 class EngineRegistration(msgspec.Struct):
     """Everything a sidecar needs to move one engine rank's KV, from the engine itself."""
 
-    engine_id: str
-    rank: int
-    tp_size: int
-    model: str  # a readable name; identity is the compat hash over the layer facts
-    engine_version: str
-    num_blocks: int
-    groups: list[EngineGroup]
-    layers: list[EngineLayer]
-    memory: list[MemorySpan]
-    null_block: int = 0
+    engine_id: Name
+    rank: Annotated[int, msgspec.Meta(ge=0, lt=1024)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1024)]
+    model: Name  # a readable name; identity is the compat hash over the layer facts
+    engine_version: Name
+    num_blocks: Annotated[int, msgspec.Meta(ge=1, le=1 << 31)]
+    groups: Annotated[list[EngineGroup], msgspec.Meta(min_length=1, max_length=64)]
+    layers: Annotated[list[EngineLayer], msgspec.Meta(min_length=1, max_length=4096)]
+    memory: Annotated[list[MemorySpan], msgspec.Meta(min_length=1, max_length=4096)]
+    null_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0

@@ -11,6 +11,15 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
+from app.kvcache.engine_spec import (
+    Axis,
+    EngineGroup,
+    EngineLayer,
+    EngineRegistration,
+    MemorySpan,
+    StatePart,
+    StateTensor,
+)
 from app.transfer.control import ControlServer
 from app.transfer.protocol import (
     MAX_DEADLINE_S,
@@ -29,6 +38,7 @@ from app.transfer.protocol import (
     PoolSave,
     RankMetadata,
     RegisterCaches,
+    RegisterEngine,
     RemoteTarget,
     Role,
     Status,
@@ -71,6 +81,37 @@ REGISTER = RegisterCaches(
     kv_layout="HND",
     heads_major=True,
     shm_names=["a"],
+)
+ENGINE = RegisterEngine(
+    registration=EngineRegistration(
+        engine_id="e",
+        rank=0,
+        tp_size=2,
+        model="m",
+        engine_version="0.33.0",
+        num_blocks=8,
+        groups=[
+            EngineGroup("sliding", 16, 16, ["l0"], sliding_window=128),
+            EngineGroup("mamba", 16, 16, ["l1"], mamba_mode="align", num_spec=1),
+        ],
+        layers=[
+            EngineLayer(
+                "l0", 0, 0, 0, "bfloat16", [Axis("block", 8, 4096), Axis("token", 16, 256)], 128
+            ),
+            EngineLayer(
+                "l1",
+                1,
+                0,
+                65536,
+                "bfloat16",
+                block_stride=1024,
+                states=[
+                    StateTensor("conv", "bfloat16", 0, [3, 64], True, False, [StatePart("x", 8, 8)])
+                ],
+            ),
+        ],
+        memory=[MemorySpan("kv", 0, 1 << 20)],
+    )
 )
 SAVE = PoolSave(rank=0, request="r", token_ids=[1, 2], block_ids=[[1]], num_computed=2)
 
@@ -123,6 +164,43 @@ BAD = [
     (REGISTER, "tp_size", 0, "$.tp_size"),
     (REGISTER, "block_size", 0, "$.block_size"),
     (REGISTER, "num_blocks", -1, "$.num_blocks"),
+    # An engine's own registration: what would break the layout code or the mappings.
+    (ENGINE, "registration.rank", -1, "$.registration.rank"),
+    (ENGINE, "registration.tp_size", 0, "$.registration.tp_size"),
+    (ENGINE, "registration.num_blocks", 0, "$.registration.num_blocks"),
+    (ENGINE, "registration.null_block", -1, "$.registration.null_block"),
+    (ENGINE, "registration.memory", [], "$.registration.memory"),
+    (ENGINE, "registration.memory.0.1", -4096, "$.registration.memory[0][1]"),
+    (ENGINE, "registration.memory.0.2", 0, "$.registration.memory[0][2]"),
+    (ENGINE, "registration.memory.0.2", 1 << 60, "$.registration.memory[0][2]"),
+    (ENGINE, "registration.groups.0.block_size", 0, "$.registration.groups[0].block_size"),
+    (ENGINE, "registration.groups.0.sliding_window", 0, "$.registration.groups[0].sliding_window"),
+    (ENGINE, "registration.groups.1.num_spec", -1, "$.registration.groups[1].num_spec"),
+    (ENGINE, "registration.layers.0.group", -1, "$.registration.layers[0].group"),
+    (ENGINE, "registration.layers.0.buffer", -1, "$.registration.layers[0].buffer"),
+    (ENGINE, "registration.layers.0.offset", -2, "$.registration.layers[0].offset"),
+    (ENGINE, "registration.layers.0.head_size", -128, "$.registration.layers[0].head_size"),
+    (ENGINE, "registration.layers.0.axes.0.1", 0, "$.registration.layers[0].axes[0][1]"),
+    (ENGINE, "registration.layers.0.axes.1.2", -256, "$.registration.layers[0].axes[1][2]"),
+    (
+        ENGINE,
+        "registration.layers.1.states.0.shape",
+        [1] * 9,
+        "$.registration.layers[1].states[0].shape",
+    ),
+    (
+        ENGINE,
+        "registration.layers.1.states.0.shape.0",
+        0,
+        "$.registration.layers[1].states[0].shape[0]",
+    ),
+    (
+        ENGINE,
+        "registration.layers.1.states.0.parts.0.1",
+        0,
+        "$.registration.layers[1].states[0].parts[0][1]",
+    ),
+    (ENGINE, "registration.model", "m" * 300, "$.registration.model"),
     (LayerReady(rank=0, step=0, layer=0), "layer", -2, "$.layer"),
     (LayerReady(rank=0, step=0, layer=0), "step", -1, "$.step"),
     (BeginStep(rank=0, step=0, slices=[StepSlice("r", 0, 16)]), "slices.0.1", -1, "$.slices"),
@@ -155,6 +233,7 @@ GOOD = [
     DONE,
     META,
     REGISTER,
+    ENGINE,
     SAVE,
     LayerReady(rank=3, step=0, layer=-1),  # -1: every layer of the step (agent.ALL_LAYERS)
 ]
