@@ -62,6 +62,7 @@ class CacheParams:
     layout_mode: str = "per_layer"
     kv_layout: str = "HND"
     heads_major: bool = False
+    conv_layout: str = "SD"  # Mamba conv state rows: (state, dim) "SD" or (dim, state) "DS"
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,11 @@ class EngineLink:
     def allocate_kv_caches(self, params: CacheParams) -> RankLayout:
         """Allocate this rank's KV cache in shared memory (as the worker's allocator would)."""
         model = load_preset(
-            params.model, layers=params.layers, dtype=params.dtype, cache_dtype=params.cache_dtype
+            params.model,
+            layers=params.layers,
+            dtype=params.dtype,
+            cache_dtype=params.cache_dtype,
+            conv_layout=params.conv_layout,
         )
         config = build_cache_config(
             model, params.tp_size, params.block_size, num_blocks=params.num_blocks
@@ -136,6 +141,7 @@ class EngineLink:
                 kv_layout=params.kv_layout,
                 heads_major=params.heads_major,
                 shm_names=list(self.arena.names),
+                conv_layout=params.conv_layout,
             ),
             timeout_s,
         )

@@ -74,6 +74,7 @@ class ClusterSpec:
     layout: str = "per_layer"
     kv_layout: str = "HND"
     heads_major: bool = False
+    conv_layout: str = "SD"
     max_requests: int = 8
     max_prompt: int = 1024
     num_spec: int = 0
@@ -114,6 +115,7 @@ class Cluster:
                 layout_mode=spec.layout,
                 kv_layout=spec.kv_layout,
                 heads_major=spec.heads_major,
+                conv_layout=spec.conv_layout,
             )
             side = Side(role, tp, params, free_port(), free_port(), f"{role}-{os.getpid()}")
             side.allocator = BlockAllocator(
@@ -263,7 +265,13 @@ class Cluster:
             key=lambda n: int(n.rsplit("-", 1)[1]),
         )
         p = side.params
-        model = load_preset(p.model, layers=p.layers, dtype=p.dtype, cache_dtype=p.cache_dtype)
+        model = load_preset(
+            p.model,
+            layers=p.layers,
+            dtype=p.dtype,
+            cache_dtype=p.cache_dtype,
+            conv_layout=p.conv_layout,
+        )
         config = build_cache_config(model, p.tp_size, p.block_size, num_blocks=p.num_blocks)
         return allocate(
             config,

@@ -246,6 +246,7 @@ class RegisterCaches(Msg, tag="register"):
     kv_layout: str
     heads_major: bool
     shm_names: list[str]
+    conv_layout: str = "SD"
 
 
 class RegisterEngine(Msg, tag="register_engine"):

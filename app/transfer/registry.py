@@ -57,7 +57,11 @@ class Registry:
     async def register_caches(self, msg: RegisterCaches) -> Msg:
         await self._new_generation_if_restarted(msg.rank)
         model = load_preset(
-            msg.model, layers=msg.layers, dtype=msg.dtype, cache_dtype=msg.cache_dtype
+            msg.model,
+            layers=msg.layers,
+            dtype=msg.dtype,
+            cache_dtype=msg.cache_dtype,
+            conv_layout=msg.conv_layout,
         )
         if self.compat_hash and model.compat_hash() != self.compat_hash:
             return Reply(ok=False, error="rank registered a different model than its siblings")

@@ -57,3 +57,27 @@ def test_requests_of_equal_length_land_in_their_own_blocks(
     s = summarize(cluster.run(pairs), pairs)
     assert s["failures"] == {} and s["verified"] == len(lens)
     assert cluster.untouched(pairs) == []
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(2, 1), (1, 2), (4, 2)])
+@pytest.mark.parametrize("model", ["qwen3-next-80b-a3b", "kimi-linear-48b-a3b"])
+def test_conv_states_in_the_ds_layout_arrive_byte_exact(
+    make_cluster: Callable[..., Cluster], model: str, p_tp: int, d_tp: int
+) -> None:
+    """Conv states stored (dim, state) instead of (state, dim): each rank's share of the dim
+    axis is then rows, not columns, and the TP split must follow it."""
+    lens = [300, 517]
+    cluster = make_cluster(
+        model=model,
+        layers=MODELS[model][0],
+        prefill_tp=p_tp,
+        decode_tp=d_tp,
+        conv_layout="DS",
+        max_requests=len(lens),
+        max_prompt=max(lens),
+    )
+    pairs = cluster.make_requests(lens)
+    s = summarize(cluster.run(pairs, chunk=128), pairs)
+    assert s["failures"] == {}
+    assert s["verified"] == len(lens)
+    assert cluster.untouched(pairs) == []
