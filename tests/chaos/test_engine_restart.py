@@ -61,6 +61,21 @@ def _after_restart(ch: Chaos, *, decode_restarted: bool) -> list[str]:
     return out
 
 
+def _verify(ch: Chaos, problems: list[str]) -> None:
+    """The common checks, the scenario's ``problems``, and the old generation FAILED."""
+
+    def expect(o: Outcome) -> list[str]:
+        out = list(problems)
+        for role in ("prefill", "decode"):
+            if set(o.status[role].values()) != {"FAILED"}:
+                out.append(
+                    f"scenario: old generation on {role} should end FAILED: {o.status[role]}"
+                )
+        return out
+
+    ch.verify(expect=expect)
+
+
 def test_decode_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos]) -> None:
     ch = chaos("D engine restart (new generation)", sidecar_env=ENV)
     p_admin = ch.p.admin_url
@@ -82,17 +97,7 @@ def test_decode_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos]
     left = _still_mapped(ch, "decode", old_prefix)
     if left:
         problems.append(f"scenario: decode's sidecar still maps the old engine's memory {left}")
-
-    def expect(o: Outcome) -> list[str]:
-        out = list(problems)
-        for role in ("prefill", "decode"):
-            if set(o.status[role].values()) != {"FAILED"}:
-                out.append(
-                    f"scenario: old generation on {role} should end FAILED: {o.status[role]}"
-                )
-        return out
-
-    ch.verify(expect=expect)
+    _verify(ch, problems)
 
 
 def test_prefill_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos]) -> None:
@@ -112,14 +117,4 @@ def test_prefill_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos
     left = _still_mapped(ch, "prefill", old_prefix)
     if left:
         problems.append(f"scenario: prefill's sidecar still maps the old engine's memory {left}")
-
-    def expect(o: Outcome) -> list[str]:
-        out = list(problems)
-        for role in ("prefill", "decode"):
-            if set(o.status[role].values()) != {"FAILED"}:
-                out.append(
-                    f"scenario: old generation on {role} should end FAILED: {o.status[role]}"
-                )
-        return out
-
-    ch.verify(expect=expect)
+    _verify(ch, problems)
