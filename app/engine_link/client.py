@@ -2,21 +2,33 @@
 
 ``register_kv_caches`` → ``add_send_request`` / ``expect_receive`` → per step ``begin_step`` and
 ``layer_ready(layer, event)`` → ``get_finished``. The engine and its sidecar are separate
-processes; KV memory is shared as POSIX shared memory (CPU), so registering only sends names.
+processes; KV memory is shared as POSIX shared memory (CPU) or exported device memory
+(``app.devices.memory``), so registering only sends names and handles.
 Calls are synchronous (vLLM workers are), each with a deadline; ``layer_ready`` is one-way and
 never waits on the transfer path.
+
+Events: with an event ring (``CacheParams.events``, or ``create_event_ring``) ``layer_ready``
+records the layer's event in the ring and the sidecar waits on it before writing. Without one,
+a layer whose event is not complete yet is signalled by a waiter thread once it is; either way
+the caller is not blocked (except by a ring slot the sidecar still holds) and the rank's
+``LayerReady`` messages keep their order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from app.devices import CpuEvent, Event
+from app.devices.events import DEFAULT_SLOTS, EngineRing
+from app.devices.memory import DeviceArena
 from app.engine_link.shm import ShmArena
-from app.errors import KVSidecarError
+from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
@@ -45,6 +57,8 @@ from app.transfer.protocol import (
 )
 from app.transfer.sync_client import SyncClient
 
+log = logging.getLogger(__name__)
+
 
 class EngineLinkError(KVSidecarError):
     """The sidecar refused or failed an engine call; the message is the sidecar's sentence."""
@@ -63,6 +77,11 @@ class CacheParams:
     kv_layout: str = "HND"
     heads_major: bool = False
     conv_layout: str = "SD"  # Mamba conv state rows: (state, dim) "SD" or (dim, state) "DS"
+    # An event ring with this many slots per layer (app.devices.events); off: every layer is
+    # complete when signalled, or waited for in this process (``EngineLink.layer_ready``).
+    events: bool = False
+    event_slots: int = DEFAULT_SLOTS
+    device: str = "cpu"  # where the KV lives: cpu (POSIX shm), cuda[:i] or npu[:i]
 
 
 @dataclass(frozen=True)
@@ -91,11 +110,22 @@ class EngineLink:
         self.rank = rank
         self.timeout_s = timeout_s
         self.arena = ShmArena(shm_prefix) if shm_prefix else ShmArena()
+        self.device_arena: DeviceArena | None = None
+        self.layout: RankLayout | None = None
+        self.ring: EngineRing | None = None
         self.epoch = ""
         self.control_port = 0
+        # The waiter thread sends too, and a ZMQ socket is not thread-safe.
+        self._lock = threading.Lock()
+        self._signals = _Signals(self._notify)
+
+    def _notify(self, msg: Msg) -> None:
+        with self._lock:
+            self.client.notify(msg)
 
     def _call(self, msg: Msg, timeout: float | None = None) -> AnyMsg:
-        reply = self.client.request(msg, timeout or self.timeout_s)
+        with self._lock:
+            reply = self.client.request(msg, timeout or self.timeout_s)
         if isinstance(reply, Reply) and not reply.ok:
             raise EngineLinkError(reply.error or "sidecar refused the call")
         if not isinstance(reply, Reply | Finished | PoolLoaded):
@@ -105,7 +135,8 @@ class EngineLink:
         return reply
 
     def allocate_kv_caches(self, params: CacheParams) -> RankLayout:
-        """Allocate this rank's KV cache in shared memory (as the worker's allocator would)."""
+        """Allocate this rank's KV cache (as the worker's allocator would): in shared memory,
+        or on ``params.device`` to be exported at registration."""
         model = load_preset(
             params.model,
             layers=params.layers,
@@ -116,16 +147,45 @@ class EngineLink:
         config = build_cache_config(
             model, params.tp_size, params.block_size, num_blocks=params.num_blocks
         )
-        return allocate(
+        allocator = self.arena.allocator
+        if params.device != "cpu":
+            self.device_arena = DeviceArena(params.device)
+            allocator = self.device_arena.allocator
+        self.layout = allocate(
             config,
             self.rank,
             mode=LayoutMode(params.layout_mode),
             kv_layout=KVLayout(params.kv_layout),
             heads_major=params.heads_major,
-            allocator=self.arena.allocator,
+            allocator=allocator,
         )
+        return self.layout
+
+    def create_event_ring(
+        self, layers: int, device: str = "cpu", slots: int = DEFAULT_SLOTS
+    ) -> EngineRing:
+        """A fresh event ring for the next registration (the previous one is closed)."""
+        if self.ring is not None:
+            self.ring.close()
+        kind, _, index = device.partition(":")
+        self.ring = EngineRing.create(
+            layers,
+            device=kind,
+            index=int(index or 0),
+            slots=slots,
+            prefix=self.arena.prefix,
+            timeout_s=max(self.timeout_s, 60.0),
+        )
+        return self.ring
 
     def register_kv_caches(self, params: CacheParams, timeout_s: float = 60.0) -> None:
+        """Register what ``allocate_kv_caches`` allocated, with a new event ring if
+        ``params.events``."""
+        if params.events:
+            if self.layout is None:
+                raise ConfigError("allocate_kv_caches must run before an event ring is made")
+            self.create_event_ring(len(self.layout.placements), params.device, params.event_slots)
+        device_memory = self.device_arena.export() if self.device_arena is not None else None
         reply = self._call(
             RegisterCaches(
                 engine_id=self.engine_id,
@@ -142,6 +202,8 @@ class EngineLink:
                 heads_major=params.heads_major,
                 shm_names=list(self.arena.names),
                 conv_layout=params.conv_layout,
+                events=self.ring.spec if self.ring is not None else None,
+                device_memory=device_memory,
             ),
             timeout_s,
         )
@@ -150,7 +212,8 @@ class EngineLink:
         self.control_port = int(reply.data.get("control_port") or 0)
 
     def register_engine(self, registration: EngineRegistration, timeout_s: float = 60.0) -> str:
-        """Register KV memory the engine allocated itself; returns the compat hash."""
+        """Register KV memory the engine allocated itself; returns the compat hash. For an
+        event ring, ``create_event_ring`` first and put its ``spec`` in ``events``."""
         reply = self._call(RegisterEngine(registration=registration), timeout_s)
         assert isinstance(reply, Reply)
         self.epoch = str(reply.data.get("epoch", ""))
@@ -225,9 +288,19 @@ class EngineLink:
         )
 
     def layer_ready(self, step: int, layer: int, event: Event | None = None) -> None:
-        """Signal that ``layer``'s KV of ``step`` is written (after its reshape-cache event)."""
-        del event  # the CPU event is complete; device events are waited on by the sidecar
-        self.client.notify(LayerReady(rank=self.rank, step=step, layer=layer))
+        """Signal that ``layer``'s KV of ``step`` is written once ``event`` completed (None:
+        already). With a ring the event goes into it and the sidecar waits; without, a
+        pending event is waited for by a thread here. Never blocks on the event itself."""
+        if self.ring is not None and layer >= 0:
+            slot, seq = self.ring.record(layer, event)
+            msg = LayerReady(rank=self.rank, step=step, layer=layer, slot=slot, seq=seq)
+            try:
+                self._signals.put(msg, None)
+            except KVSidecarError:
+                self.ring.abandon(layer, slot, seq)  # the sidecar will never release it
+                raise
+            return
+        self._signals.put(LayerReady(rank=self.rank, step=step, layer=layer), event)
 
     def get_finished(self) -> FinishedRequests:
         reply = self._call(GetFinished(rank=self.rank))
@@ -301,9 +374,80 @@ class EngineLink:
         self._call(AbortRequest(rank=self.rank, request=request, reason=reason))
 
     def close(self, unlink: bool = True) -> None:
-        self.client.close()
+        self._signals.close()
+        with self._lock:
+            self.client.close()
+        if self.ring is not None:
+            self.ring.close(unlink=unlink)
+        if self.device_arena is not None:
+            self.device_arena.close()
         if unlink:
             self.arena.unlink()
+
+
+class _Signals:
+    """A rank's ``LayerReady`` messages, in the order the engine signalled them. One whose
+    event is not complete yet waits in a thread (not in the caller), and every later message
+    queues behind it."""
+
+    def __init__(self, send: Callable[[LayerReady], None]) -> None:
+        self._send = send
+        self._cond = threading.Condition()
+        # The head stays queued while it is sent, so that a caller never overtakes it.
+        self._queue: deque[tuple[LayerReady, Event | None]] = deque()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def put(self, msg: LayerReady, event: Event | None) -> None:
+        complete = event is None or isinstance(event, CpuEvent) or event.query()
+        with self._cond:
+            if self._closed:
+                raise KVSidecarError("the engine link is closed")
+            if complete and not self._queue:
+                queued = False
+            else:
+                self._queue.append((msg, None if complete else event))
+                if self._thread is None:
+                    self._thread = threading.Thread(
+                        target=self._run, name="kvs-layer-ready", daemon=True
+                    )
+                    self._thread.start()
+                self._cond.notify()
+                queued = True
+        if not queued:
+            self._send(msg)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+                msg, event = self._queue[0]
+            try:
+                if event is not None:
+                    event.synchronize()
+                with self._cond:
+                    if self._closed:
+                        return  # the link closed while the event was pending
+                self._send(msg)
+            except Exception:
+                # Not signalled: the layer's requests end at the sidecar's deadline.
+                log.exception("layer %d of step %d not signalled", msg.layer, msg.step)
+            with self._cond:
+                self._queue.popleft()
+
+    def close(self, timeout_s: float = 1.0) -> None:
+        """Stop the thread; messages still waiting for their events are dropped."""
+        with self._cond:
+            self._closed = True
+            dropped = len(self._queue)
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        if dropped:
+            log.warning("engine link closed with %d layer signal(s) still waiting", dropped)
 
 
 __all__ = ["CacheParams", "CpuEvent", "EngineLink", "EngineLinkError", "FinishedRequests"]

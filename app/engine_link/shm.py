@@ -40,8 +40,42 @@ def _open(name: str) -> int:
 
 
 def _map(fd: int, size: int) -> torch.Tensor:
-    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return torch.frombuffer(_mmap(fd, size), dtype=torch.uint8)
+
+
+def _mmap(fd: int, size: int) -> mmap.mmap:
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+
+def create_file(name: str, nbytes: int) -> mmap.mmap:
+    """A new zero-filled shared-memory file, mapped; fails if ``name`` exists."""
+    fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        return _mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def open_file(name: str, nbytes: int) -> mmap.mmap:
+    """Map another process's shared-memory file of exactly ``nbytes``."""
+    fd = _open(name)
+    try:
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise ConfigError(
+                f"shared memory {name!r} has {size} bytes, expected {nbytes}; engine and "
+                "sidecar disagree on what it holds (different versions?)"
+            )
+        return _mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+
+
+def unlink_file(name: str) -> None:
+    """Remove a shared-memory name (mappings stay valid); a missing name is fine."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_path(name))
 
 
 @dataclass
@@ -53,20 +87,14 @@ class ShmArena:
 
     def allocator(self, nbytes: int) -> torch.Tensor:
         name = f"{self.prefix}-{len(self.names)}"
-        fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, nbytes)
-            tensor = _map(fd, nbytes)
-        finally:
-            os.close(fd)
+        tensor = torch.frombuffer(create_file(name, nbytes), dtype=torch.uint8)
         self.names.append(name)
         return tensor
 
     def unlink(self) -> None:
         """Remove the names (mappings stay valid until every process drops them)."""
         for name in self.names:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(_path(name))
+            unlink_file(name)
         self.names.clear()
 
 

@@ -12,6 +12,8 @@ from typing import Annotated
 
 import msgspec
 
+from app.devices.spec import EventRingSpec
+
 # Bounds a registration must meet to decode at all: an engine (or a process on its socket) that
 # sends a negative offset, a TP size of 0 or a billion-entry shape gets a ProtocolError naming
 # the field, not an exception deep in the layout code or memory it cannot map. Generous
@@ -110,3 +112,5 @@ class EngineRegistration(msgspec.Struct):
     layers: Annotated[list[EngineLayer], msgspec.Meta(min_length=1, max_length=4096)]
     memory: Annotated[list[MemorySpan], msgspec.Meta(min_length=1, max_length=4096)]
     null_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+    # The rank's event ring (app.devices.events); None: layers are complete when signalled.
+    events: EventRingSpec | None = None

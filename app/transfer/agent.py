@@ -22,6 +22,8 @@ import numpy as np
 import torch
 
 from app.devices import Event
+from app.devices.events import SidecarRing
+from app.devices.memory import ImportedMemory
 from app.errors import DeadlineExceeded, KVSidecarError, ProtocolError, TransferError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
@@ -162,11 +164,15 @@ class Batch:
 
 @dataclass
 class LayerTask:
+    """One ``LayerReady``: nothing of it is written before ``event.synchronize()`` returned;
+    ``release`` (the event ring's slot) is called once the task ended, however it ended."""
+
     step: int
     layer: int
     event: Event
     batches: list[Batch]
     enqueued: float = field(default_factory=time.monotonic)
+    release: Callable[[], None] | None = None
 
 
 @dataclass
@@ -221,11 +227,50 @@ class StreamThread:
     def _run(self) -> None:
         while (task := self.queue.get()) is not None:
             try:
-                task.event.synchronize()
-                for batch in task.batches:
-                    self._submit(task, batch)
+                self._run_task(task)
             except Exception:  # the thread must outlive any one bad task
                 log.exception("stream thread failed on step %s layer %s", task.step, task.layer)
+            finally:
+                if task.release is not None:
+                    try:
+                        task.release()
+                    except Exception:
+                        log.exception(
+                            "releasing the event of step %s layer %s", task.step, task.layer
+                        )
+
+    def _run_task(self, task: LayerTask) -> None:
+        if not task.batches:
+            return  # nothing to write: no need to wait for the event
+        try:
+            task.event.synchronize()
+        except Exception as e:  # a deadline, a refused slot, or the device's own error
+            # Never write before the event completed: the layer's requests fail instead.
+            why = str(e) if isinstance(e, KVSidecarError) else f"layer {task.layer}'s event: {e}"
+            self._fail(task, why)
+            return
+        for batch in task.batches:
+            self._submit(task, batch)
+
+    def _fail(self, task: LayerTask, error: str) -> None:
+        """Report every request of ``task`` failed with ``error``, nothing written."""
+        for batch in task.batches:
+            places = batch.planner.local.placements
+            place = next((p for p in places if p.layer == task.layer), places[0])
+            self._on_result(
+                LayerResult(
+                    task.step,
+                    place.layer,
+                    place.group,
+                    [],
+                    {s.request_id: error for s in batch.steps},
+                    {},
+                    0,
+                    0,
+                    0,
+                    0.0,
+                )
+            )
 
     def _submit(self, task: LayerTask, batch: Batch) -> None:
         pinned = set(self._pin(batch.endpoint, [s.request_id for s in batch.steps]))
@@ -294,6 +339,8 @@ class Agent:
     def __init__(self, layout: RankLayout | None, desc: LayoutDesc, engine_id: str) -> None:
         self.layout = layout  # None when the engine registered its own tensors
         self.memory: list[torch.Tensor] = []  # mappings of engine memory kept alive with the agent
+        self.device_memory: list[ImportedMemory] = []  # device buffers imported from the engine
+        self.events: SidecarRing | None = None  # the rank's event ring, when it registered one
         self.registration: EngineRegistration | None = None
         self.desc = desc
         self.engine_id = engine_id

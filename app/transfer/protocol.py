@@ -14,6 +14,7 @@ from typing import Annotated, get_args
 
 import msgspec
 
+from app.devices.spec import MAX_RING_SLOTS, DeviceBuffer, EventRingSpec
 from app.errors import ProtocolError
 from app.kvcache.desc import GroupDesc, LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
@@ -247,6 +248,10 @@ class RegisterCaches(Msg, tag="register"):
     heads_major: bool
     shm_names: list[str]
     conv_layout: str = "SD"
+    # The rank's event ring (app.devices.events); None: its layers are complete when signalled.
+    events: EventRingSpec | None = None
+    # Device KV buffers in allocation order, instead of ``shm_names`` (app.devices.memory).
+    device_memory: Annotated[list[DeviceBuffer], msgspec.Meta(max_length=4096)] | None = None
 
 
 class RegisterEngine(Msg, tag="register_engine"):
@@ -303,9 +308,14 @@ class BeginStep(Msg, tag="begin_step"):
 
 
 class LayerReady(Msg, tag="layer_ready"):
+    """Layer ``layer`` of ``step`` was written; with ``slot >= 0`` only once use ``seq`` of
+    that slot of the rank's event ring completed (the sidecar waits on it before writing)."""
+
     rank: Index
     step: NonNegInt
     layer: LayerOrAll
+    slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_RING_SLOTS)] = -1  # -1: no event
+    seq: NonNegInt = 0
 
 
 class SidecarInfo(Msg, tag="sidecar_info"):

@@ -15,6 +15,9 @@ import secrets
 from collections.abc import Awaitable, Callable
 
 from app.config import SidecarSettings
+from app.devices.events import SidecarRing
+from app.devices.memory import ImportedMemory, import_allocator
+from app.devices.spec import DeviceBuffer, EventRingSpec
 from app.engine_link.shm import attach_allocator, map_engine_file
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.desc import describe
@@ -66,19 +69,38 @@ class Registry:
         if self.compat_hash and model.compat_hash() != self.compat_hash:
             return Reply(ok=False, error="rank registered a different model than its siblings")
         config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
-        layout = allocate(
-            config,
-            msg.rank,
-            mode=LayoutMode(msg.layout_mode),
-            kv_layout=KVLayout(msg.kv_layout),
-            heads_major=msg.heads_major,
-            allocator=attach_allocator(msg.shm_names),
-        )
+        imported: list[ImportedMemory] = []
+        if msg.device_memory:
+            self._check_device(msg.rank, msg.device_memory)
+            allocator = import_allocator(msg.device_memory, imported)
+        else:
+            allocator = attach_allocator(msg.shm_names)
+        try:
+            layout = allocate(
+                config,
+                msg.rank,
+                mode=LayoutMode(msg.layout_mode),
+                kv_layout=KVLayout(msg.kv_layout),
+                heads_major=msg.heads_major,
+                allocator=allocator,
+            )
+            if msg.device_memory and len(imported) != len(msg.device_memory):
+                raise ConfigError(
+                    f"rank {msg.rank} registered {len(msg.device_memory)} device buffers, the "
+                    f"layout uses {len(imported)}; engine and sidecar disagree on the layout"
+                )
+            agent = Agent(layout, describe(layout), msg.engine_id)
+            agent.events = self._open_ring(msg.rank, msg.events, len(agent.desc.placements))
+        except BaseException:
+            for mem in imported:
+                mem.close()
+            raise
+        agent.device_memory = imported
         assert self.engine is not None
         await asyncio.to_thread(self.engine.register_many, layout.spans())
         if self.pool is not None:
             await self.pool.register(RankPool.from_layout(layout))
-        await self._install(Agent(layout, describe(layout), msg.engine_id))
+        await self._install(agent)
         self.compat_hash = model.compat_hash()
         self.tp_size = msg.tp_size
         return Reply(
@@ -103,6 +125,7 @@ class Registry:
                 error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
                 f"{self.compat_hash}; every rank of one sidecar must run the same model",
             )
+        ring = self._open_ring(reg.rank, reg.events, len(desc.placements))
         assert self.engine is not None
         spans = [
             (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
@@ -113,6 +136,7 @@ class Registry:
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
         agent.registration = reg
+        agent.events = ring
         await self._install(agent)
         self.compat_hash = desc.compat_hash
         self.tp_size = reg.tp_size
@@ -141,6 +165,28 @@ class Registry:
                 "set the sidecar's ranks to the engine ranks in its pod"
             )
 
+    def _check_device(self, rank: int, memory: list[DeviceBuffer]) -> None:
+        """The ``device_type`` setting must allow the device the engine registered."""
+        kinds = {getattr(b, "device_kind", "cuda") for b in memory}
+        setting = self.settings.device_type
+        if setting != "auto" and kinds != {setting}:
+            raise ConfigError(
+                f"rank {rank} registered {'/'.join(sorted(kinds))} KV memory, but this sidecar "
+                f"has device_type {setting}; set KVSIDECAR_DEVICE_TYPE to "
+                f"{'/'.join(sorted(kinds))} or auto"
+            )
+
+    def _open_ring(self, rank: int, spec: EventRingSpec | None, layers: int) -> SidecarRing | None:
+        """Open the rank's event ring once, at registration (None: it registered none)."""
+        if spec is None:
+            return None
+        if spec.layers != layers:
+            raise ConfigError(
+                f"rank {rank}'s event ring has {spec.layers} layers, its KV cache {layers}; "
+                "the engine must make one ring row per layer it signals"
+            )
+        return SidecarRing.open(spec)
+
     async def _install(self, agent: Agent) -> None:
         assert self.engine is not None
         agent.epoch = self.epoch
@@ -154,6 +200,10 @@ class Registry:
             # not when a reference cycle through the old stream thread is collected (the dead
             # engine's segments stayed mapped for seconds).
             old.memory.clear()
+            for mem in old.device_memory:
+                mem.close()
+            old.device_memory = []
+            old.events = None  # its table stays mapped while a late task still holds it
             old.layout = None
             old.stream = None
         self.agents[agent.rank] = agent

@@ -17,7 +17,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 from app.config import SidecarSettings
-from app.devices import CpuEvent
+from app.devices import CpuEvent, Event
+from app.devices.events import RefusedEvent, RingWait
 from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
 from app.transfer.agent import (
     ALL_LAYERS,
@@ -51,6 +52,10 @@ log = logging.getLogger(__name__)
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 # How often a drain looks at the in-flight count; writes take milliseconds.
 _DRAIN_POLL_S = 0.005
+# An event wait gives up this long (at most a tenth of the send deadline) before the earliest
+# deadline of the requests it holds up, so that they end FAILED with a sentence naming the
+# event instead of EXPIRED by the deadline watcher, which polls every 50 ms.
+_EVENT_MARGIN_S = 0.5
 
 
 class SendSide:
@@ -182,18 +187,51 @@ class SendSide:
             if peer is None:  # lost since admission; its requests already ended
                 continue
             batches.append(Batch(endpoint, peer.te_session, peer.planners[msg.rank], steps))
-        task = LayerTask(msg.step, msg.layer, CpuEvent(), batches)
+        event, release = self._event(agent, msg, by_peer)
+        task = LayerTask(msg.step, msg.layer, event, batches, release=release)
         assert agent.stream is not None
         try:
-            agent.stream.queue.put_nowait(task)
-        except Exception:  # full: back-pressure the engine link without blocking the loop
-            await asyncio.to_thread(agent.stream.put, task, self._settings.send_timeout_s)
+            try:
+                agent.stream.queue.put_nowait(task)
+            except Exception:  # full: back-pressure the engine link without blocking the loop
+                await asyncio.to_thread(agent.stream.put, task, self._settings.send_timeout_s)
+        except BaseException:
+            if release is not None:
+                release()  # never queued: the engine must get its slot back
+            raise
         if step is not None:
             step.seen.add(msg.layer)
             # Engines signal layers in their own order (state layers only after the forward
             # pass), so the step ends when every layer was signalled, not at the last index.
             if ALL_LAYERS in step.seen or len(step.seen) >= len(agent.desc.placements):
                 agent.steps.pop(msg.step, None)
+
+    def _event(
+        self, agent: Agent, msg: LayerReady, by_peer: dict[str, list[StepRequest]]
+    ) -> tuple[Event, Callable[[], None] | None]:
+        """What the stream thread waits on before writing ``msg``'s layer, and how it gives
+        the ring slot back afterwards."""
+        if msg.slot < 0:
+            return CpuEvent(), None  # the engine signalled a layer that is already complete
+        ring = agent.events
+        if ring is None:
+            return RefusedEvent(
+                f"layer {msg.layer} was signalled with event slot {msg.slot}, but rank "
+                f"{msg.rank} registered no event ring; nothing was written for it"
+            ), None
+        try:
+            ring.check(msg.layer, msg.slot, msg.seq)
+        except KVSidecarError as e:
+            return RefusedEvent(f"{e}; nothing was written for it"), None
+        now = time.monotonic()
+        deadline = now + self._settings.send_timeout_s
+        ids = [s.request_id for steps in by_peer.values() for s in steps]
+        deadlines = [r.deadline for rid in ids if (r := agent.sends.get(rid)) is not None]
+        if deadlines:
+            margin = min(_EVENT_MARGIN_S, self._settings.send_timeout_s / 10)
+            deadline = min(deadline, max(now, min(deadlines) - margin))
+        wait = RingWait(ring, msg.layer, msg.slot, msg.seq, deadline)
+        return wait, wait.release
 
     def pin(self, agent: Agent, endpoint: str, ids: Sequence[str]) -> list[str]:
         """Stream thread: the requests that may be written to ``endpoint`` now."""

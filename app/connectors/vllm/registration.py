@@ -24,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from app.devices import Device
 from app.engine_link.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
@@ -183,6 +184,15 @@ def unlink_spans(spans: list[MemorySpan]) -> None:
             os.unlink(os.path.join(SHM_DIR, span.name))
 
 
+def kv_device(kv_caches: dict[str, torch.Tensor]) -> Device:
+    """The device every KV tensor lives on (they must agree)."""
+    devices = {t.device for t in kv_caches.values()}
+    if len(devices) != 1:
+        raise ConfigError(f"KV tensors on several devices {sorted(map(str, devices))}")
+    dev = devices.pop()
+    return Device(dev.type, dev.index or 0)
+
+
 def layer_order(names: list[str]) -> list[str]:
     """Layers in model order (vLLM's own layer-index parsing), the index both sides use."""
     return sorted(names, key=lambda n: (extract_layer_index(n), n))
@@ -204,6 +214,15 @@ def build_registration(
     missing = [n for n in names if n not in kv_caches]
     if missing:
         raise ConfigError(f"vLLM gave no KV tensor for layers {missing[:4]}")
+    device = kv_device(kv_caches)
+    if device.kind != "cpu":
+        # MemorySpan names a /dev/shm file; device buffers (app.devices.memory) travel only
+        # in RegisterCaches so far.
+        raise ConfigError(
+            f"the KV cache is on {device.kind}:{device.index}; this connector registers CPU "
+            "shared memory only so far. Run the engine on CPU, or register device KV through "
+            "the engine link's register_kv_caches (CacheParams.device)"
+        )
     spans: dict[int, int] = {}
     memory: list[MemorySpan] = []
     groups: list[EngineGroup] = []

@@ -21,7 +21,8 @@ import numpy as np
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata, Target
 from app.connectors.vllm.pool import PoolJobs
-from app.connectors.vllm.registration import build_registration, unlink_spans
+from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
+from app.devices import Device, Event
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.transfer.protocol import RemoteTarget
@@ -66,8 +67,11 @@ class WorkerSide:
         self.pool = PoolJobs(config, rank) if config.pool else None
         self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
         self._lock = threading.Lock()
+        self._device: Device | None = None  # the KV's device when it is not the CPU
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        device = kv_device(kv_caches)
+        self._device = None if device.kind == "cpu" else device
         reg = build_registration(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,
@@ -142,14 +146,21 @@ class WorkerSide:
         index = self.layer_index.get(layer_name)
         if index is not None and index not in self._signalled:
             self._signalled.add(index)
-            self.link.layer_ready(self._step, index)
+            self.link.layer_ready(self._step, index, self._event())
+
+    def _event(self) -> Event | None:
+        """On a device, an event recorded on the current stream right after the layer's
+        reshape-and-cache; the engine link does not signal the layer before it completed.
+        On CPU the KV is written already (None)."""
+        return self._device.event() if self._device is not None else None
 
     def wait_for_save(self, meta: KVSidecarMetadata | None) -> None:
         if self._active:
             # Layers vLLM never calls save_kv_layer for (state layers) are final now.
+            event = self._event()  # after the whole forward pass: covers every layer left
             for index in range(len(self.layer_index)):
                 if index not in self._signalled:
-                    self.link.layer_ready(self._step, index)
+                    self.link.layer_ready(self._step, index, event)
             self._active = False
         if meta is None:
             return

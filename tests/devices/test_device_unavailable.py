@@ -1,0 +1,94 @@
+"""Without the engine's device (this machine has no GPU, torch is a CPU build) every device
+path refuses with a sentence that says what to change, and a registration carrying device
+memory is refused by a real sidecar without side effects."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import msgspec
+import pytest
+import torch
+
+from app.devices import Device
+from app.devices.events import EngineRing, SidecarRing
+from app.devices.memory import export_buffer, import_buffer
+from app.devices.spec import EventRingSpec, TorchIpcBuffer
+from app.errors import ConfigError
+from app.transfer.protocol import RegisterCaches, Reply
+from app.transfer.registry import Registry
+from app.transfer.sync_client import SyncClient
+from tests.devices.harness import Pair
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="checks the refusals of a machine without CUDA"
+)
+
+CUDA_BUFFER = TorchIpcBuffer(
+    device_kind="cuda",
+    device=0,
+    device_uuid="GPU-00000000-0000-0000-0000-000000000000",
+    size=1 << 20,
+    handle=b"h" * 64,
+    storage_size=1 << 20,
+    storage_offset=0,
+)
+SEES_NO_CUDA = "this sidecar sees no cuda device"
+
+
+def test_importing_cuda_memory_says_what_to_change() -> None:
+    with pytest.raises(ConfigError, match=SEES_NO_CUDA) as e:
+        import_buffer(CUDA_BUFFER)
+    assert "same devices visible" in str(e.value)
+
+
+def test_opening_cuda_events_says_what_to_change() -> None:
+    spec = EventRingSpec(kind="cuda", layers=1, slots=1, table="kvs-none", handles=(b"h" * 64,))
+    with pytest.raises(ConfigError, match=SEES_NO_CUDA):
+        SidecarRing.open(spec)
+
+
+def test_the_engine_side_needs_the_device_too() -> None:
+    with pytest.raises(ConfigError, match="needs a visible cuda device"):
+        EngineRing.create(1, device="cuda")
+    with pytest.raises(ConfigError, match="POSIX shared memory"):
+        export_buffer(torch.zeros(8, dtype=torch.uint8))
+    assert Device.resolve("auto").kind == "cpu"
+
+
+def test_device_type_must_allow_the_registered_memory() -> None:
+    registry = SimpleNamespace(settings=SimpleNamespace(device_type="cpu"))
+    with pytest.raises(ConfigError, match="set KVSIDECAR_DEVICE_TYPE to cuda or auto"):
+        Registry._check_device(registry, 0, [CUDA_BUFFER])  # type: ignore[arg-type]
+
+
+def test_a_real_sidecar_refuses_device_memory_it_cannot_see(pair: Pair) -> None:
+    assert pair.p.layout is not None
+    sizes = [int(b.numel()) for b in pair.p.layout.buffers]
+    buffers = [msgspec.structs.replace(CUDA_BUFFER, size=n, storage_size=n) for n in sizes]
+    client = SyncClient(pair.prefill.ipc)
+    try:
+        reply = client.request(
+            RegisterCaches(
+                engine_id="probe",
+                rank=1,  # not the pair's rank: a refusal must leave rank 0 alone
+                tp_size=1,
+                model=pair.params.model,
+                layers=pair.params.layers,
+                dtype=None,
+                cache_dtype="auto",
+                block_size=pair.params.block_size,
+                num_blocks=pair.params.num_blocks,
+                layout_mode="per_layer",
+                kv_layout="HND",
+                heads_major=False,
+                shm_names=[],
+                device_memory=buffers,
+            ),
+            30,
+        )
+    finally:
+        client.close()
+    assert isinstance(reply, Reply) and not reply.ok
+    assert reply.error is not None and SEES_NO_CUDA in reply.error
+    assert pair.p.sidecar_info()["ready"] is True
