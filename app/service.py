@@ -1,4 +1,6 @@
-"""Running a sidecar as a service: start, serve until SIGTERM/SIGINT, shut down gracefully."""
+"""Running a sidecar: as a service (its own process, until SIGTERM/SIGINT) or hosted inside an
+engine's worker process (``InProcessAgent``), with the same control port, engine socket and
+admin API either way."""
 
 from __future__ import annotations
 
@@ -7,18 +9,22 @@ import json
 import logging
 import signal
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any
 
 from app.config import SidecarSettings
+from app.errors import DeadlineExceeded, KVSidecarError
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
 
-async def serve(settings: SidecarSettings) -> int:
-    """Run until a stop signal; in-flight requests get the grace period, then are aborted."""
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+async def run_until(
+    settings: SidecarSettings, stop: asyncio.Event, ready: Callable[[], None] | None = None
+) -> dict[str, Any]:
+    """Start the sidecar and its admin API, call ``ready``, serve until ``stop`` is set, then
+    shut down (in-flight requests get the grace period, then are aborted); the shutdown report."""
     for note in settings.warnings():
         log.warning(note)
     sidecar = Sidecar(settings)
@@ -31,14 +37,74 @@ async def serve(settings: SidecarSettings) -> int:
         await admin.start()
     except ImportError:
         pass
+    if ready is not None:
+        ready()
+    await stop.wait()
+    log.info("stopping: no longer admitting, grace %.1fs", settings.shutdown_grace_s)
+    report = await sidecar.stop()
+    if admin is not None:
+        await admin.stop()
+    return report
+
+
+async def serve(settings: SidecarSettings) -> int:
+    """Run until a stop signal."""
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("stop signal: no longer admitting, grace %.1fs", settings.shutdown_grace_s)
-    report = await sidecar.stop()
-    if admin is not None:
-        await admin.stop()
+    report = await run_until(settings, stop)
     print(json.dumps({"shutdown": report}), file=sys.stderr, flush=True)
     return 0
+
+
+class InProcessAgent:
+    """The agent hosted inside the engine's own process (DESIGN §7), for deployments that cannot
+    share device memory across containers: the whole sidecar on a thread of its own with its
+    own event loop. The engine reaches it through ``settings.engine_ipc`` exactly as it would a
+    separate container, so the connector changes in nothing but who starts it. The engine
+    process keeps its signals and its logging."""
+
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.report: dict[str, Any] | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kv-sidecar-agent", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Start serving; returns the engine socket's endpoint once it accepts calls."""
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise DeadlineExceeded(f"the in-process agent did not start within {timeout_s}s")
+        if self._error is not None:
+            raise KVSidecarError(f"the in-process agent failed to start: {self._error}") from (
+                self._error
+            )
+        return self.settings.engine_ipc
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Shut down as a separate sidecar would on SIGTERM, and wait for the thread."""
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._main())
+        except BaseException as e:  # reported by start(); the engine decides what to do
+            self._error = e
+            log.exception("in-process agent stopped")
+        finally:
+            self._ready.set()
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self.report = await run_until(self.settings, self._stop, ready=self._ready.set)

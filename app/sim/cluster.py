@@ -75,6 +75,8 @@ class ClusterSpec:
     kv_layout: str = "HND"
     heads_major: bool = False
     conv_layout: str = "SD"
+    # Roles whose engine process hosts its agent (``InProcessAgent``) instead of a sidecar process.
+    in_process: tuple[str, ...] = ()
     max_requests: int = 8
     max_prompt: int = 1024
     num_spec: int = 0
@@ -150,6 +152,7 @@ class Cluster:
         self.start_engines(side)
 
     def start_sidecar(self, side: Side) -> None:
+        """The sidecar's settings, and its process unless the engine hosts it in-process."""
         side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
         env = dict(os.environ)
         env.update(
@@ -182,6 +185,9 @@ class Cluster:
         env.update(self.spec.sidecar_env)
         env.update(self.spec.prefill_env if side.role == "prefill" else self.spec.decode_env)
         side.env = env
+        if side.role in self.spec.in_process:
+            side.sidecar = None
+            return
         log = open(self.log_dir / f"{side.role}-sidecar.log", "ab")  # noqa: SIM115
         side.sidecar = subprocess.Popen(
             [sys.executable, "-m", "app", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
@@ -196,6 +202,8 @@ class Cluster:
             extra += ["--link-lease", str(self.spec.engine_link_lease_s)]
         if self.spec.sentinel is not None and side.role == "decode":
             extra += ["--sentinel", str(self.spec.sentinel)]
+        if side.role in self.spec.in_process:
+            extra.append("--in-process")
         side.engines = [
             subprocess.Popen(
                 [

@@ -28,10 +28,12 @@ import msgspec
 import numpy as np
 import zmq
 
+from app.config import SidecarSettings
 from app.engine_link.client import CacheParams, EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.kvcache.layout import RankLayout
 from app.kvcache.specs import SpecKind
+from app.service import InProcessAgent
 from app.sim.fill import request_salt
 from app.sim.kv_io import (
     changed_outside,
@@ -565,8 +567,17 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="give up on a sidecar silent this long (fail what is pending); default: never",
     )
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="host the agent in this process (settings from KVSIDECAR_* in the environment)",
+    )
     args = ap.parse_args(argv)
     params = msgspec.json.decode(args.params, type=CacheParams)
+    agent = None
+    if args.in_process:
+        agent = InProcessAgent(SidecarSettings())
+        agent.start()
     # SIGTERM unwinds through the finally below, so the shared-memory names are removed.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     links = [
@@ -621,6 +632,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for link in links:
             link.close()
+        if agent is not None:
+            agent.stop()
         # A SIGTERM between a segment's creation and its recording in the arena (while
         # allocating) would leave that one behind: the names under our prefix are ours.
         for r in args.ranks.split(",") if args.shm_prefix else []:
