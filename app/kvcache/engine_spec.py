@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from app.devices.spec import EventRingSpec
+from app.devices.spec import DeviceBuffer, EventRingSpec
 
 # Bounds a registration must meet to decode at all: an engine (or a process on its socket) that
 # sends a negative offset, a TP size of 0 or a billion-entry shape gets a ProtocolError naming
@@ -114,3 +114,6 @@ class EngineRegistration(msgspec.Struct):
     null_block: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
     # The rank's event ring (app.devices.events); None: layers are complete when signalled.
     events: EventRingSpec | None = None
+    # Device KV (CUDA/NPU): ``memory[i]`` is then ``device_memory[i]`` (its name a label, its
+    # offset 0), imported by IPC instead of mapped from /dev/shm (app.devices.memory).
+    device_memory: Annotated[list[DeviceBuffer], msgspec.Meta(max_length=4096)] | None = None

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 from app.config import SidecarSettings
 from app.devices.events import SidecarRing
-from app.devices.memory import ImportedMemory, import_allocator
+from app.devices.memory import ImportedMemory, import_allocator, import_buffer
 from app.devices.spec import DeviceBuffer, EventRingSpec
 from app.engine_link.shm import attach_allocator, map_engine_file
 from app.errors import ConfigError, KVSidecarError
@@ -114,8 +114,20 @@ class Registry:
     async def register_engine(self, reg: EngineRegistration) -> Msg:
         """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
         self._check_rank(reg.rank)
+        imported: list[ImportedMemory] = []
+        if reg.device_memory is not None:
+            if len(reg.device_memory) != len(reg.memory):
+                raise ConfigError(
+                    f"rank {reg.rank} registered {len(reg.memory)} memory spans and "
+                    f"{len(reg.device_memory)} device buffers; one buffer per span"
+                )
+            self._check_device(reg.rank, reg.device_memory)
+            imported = [import_buffer(b) for b in reg.device_memory]
+            buffers = [m.tensor for m in imported]
+        else:
+            buffers = [map_engine_file(s.name, s.offset + s.size) for s in reg.memory]
+        # Only memory we could open starts a new generation: a refusal changes nothing.
         await self._new_generation_if_restarted(reg.rank)
-        buffers = [map_engine_file(span.name, span.offset + span.size) for span in reg.memory]
         desc = describe_engine(
             reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
         )
@@ -135,6 +147,7 @@ class Registry:
             await self.pool.register(RankPool.from_engine(desc, reg, spans))
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
+        agent.device_memory = imported
         agent.registration = reg
         agent.events = ring
         await self._install(agent)

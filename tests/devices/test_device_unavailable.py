@@ -15,7 +15,14 @@ from app.devices.events import EngineRing, SidecarRing
 from app.devices.memory import export_buffer, import_buffer
 from app.devices.spec import EventRingSpec, TorchIpcBuffer
 from app.errors import ConfigError
-from app.transfer.protocol import RegisterCaches, Reply
+from app.kvcache.engine_spec import (
+    Axis,
+    EngineGroup,
+    EngineLayer,
+    EngineRegistration,
+    MemorySpan,
+)
+from app.transfer.protocol import RegisterCaches, RegisterEngine, Reply
 from app.transfer.registry import Registry
 from app.transfer.sync_client import SyncClient
 from tests.devices.harness import Pair
@@ -92,3 +99,44 @@ def test_a_real_sidecar_refuses_device_memory_it_cannot_see(pair: Pair) -> None:
     assert isinstance(reply, Reply) and not reply.ok
     assert reply.error is not None and SEES_NO_CUDA in reply.error
     assert pair.p.sidecar_info()["ready"] is True
+
+
+def test_a_real_sidecar_refuses_an_engine_registration_on_a_device_it_cannot_see(
+    pair: Pair,
+) -> None:
+    """The connector's path (vLLM's own tensors): the refusal comes before anything changes,
+    even for the rank already registered (no new generation, the same epoch)."""
+    before = pair.p.sidecar_info()
+    reg = EngineRegistration(
+        engine_id="probe",
+        rank=0,
+        tp_size=1,
+        model="probe",
+        engine_version="0",
+        num_blocks=8,
+        groups=[EngineGroup("full", 16, 16, ["l0"])],
+        layers=[
+            EngineLayer(
+                "l0",
+                0,
+                0,
+                0,
+                "bfloat16",
+                [Axis("block", 8, 4096), Axis("head", 1, 2048), Axis("token", 16, 128)],
+                64,
+                64,
+                1,
+            )
+        ],
+        memory=[MemorySpan("cuda:0-0", 0, 1 << 20)],
+        device_memory=[CUDA_BUFFER],
+    )
+    client = SyncClient(pair.prefill.ipc)
+    try:
+        reply = client.request(RegisterEngine(registration=reg), 30)
+    finally:
+        client.close()
+    assert isinstance(reply, Reply) and not reply.ok
+    assert reply.error is not None and SEES_NO_CUDA in reply.error
+    after = pair.p.sidecar_info()
+    assert after["ready"] is True and after["epoch"] == before["epoch"], (before, after)

@@ -25,6 +25,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from app.devices import Device
+from app.devices.memory import Exported, export_buffer
+from app.devices.spec import DeviceBuffer
 from app.engine_link.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
@@ -206,25 +208,21 @@ def build_registration(
     engine_id: str,
     rank: int,
     tp_size: int,
+    exported: list[Exported] | None = None,
 ) -> EngineRegistration:
-    """The registration of one worker's KV cache; shares the storages as a side effect."""
+    """The registration of one worker's KV cache; shares the storages as a side effect (CPU:
+    /dev/shm files; CUDA/NPU: IPC handles, whose keep-alives go into ``exported``)."""
+    exported = exported if exported is not None else []
     model_config = vllm_config.model_config
     num_blocks = int(kv_cache_config.num_blocks)
     names = layer_order([n for g in kv_cache_config.kv_cache_groups for n in g.layer_names])
     missing = [n for n in names if n not in kv_caches]
     if missing:
         raise ConfigError(f"vLLM gave no KV tensor for layers {missing[:4]}")
-    device = kv_device(kv_caches)
-    if device.kind != "cpu":
-        # MemorySpan names a /dev/shm file; device buffers (app.devices.memory) travel only
-        # in RegisterCaches so far.
-        raise ConfigError(
-            f"the KV cache is on {device.kind}:{device.index}; this connector registers CPU "
-            "shared memory only so far. Run the engine on CPU, or register device KV through "
-            "the engine link's register_kv_caches (CacheParams.device)"
-        )
+    on_device = kv_device(kv_caches).kind != "cpu"
     spans: dict[int, int] = {}
     memory: list[MemorySpan] = []
+    device_memory: list[DeviceBuffer] = []
     groups: list[EngineGroup] = []
     layers: dict[str, EngineLayer] = {}
     total_heads = int(model_config.get_total_num_kv_heads())
@@ -250,13 +248,17 @@ def build_registration(
                     f"{tuple(t.shape)}; this vLLM version's layout is not supported"
                 )
             storage = t.untyped_storage()
-            if not storage.is_shared():
+            if not on_device and not storage.is_shared():
                 # Sharing moves the bytes, so key storages by their address afterwards.
                 mp.set_sharing_strategy("file_system")
                 storage.share_memory_()
             key = storage.data_ptr()
             if key not in spans:
-                memory.append(shared_span(storage))
+                if on_device:
+                    device_memory.append(_export(storage, exported))
+                    memory.append(MemorySpan(f"{t.device}-{len(memory)}", 0, storage.nbytes()))
+                else:
+                    memory.append(shared_span(storage))
                 spans[key] = len(memory) - 1
             buffer = spans[key]
             if isinstance(spec, MambaSpec):
@@ -292,7 +294,17 @@ def build_registration(
         groups=groups,
         layers=[layers[n] for n in names],
         memory=memory,
+        device_memory=device_memory if on_device else None,
     )
+
+
+def _export(storage: torch.UntypedStorage, exported: list[Exported]) -> DeviceBuffer:
+    """A device storage shared with the sidecar (CUDA/NPU IPC, or cuMem descriptors whose
+    server ``exported`` keeps open while the engine runs)."""
+    whole = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    out = export_buffer(whole)
+    exported.append(out)
+    return out.buffer
 
 
 def _vllm_version() -> str:

@@ -23,6 +23,7 @@ from app.connectors.vllm.metadata import KVSidecarMetadata, Target
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
 from app.devices import Device, Event
+from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.transfer.protocol import RemoteTarget
@@ -68,6 +69,7 @@ class WorkerSide:
         self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
         self._lock = threading.Lock()
         self._device: Device | None = None  # the KV's device when it is not the CPU
+        self._exported: list[Exported] = []  # device KV shared with the sidecar, kept open
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         device = kv_device(kv_caches)
@@ -79,6 +81,7 @@ class WorkerSide:
             engine_id=self.config.engine_id,
             rank=self.rank,
             tp_size=self.config.tp_size,
+            exported=self._exported,
         )
         self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
         try:
@@ -87,7 +90,8 @@ class WorkerSide:
             # Both processes map the memory now (or registration failed): the name is no longer
             # needed, and unlinked the memory ends with the last mapping, however vLLM exits
             # (its shutdown kills torch's shm manager before that one could clean up).
-            unlink_spans(reg.memory)
+            if reg.device_memory is None:
+                unlink_spans(reg.memory)
         log.info(
             "rank %d registered %d layers, %d groups, %d blocks with the sidecar (model %s)",
             self.rank,
@@ -225,3 +229,5 @@ class WorkerSide:
         if self.pool is not None:
             self.pool.close()
         self.link.close(unlink=False)
+        for ex in self._exported:
+            ex.close()
