@@ -14,6 +14,14 @@ PY=${PYTHON:-python3}
 # Without a torch present, install the CPU build first so the range in pyproject is already met.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
+# The device's build (KVSIDECAR_DEVICE_TYPE=cuda|npu; default cpu): the CUDA Mooncake wheel
+# registers GPU memory (it provides the same module as the CPU one, which goes); torch_npu.
+case "${KVSIDECAR_DEVICE_TYPE:-cpu}" in
+  cuda)
+    .venv/bin/python -m pip uninstall -q -y mooncake-transfer-engine-non-cuda 2>/dev/null || true
+    .venv/bin/python -m pip install -q -e ".[mooncake-cuda]" ;;
+  npu) .venv/bin/python -m pip install -q -e ".[npu]" ;;
+esac
 # vLLM for the connector and its end-to-end tests: the CPU build (pins torch 2.13.0+cpu, the
 # torch above). It drags in CUDA builds of torchvision/torchaudio/torchcodec/triton that break
 # `import vllm` on CPU ("operator torchvision::nms does not exist"); text models need none of them.

@@ -164,6 +164,7 @@ class LocalPD:
     extra_vllm_args: Sequence[str] = ()
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
+    in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -189,7 +190,7 @@ class LocalPD:
             cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )
 
-    def start_sidecar(self, inst: Instance) -> None:
+    def _sidecar_env(self, inst: Instance) -> dict[str, str]:
         env = {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"}
         if self.master is not None:
             env |= {
@@ -198,6 +199,16 @@ class LocalPD:
                 "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(256 << 20),
                 "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
             }
+        if self.in_process:  # what the command line gives a sidecar process
+            env |= {
+                "KVSIDECAR_CONTROL_HOST": "127.0.0.1",
+                "KVSIDECAR_CONTROL_PORT": str(inst.control_port),
+                "KVSIDECAR_ADMIN_PORT": str(inst.admin_port),
+            }
+        return env
+
+    def start_sidecar(self, inst: Instance) -> None:
+        env = self._sidecar_env(inst)
         self._spawn(
             f"sidecar-{inst.role}",
             [
@@ -253,10 +264,11 @@ class LocalPD:
         """Each instance's sidecar (waited for) and vLLM server (not waited for: wait_engine)."""
         if self.pool and self.master is None:
             self.master = start_master(0, log_path=self.work / "mooncake-master.log")
-        for inst in instances:
-            self.start_sidecar(inst)
-        for inst in instances:
-            self._wait_sidecar(inst)
+        if not self.in_process:
+            for inst in instances:
+                self.start_sidecar(inst)
+            for inst in instances:
+                self._wait_sidecar(inst)
         for inst in instances:
             ktc = {
                 "kv_connector": "KVSidecarConnector",
@@ -269,6 +281,7 @@ class LocalPD:
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
                     "pool": self.pool,
+                    "agent": "in_process" if self.in_process else "sidecar",
                 },
             }
             self._spawn(
@@ -296,7 +309,11 @@ class LocalPD:
                     json.dumps(ktc),
                     *self.extra_vllm_args,
                 ],
-                {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"},
+                {
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_LOGGING_LEVEL": "WARNING",
+                    **(self._sidecar_env(inst) if self.in_process else {}),
+                },
             )
 
     def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:

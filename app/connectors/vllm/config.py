@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from app.errors import ConfigError
+
+# vLLM's kv_role -> the sidecar's role
+Role = Literal["prefill", "decode", "both"]
+_ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,9 @@ class ConnectorConfig:
     recv_timeout_s: float | None
     link_timeout_s: float
     pool: bool = False  # load prefix hits from / store prompts into the sidecar's KV pool
+    # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
+    agent: str = "sidecar"
+    role: Role = "both"  # the sidecar role of this instance (from vLLM's kv_role)
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -30,6 +37,18 @@ class ConnectorConfig:
             )
         tp = int(vllm_config.parallel_config.tensor_parallel_size)
         timeout = extra.get("recv_timeout_s")
+        agent = str(extra.get("agent", "sidecar"))
+        if agent not in ("sidecar", "in_process"):
+            raise ConfigError(
+                f'kv_connector_extra_config "agent" is {agent!r}; expected "sidecar" (a '
+                'kv-sidecar container next to the engine) or "in_process" (the worker hosts it)'
+            )
+        if agent == "in_process" and tp != 1:
+            raise ConfigError(
+                f'"agent": "in_process" hosts one rank\'s agent in each worker, but peers expect '
+                f"one agent for all {tp} ranks of an instance; run the kv-sidecar container, "
+                "or tensor_parallel_size 1"
+            )
         return cls(
             sidecar=str(sidecar),
             engine_id=str(extra.get("engine_id") or ktc.engine_id),
@@ -38,4 +57,6 @@ class ConnectorConfig:
             recv_timeout_s=None if timeout is None else float(timeout),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
             pool=bool(extra.get("pool", False)),
+            agent=agent,
+            role=_ROLES.get(str(ktc.kv_role), "both"),
         )

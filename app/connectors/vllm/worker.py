@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata, Target
 from app.connectors.vllm.pool import PoolJobs
@@ -26,6 +27,7 @@ from app.devices import Device, Event
 from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
+from app.service import InProcessAgent
 from app.transfer.protocol import RemoteTarget
 
 log = logging.getLogger(__name__)
@@ -47,12 +49,29 @@ def post_target(target: Target, timeout_s: float = 5.0) -> None:
         )
 
 
+def _host_agent(config: ConnectorConfig, rank: int) -> InProcessAgent:
+    """Start this worker's agent in-process: the settings a sidecar container would read
+    (``KVSIDECAR_*`` in the environment), with what the connector knows set from it."""
+    settings = SidecarSettings(
+        role=config.role,
+        engine_id=config.engine_id,
+        ranks=[rank],
+        tp_size=config.tp_size,
+        engine_ipc=config.sidecar,
+    )
+    agent = InProcessAgent(settings)
+    agent.start()
+    log.info("rank %d hosts its agent in-process (engine socket %s)", rank, config.sidecar)
+    return agent
+
+
 class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, vllm_config: Any, kv_cache_config: Any):
         self.config = config
         self.rank = rank
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
+        self.agent = _host_agent(config, rank) if config.agent == "in_process" else None
         self.link = EngineLink(
             config.sidecar, config.engine_id, rank, timeout_s=config.link_timeout_s
         )
@@ -229,5 +248,7 @@ class WorkerSide:
         if self.pool is not None:
             self.pool.close()
         self.link.close(unlink=False)
+        if self.agent is not None:
+            self.agent.stop()
         for ex in self._exported:
             ex.close()

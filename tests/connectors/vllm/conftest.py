@@ -26,11 +26,19 @@ from app.connectors.local_pd import LocalPD, write_tiny_model
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
-    # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars).
-    kind, _, pool = str(request.param).partition("+")
-    root = tmp_path_factory.mktemp(f"pd-{kind}{pool}")
+    # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars);
+    # "llama+inproc": the vLLM workers host their agents, no sidecar processes.
+    kind, _, mode = str(request.param).partition("+")
+    root = tmp_path_factory.mktemp(f"pd-{kind}{mode}")
     model = write_tiny_model(root / "model", kind)
-    stack = LocalPD(model, root / "run", recv_timeout_s=15.0, kind=kind, pool=pool == "pool")
+    stack = LocalPD(
+        model,
+        root / "run",
+        recv_timeout_s=15.0,
+        kind=kind,
+        pool=mode == "pool",
+        in_process=mode == "inproc",
+    )
     shm_before = set(os.listdir("/dev/shm"))
     try:
         stack.start()

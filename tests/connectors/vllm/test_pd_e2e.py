@@ -52,8 +52,12 @@ def through_proxy(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
 
 
-@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", "qwen3next"], indirect=True)
+@pytest.mark.parametrize(
+    "pd", ["llama", "gemma3", "deepseek", "qwen3next", "llama+inproc"], indirect=True
+)
 def test_decode_equals_reference(pd: LocalPD) -> None:
+    """Greedy outputs through P/D equal one engine's alone ("llama+inproc": the vLLM workers
+    host their agents in-process)."""
     prompts, reference = references(pd, [prompt(n, i) for i, n in enumerate(LENGTHS)])
     assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
     before = prompt_tokens_by_source(pd.decode.url)
