@@ -57,15 +57,18 @@ def create_file(name: str, nbytes: int) -> mmap.mmap:
         os.close(fd)
 
 
-def open_file(name: str, nbytes: int) -> mmap.mmap:
-    """Map another process's shared-memory file of exactly ``nbytes``."""
+def open_file(
+    name: str, nbytes: int, why: str = "what it holds (different versions?)"
+) -> mmap.mmap:
+    """Map another process's shared-memory file of exactly ``nbytes``; ``why``: what engine
+    and sidecar must disagree on when the size differs."""
     fd = _open(name)
     try:
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise ConfigError(
                 f"shared memory {name!r} has {size} bytes, expected {nbytes}; engine and "
-                "sidecar disagree on what it holds (different versions?)"
+                f"sidecar disagree on {why}"
             )
         return _mmap(fd, nbytes)
     finally:
@@ -105,18 +108,8 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
     def allocate(nbytes: int) -> torch.Tensor:
         if not queue:
             raise ConfigError(f"engine registered {len(names)} segments, the layout needs more")
-        name = queue.pop(0)
-        fd = _open(name)
-        try:
-            size = os.fstat(fd).st_size
-            if size != nbytes:
-                raise ConfigError(
-                    f"shared memory {name!r} has {size} bytes, the layout expects {nbytes}; "
-                    "engine and sidecar disagree on model, TP or block settings"
-                )
-            return _map(fd, nbytes)
-        finally:
-            os.close(fd)
+        mm = open_file(queue.pop(0), nbytes, "model, TP or block settings")
+        return torch.frombuffer(mm, dtype=torch.uint8)
 
     return allocate
 

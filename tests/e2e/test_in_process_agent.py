@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from app.sim.cluster import Cluster, summarize
-from tests.e2e.test_layerwise_push import MODELS, PAIRS
+from tests.e2e.test_layerwise_push import MODELS, PAIRS, arrive_byte_exact
 
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRS)
@@ -20,24 +20,8 @@ from tests.e2e.test_layerwise_push import MODELS, PAIRS
 def test_in_process_agents_arrive_byte_exact(
     make_cluster: Callable[..., Cluster], model: str, p_tp: int, d_tp: int
 ) -> None:
-    layers, block = MODELS[model]
-    lens = [300, 517, 64]
-    cluster = make_cluster(
-        model=model,
-        layers=layers,
-        prefill_tp=p_tp,
-        decode_tp=d_tp,
-        block_size=block,
-        max_requests=len(lens),
-        max_prompt=max(lens),
-        in_process=("prefill", "decode"),
-    )
+    cluster = arrive_byte_exact(make_cluster, model, p_tp, d_tp, in_process=("prefill", "decode"))
     assert all(side.sidecar is None for side in cluster.sides.values())
-    pairs = cluster.make_requests(lens)
-    s = summarize(cluster.run(pairs, chunk=128), pairs)
-    assert s["failures"] == {}
-    assert s["verified"] == len(lens)
-    assert cluster.untouched(pairs) == []
 
 
 @pytest.mark.parametrize("hosted", ["prefill", "decode"])

@@ -23,6 +23,13 @@ PAIRS = [(1, 1), (2, 1), (1, 2), (4, 2)]
 def test_concurrent_chunked_requests_arrive_byte_exact(
     make_cluster: Callable[..., Cluster], model: str, p_tp: int, d_tp: int, layout: str
 ) -> None:
+    arrive_byte_exact(make_cluster, model, p_tp, d_tp, layout=layout)
+
+
+def arrive_byte_exact(
+    make_cluster: Callable[..., Cluster], model: str, p_tp: int, d_tp: int, **spec: object
+) -> Cluster:
+    """Three chunked requests of one matrix point arrive byte-exact, nothing else touched."""
     layers, block = MODELS[model]
     lens = [300, 517, 64]
     cluster = make_cluster(
@@ -30,10 +37,10 @@ def test_concurrent_chunked_requests_arrive_byte_exact(
         layers=layers,
         prefill_tp=p_tp,
         decode_tp=d_tp,
-        layout=layout,
         block_size=block,
         max_requests=len(lens),
         max_prompt=max(lens),
+        **spec,
     )
     pairs = cluster.make_requests(lens)
     result = cluster.run(pairs, chunk=128)
@@ -42,6 +49,7 @@ def test_concurrent_chunked_requests_arrive_byte_exact(
     assert s["verified"] == len(lens)
     assert s["bytes"] > 0 and s["descriptors"] > 0
     assert cluster.untouched(pairs) == []
+    return cluster
 
 
 def test_requests_of_equal_length_land_in_their_own_blocks(
