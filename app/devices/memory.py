@@ -63,6 +63,17 @@ class ImportedMemory:
             close()
 
 
+def check_device_type(setting: str, rank: int, memory: Sequence[DeviceBuffer]) -> None:
+    """The sidecar's ``device_type`` setting must allow the device the engine registered."""
+    kinds = {getattr(b, "device_kind", "cuda") for b in memory}
+    if setting != "auto" and kinds != {setting}:
+        raise ConfigError(
+            f"rank {rank} registered {'/'.join(sorted(kinds))} KV memory, but this sidecar "
+            f"has device_type {setting}; set KVSIDECAR_DEVICE_TYPE to "
+            f"{'/'.join(sorted(kinds))} or auto"
+        )
+
+
 def export_buffer(tensor: torch.Tensor, socket_dir: str = SOCKET_DIR) -> Exported:
     """Engine side: share a contiguous device tensor's bytes with another process."""
     kind = tensor.device.type

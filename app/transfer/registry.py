@@ -16,8 +16,13 @@ from collections.abc import Awaitable, Callable
 
 from app.config import SidecarSettings
 from app.devices.events import SidecarRing
-from app.devices.memory import ImportedMemory, import_allocator, import_buffer
-from app.devices.spec import DeviceBuffer, EventRingSpec
+from app.devices.memory import (
+    ImportedMemory,
+    check_device_type,
+    import_allocator,
+    import_buffer,
+)
+from app.devices.spec import EventRingSpec
 from app.engine_link.shm import attach_allocator, map_engine_file
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.desc import describe
@@ -71,7 +76,7 @@ class Registry:
         config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
         imported: list[ImportedMemory] = []
         if msg.device_memory:
-            self._check_device(msg.rank, msg.device_memory)
+            check_device_type(self.settings.device_type, msg.rank, msg.device_memory)
             allocator = import_allocator(msg.device_memory, imported)
         else:
             allocator = attach_allocator(msg.shm_names)
@@ -121,7 +126,7 @@ class Registry:
                     f"rank {reg.rank} registered {len(reg.memory)} memory spans and "
                     f"{len(reg.device_memory)} device buffers; one buffer per span"
                 )
-            self._check_device(reg.rank, reg.device_memory)
+            check_device_type(self.settings.device_type, reg.rank, reg.device_memory)
             imported = [import_buffer(b) for b in reg.device_memory]
             buffers = [m.tensor for m in imported]
         else:
@@ -176,17 +181,6 @@ class Registry:
             raise ConfigError(
                 f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "
                 "set the sidecar's ranks to the engine ranks in its pod"
-            )
-
-    def _check_device(self, rank: int, memory: list[DeviceBuffer]) -> None:
-        """The ``device_type`` setting must allow the device the engine registered."""
-        kinds = {getattr(b, "device_kind", "cuda") for b in memory}
-        setting = self.settings.device_type
-        if setting != "auto" and kinds != {setting}:
-            raise ConfigError(
-                f"rank {rank} registered {'/'.join(sorted(kinds))} KV memory, but this sidecar "
-                f"has device_type {setting}; set KVSIDECAR_DEVICE_TYPE to "
-                f"{'/'.join(sorted(kinds))} or auto"
             )
 
     def _open_ring(self, rank: int, spec: EventRingSpec | None, layers: int) -> SidecarRing | None:

@@ -4,15 +4,13 @@ memory is refused by a real sidecar without side effects."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import msgspec
 import pytest
 import torch
 
 from app.devices import Device
 from app.devices.events import EngineRing, SidecarRing
-from app.devices.memory import export_buffer, import_buffer
+from app.devices.memory import check_device_type, export_buffer, import_buffer
 from app.devices.spec import EventRingSpec, TorchIpcBuffer
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
@@ -23,7 +21,6 @@ from app.kvcache.engine_spec import (
     MemorySpan,
 )
 from app.transfer.protocol import RegisterCaches, RegisterEngine, Reply
-from app.transfer.registry import Registry
 from app.transfer.sync_client import SyncClient
 from tests.devices.harness import Pair
 
@@ -64,9 +61,10 @@ def test_the_engine_side_needs_the_device_too() -> None:
 
 
 def test_device_type_must_allow_the_registered_memory() -> None:
-    registry = SimpleNamespace(settings=SimpleNamespace(device_type="cpu"))
     with pytest.raises(ConfigError, match="set KVSIDECAR_DEVICE_TYPE to cuda or auto"):
-        Registry._check_device(registry, 0, [CUDA_BUFFER])  # type: ignore[arg-type]
+        check_device_type("cpu", 0, [CUDA_BUFFER])
+    check_device_type("auto", 0, [CUDA_BUFFER])
+    check_device_type("cuda", 0, [CUDA_BUFFER])
 
 
 def test_a_real_sidecar_refuses_device_memory_it_cannot_see(pair: Pair) -> None:
