@@ -104,25 +104,22 @@ class Peers:
         lost = self.lost.get(engine_id)
         return lost[1] if lost else None
 
-    def connect(self, endpoint: str) -> PeerClient:
-        """A client of its own to ``endpoint`` (the caller closes it), whether or not the peer
-        has an entry: a lost peer has none."""
-        return self._client(endpoint)
-
     def fresh(self, endpoint: str) -> bool:
         """Whether a write to this peer may start now: we heard from it within half a lease,
         so it cannot have declared us lost yet (it waits a whole lease)."""
         peer = self.table.get(endpoint)
         return peer is not None and time.monotonic() - peer.last_heard < self._settings.lease_s / 2
 
-    def _client(self, endpoint: str) -> PeerClient:
+    def connect(self, endpoint: str) -> PeerClient:
+        """A client of its own to ``endpoint`` (the caller closes it), whether or not the peer
+        has an entry: a lost peer has none."""
         cap = self._settings.control_max_frame_bytes
         return PeerClient(self._ctx, endpoint, auth=self._auth, max_frame_bytes=cap)
 
     def _entry(self, endpoint: str) -> Peer:
         peer = self.table.get(endpoint)
         if peer is None:
-            client = self._client(endpoint)
+            client = self.connect(endpoint)
             peer = self.table[endpoint] = Peer(endpoint, client)
         return peer
 

@@ -63,7 +63,6 @@ class Registry:
         self.tp_size = settings.tp_size
 
     async def register_caches(self, msg: RegisterCaches) -> Msg:
-        await self._new_generation_if_restarted(msg.rank)
         model = load_preset(
             msg.model,
             layers=msg.layers,
@@ -71,8 +70,6 @@ class Registry:
             cache_dtype=msg.cache_dtype,
             conv_layout=msg.conv_layout,
         )
-        if self.compat_hash and model.compat_hash() != self.compat_hash:
-            return Reply(ok=False, error="rank registered a different model than its siblings")
         config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
         imported: list[ImportedMemory] = []
         if msg.device_memory:
@@ -97,9 +94,13 @@ class Registry:
             agent = Agent(layout, describe(layout), msg.engine_id)
             agent.events = self._open_ring(msg.rank, msg.events, len(agent.desc.placements))
         except BaseException:
-            for mem in imported:
-                mem.close()
+            _close(imported)
             raise
+        # Only memory we could open starts a new generation: a refusal changes nothing.
+        await self._new_generation_if_restarted(msg.rank)
+        if self.compat_hash and model.compat_hash() != self.compat_hash:
+            _close(imported)
+            return Reply(ok=False, error="rank registered a different model than its siblings")
         agent.device_memory = imported
         assert self.engine is not None
         await asyncio.to_thread(self.engine.register_many, layout.spans())
@@ -133,16 +134,21 @@ class Registry:
             buffers = [map_engine_file(s.name, s.offset + s.size) for s in reg.memory]
         # Only memory we could open starts a new generation: a refusal changes nothing.
         await self._new_generation_if_restarted(reg.rank)
-        desc = describe_engine(
-            reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
-        )
+        try:
+            desc = describe_engine(
+                reg, [b.data_ptr() + s.offset for b, s in zip(buffers, reg.memory, strict=True)]
+            )
+            ring = self._open_ring(reg.rank, reg.events, len(desc.placements))
+        except BaseException:
+            _close(imported)
+            raise
         if self.compat_hash and desc.compat_hash != self.compat_hash:
+            _close(imported)
             return Reply(
                 ok=False,
                 error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
                 f"{self.compat_hash}; every rank of one sidecar must run the same model",
             )
-        ring = self._open_ring(reg.rank, reg.events, len(desc.placements))
         assert self.engine is not None
         spans = [
             (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
@@ -207,8 +213,7 @@ class Registry:
             # not when a reference cycle through the old stream thread is collected (the dead
             # engine's segments stayed mapped for seconds).
             old.memory.clear()
-            for mem in old.device_memory:
-                mem.close()
+            _close(old.device_memory)
             old.device_memory = []
             old.events = None  # its table stays mapped while a late task still holds it
             old.layout = None
@@ -257,3 +262,9 @@ class Registry:
             await peer.client.request(note, self.settings.lease_s)
         except KVSidecarError as e:
             log.warning("peer %s did not confirm the new epoch: %s", peer.endpoint, e)
+
+
+def _close(memory: list[ImportedMemory]) -> None:
+    """Unmap imported device memory that no agent will hold (or holds no longer)."""
+    for mem in memory:
+        mem.close()
