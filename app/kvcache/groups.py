@@ -244,14 +244,6 @@ def blocks_for_tokens(tokens: int, block_size: int) -> int:
     return -(-tokens // block_size)
 
 
-def sliding_first_block(prompt_len: int, window: int, block_size: int) -> int:
-    """The first block a sliding-window layer reads once decode computes the last prompt token,
-    whose window starts at token ``prompt_len - window``. vLLM gives decode the null block for
-    every block before it (``get_num_skipped_tokens`` of ``prompt_len - 1`` computed tokens),
-    so nothing before it may be written."""
-    return max(0, prompt_len - window) // block_size
-
-
 def group_rows(groups: Sequence[KVGroup]) -> list[tuple[KVGroup, LayerSpec, tuple[int, ...]]]:
     """Per group, one row per distinct spec (an MLA group with its indexer gives two)."""
     rows: list[tuple[KVGroup, LayerSpec, tuple[int, ...]]] = []

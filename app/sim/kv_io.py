@@ -154,10 +154,12 @@ def verify_request(
                 # The P side sends the state of prompt_len - 1 tokens; D recomputes the last.
                 bad = check_state(layout, c.index, block, prompt_len - 1, salt)
             else:
+                # Decode computes the last prompt token, attending to the tokens before it:
+                # within a sliding window, the window - 1 of them from prompt_len - window on.
                 lo = 0
                 if g.kind is SpecKind.SLIDING and g.sliding_window:
-                    lo = max(0, prompt_len - (g.sliding_window - 1))
-                bad = check_tokens(layout, c.index, ids, np.arange(lo, prompt_len), salt)
+                    lo = max(0, prompt_len - g.sliding_window)
+                bad = check_tokens(layout, c.index, ids, np.arange(lo, prompt_len - 1), salt)
             if bad:
                 problems.append(f"rank {layout.rank} layer {c.index} ({c.name}): {bad} wrong")
     return problems
@@ -246,7 +248,9 @@ def mark_read_set(
             lo = 0
             if g.kind is SpecKind.SLIDING and g.sliding_window:
                 lo = max(0, prompt_len - g.sliding_window) // g.block_size * g.block_size
-            tokens = np.arange(lo, prompt_len)
+            # Whole kernel blocks go, so the last token's row may come along with the one
+            # before it; decode holds no block for it when it starts a block.
+            tokens = np.arange(lo, min(prompt_len, ids.size * g.block_size))
             if not tokens.size:
                 continue
             mid, sub, off = _token_index(mask, c.index, ids, tokens)

@@ -60,6 +60,9 @@ class BlockAllocator:
         out = []
         for g in self.config.groups:
             n = blocks_for_tokens(prompt_len, g.block_size)
+            if decode and g.kind is not SpecKind.MAMBA:
+                # vLLM allocates decode's blocks for the prompt_len - 1 tokens it loads.
+                n = blocks_for_tokens(prompt_len - 1, g.block_size)
             if g.kind is SpecKind.MAMBA:
                 n = 1 if mamba_mode is MambaMode.NONE else n + num_spec
                 out.append(self.take(n))

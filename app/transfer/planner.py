@@ -17,7 +17,6 @@ import numpy as np
 
 from app.errors import LayoutMismatchError, OutOfBoundsError
 from app.kvcache.desc import GroupDesc, LayoutDesc
-from app.kvcache.groups import sliding_first_block
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind, SpecKind
 from app.transfer.tp_mapping import Template, coalesce, layer_template
@@ -157,28 +156,10 @@ def check_block_ids(desc: LayoutDesc, blocks: Sequence[np.ndarray], side: str) -
             )
 
 
-def kernel_blocks(group: GroupDesc, d_group: GroupDesc, req: StepRequest) -> np.ndarray:
-    """Token-order kernel-block indices of this group to send in this step."""
-    kb = group.kernel_block_size
-    lo = req.start // kb
-    hi = -(-req.end // kb) if req.last else req.end // kb
-    if group.kind is SpecKind.SLIDING and group.sliding_window:
-        # Only what D reads at decode, in blocks of D's size.
-        bs_d = d_group.block_size
-        first = sliding_first_block(req.prompt_len, group.sliding_window, bs_d)
-        lo = max(lo, first * bs_d // kb)
-    return np.arange(lo, max(lo, hi), dtype=np.int64)
-
-
 def _state_index(ids: np.ndarray, req: StepRequest) -> int:
     if req.mamba_mode is MambaMode.NONE:
         return 0
     return int(ids.size) - 1 - req.num_spec
-
-
-def block_offsets(pl: LayerPlacement, ids: np.ndarray, j: np.ndarray, ratio: int) -> np.ndarray:
-    """Offsets from ``pl.base`` of token-kernel-blocks ``j`` given manager ``ids``."""
-    return ids[j // ratio] * pl.block_stride + (j % ratio) * pl.kernel_stride
 
 
 @dataclass
@@ -270,13 +251,17 @@ class PairPlanner:
         prompt = ints(r.prompt_len for r in requests)
         p_sizes = ints(r.p_blocks[group].size for r in requests)
         d_sizes = ints(r.d_blocks[group].size for r in requests)
-        # Token-order kernel blocks [lo, hi) per request, as ``kernel_blocks`` gives them.
+        # Token-order kernel blocks [lo, hi) per request. Decode reads tokens [0, prompt - 1)
+        # and computes the last one itself, so it allocates blocks for prompt - 1 tokens only:
+        # the block holding the last token goes only when it also holds an earlier one.
         kb = g.kernel_block_size
         lo = start // kb
-        hi = np.where(end >= prompt, -(-end // kb), end // kb)
+        hi = np.where(end >= prompt, -(-np.minimum(end, prompt - 1) // kb), end // kb)
         if g.kind is SpecKind.SLIDING and g.sliding_window:
             bs_d = gd.block_size
-            first = np.maximum(0, prompt - g.sliding_window) // bs_d  # sliding_first_block
+            # Decode's last prompt token attends from token prompt - window on; vLLM gives
+            # decode the null block for every block before that one.
+            first = np.maximum(0, prompt - g.sliding_window) // bs_d
             lo = np.maximum(lo, first * bs_d // kb)
         n = np.maximum(hi - lo, 0)
         need_p, need_d = -(-hi // g.ratio), -(-hi // gd.ratio)
