@@ -69,8 +69,12 @@ def _dt(d: dict[str, Any], key: str, default: str) -> str:
     return str(d.get(key, default))
 
 
-def _build_spec(d: dict[str, Any], dtype: str, cache_dtype: str, conv_layout: str) -> LayerSpec:
+def _build_spec(
+    d: dict[str, Any], dtype: str, cache_dtype: str, conv_layout: str, ssm_dtype: str | None
+) -> LayerSpec:
     kind = d["type"]
+    if ssm_dtype is not None:
+        d = {**d, "ssm_dtype": ssm_dtype}
     if kind == "attention":
         return AttentionSpec(
             kind=SpecKind(d["kind"]),
@@ -166,8 +170,14 @@ def load_preset(
     dtype: str | None = None,
     cache_dtype: str = "auto",
     conv_layout: str = "SD",
+    ssm_dtype: str | None = None,
 ) -> ModelSpec:
-    """A preset by name, optionally scaled down to ``layers`` cache-carrying layers."""
+    """A preset by name, optionally scaled down to ``layers`` cache-carrying layers.
+
+    ``ssm_dtype`` replaces the preset's Mamba/GDN ssm state dtype: the engine may choose
+    another at run time (vLLM's CPU platform keeps GDN state in float32 on CPUs with AVX-512
+    BF16 unless ``--mamba-ssm-cache-dtype`` says otherwise), and the engine's choice wins.
+    """
     raw = _raw_presets().get(name)
     if raw is None:
         raise ConfigError(f"unknown model {name!r}; choose one of: {', '.join(preset_names())}")
@@ -175,7 +185,7 @@ def load_preset(
         raise ConfigError(f"conv layout must be SD or DS, not {conv_layout!r}")
     model_dtype = dtype or raw["dtype"]
     specs = {
-        key: [_build_spec(d, model_dtype, cache_dtype, conv_layout) for d in entries]
+        key: [_build_spec(d, model_dtype, cache_dtype, conv_layout, ssm_dtype) for d in entries]
         for key, entries in raw["specs"].items()
     }
     pattern: str = raw["layers"]
