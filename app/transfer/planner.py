@@ -16,7 +16,7 @@ from enum import StrEnum
 import numpy as np
 
 from app.errors import LayoutMismatchError, OutOfBoundsError
-from app.kvcache.desc import GroupDesc, LayoutDesc
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind, SpecKind
 from app.transfer.tp_mapping import Template, coalesce, layer_template
