@@ -18,10 +18,16 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from app.connectors.local_pd import TINY_MODELS, LocalPD, write_tiny_model
+from app.connectors.local_pd import TINY_MODELS, LocalPD, prompt_tokens_by_source, write_tiny_model
 from app.errors import ConfigError
 
 TIMES = ("target_ms", "prefill_ms", "total_ms")
+
+
+def succeeded(summary: dict[str, Any]) -> bool:
+    """Every output equals the reference and decode computed only each prompt's last token."""
+    n = summary["requests"]
+    return bool(summary["matches_reference"] == n and summary["decode_recomputed_tokens"] == 0)
 
 
 def run_vllm_demo(
@@ -40,9 +46,14 @@ def run_vllm_demo(
             for r in range(requests)
         ]
         prompts, reference = zip(*(pd.reference(s, max_tokens) for s in seeds), strict=True)
+        before = prompt_tokens_by_source(pd.decode.url)
         t0 = time.monotonic()
         answers = [pd.completion(pd.proxy, p, max_tokens) for p in prompts]
         seconds = time.monotonic() - t0
+        after = prompt_tokens_by_source(pd.decode.url)
+        # Decode computes each prompt's last token itself; anything more is a failed transfer
+        # that vLLM recomputed (the output is still right, so only this counter shows it).
+        computed = int(after.get("local_compute", 0) - before.get("local_compute", 0))
         transfers = httpx.get(f"{pd.proxy}/v1/transfers", timeout=10).json()["transfers"]
         groups = httpx.get(f"{pd.prefill.admin}/v1/groups", timeout=10).json()["groups"]
         outputs = [a["choices"][0]["token_ids"] for a in answers]
@@ -51,6 +62,8 @@ def run_vllm_demo(
             "engine_start_s": round(pd.started_s, 1),
             "requests": requests,
             "matches_reference": sum(o == r for o, r in zip(outputs, reference, strict=True)),
+            "decode_computed_tokens": computed,
+            "decode_recomputed_tokens": computed - requests,
             "outputs": outputs,
             "bytes": sum(g["bytes"] for g in groups),
             "descriptors": sum(g["descriptors"] for g in groups),
@@ -84,6 +97,7 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
     s = summary
     console.print(
         f"{s['matches_reference']}/{s['requests']} equal the prefill engine's own output; "
+        f"decode recomputed {s['decode_recomputed_tokens']} prompt tokens; "
         f"{s['bytes']:,} B in "
         f"{s['descriptors']:,} descriptors; engines up in {s['engine_start_s']} s; "
         f"logs in {s['logs']}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -410,3 +411,15 @@ class LocalPD:
         if self.master is not None:
             stop_master(self.master)
             self.master = None
+
+
+def prompt_tokens_by_source(base: str) -> dict[str, float]:
+    """vLLM's own counter of prompt tokens by where they came from (``local_compute``,
+    ``external_kv_transfer``, ...), read from an engine's ``/metrics``."""
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for m in re.finditer(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\} (\S+)$", text, re.M):
+        source = re.search(r'source="([^"]+)"', m.group(1))
+        if source:
+            out[source.group(1)] = out.get(source.group(1), 0.0) + float(m.group(2))
+    return out

@@ -33,6 +33,20 @@ from app.transfer.protocol import RemoteTarget
 log = logging.getLogger(__name__)
 
 
+def allow_amx() -> None:
+    """Ask Linux for the AMX tile state where the CPU has AMX (once per process; idempotent).
+
+    vLLM's CPU attention picks AMX kernels on such CPUs. Measured on one: decode's worker died
+    with SIGILL in ``cpu_attention_with_kv_cache`` on its first step, a one-token query over
+    KV that the sidecar loaded, while the same engine alone, whose first step is a prefill,
+    ran; with the permission asked here first, decode runs.
+    """
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def post_target(target: Target, timeout_s: float = 5.0) -> None:
     """Hand a decode target to the router (which then sends the prompt to a prefill)."""
     try:
@@ -93,6 +107,8 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         device = kv_device(kv_caches)
         self._device = None if device.kind == "cpu" else device
+        if device.kind == "cpu":
+            allow_amx()
         reg = build_registration(
             vllm_config=self.vllm_config,
             kv_cache_config=self.kv_cache_config,

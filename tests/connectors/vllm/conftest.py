@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,13 +20,20 @@ import torch
 
 from app.connectors.local_pd import LocalPD, write_tiny_model
 
+SSM_DTYPE_ARGS = {
+    "f32": ("--mamba-ssm-cache-dtype", "float32"),
+    "bf16": ("--mamba-ssm-cache-dtype", "bfloat16"),
+}
+
 
 @pytest.fixture(scope="module")
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
     # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars);
-    # "llama+inproc": the vLLM workers host their agents, no sidecar processes.
+    # "llama+inproc": the vLLM workers host their agents, no sidecar processes;
+    # "qwen3next+f32" / "+bf16": the GDN state dtype told to vLLM, so both outcomes run on
+    # every CPU (unasked, vLLM's CPU platform picks float32 only on CPUs with AVX-512 BF16).
     kind, _, mode = str(request.param).partition("+")
     root = tmp_path_factory.mktemp(f"pd-{kind}{mode}")
     model = write_tiny_model(root / "model", kind)
@@ -38,6 +44,7 @@ def pd(
         kind=kind,
         pool=mode == "pool",
         in_process=mode == "inproc",
+        extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ()),
     )
     shm_before = set(os.listdir("/dev/shm"))
     try:
@@ -82,17 +89,6 @@ def print_logs_on_failure(run: Path) -> None:
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             print(f"---- {log.name} (tail) ----\n{text[-2500:]}")
-
-
-def prompt_tokens_by_source(base: str) -> dict[str, float]:
-    """vLLM's own counter of prompt tokens by where they came from (local compute, transfer)."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\} (\S+)$", text, re.M):
-        source = re.search(r'source="([^"]+)"', m.group(1))
-        if source:
-            out[source.group(1)] = out.get(source.group(1), 0.0) + float(m.group(2))
-    return out
 
 
 def group_counters(admin: str) -> list[dict[str, int]]:

@@ -14,25 +14,52 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
-from app.connectors.local_pd import LocalPD
+from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, prompt_tokens_by_source
 from tests.connectors.vllm.conftest import (
     EngineKV,
     TargetCatcher,
     block_ids,
     group_counters,
     prompt,
-    prompt_tokens_by_source,
     read_blocks,
 )
 
 LENGTHS = (37, 130, 300, 600)
-BYTE_LENGTHS = (300, 600)
 MAX_TOKENS = 8
+HYBRIDS = ["qwen3next+f32", "qwen3next+bf16"]  # GDN state in float32 and in bf16 (any CPU)
+
+
+def engine_groups(pd: LocalPD) -> list[dict[str, Any]]:
+    """Decode's KV cache groups as its engine registered them (kind, block sizes, window)."""
+    reg = httpx.get(f"{pd.decode.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    return list(reg["groups"])
+
+
+def boundary_lengths(pd: LocalPD) -> list[int]:
+    """Prompt lengths k*B - 1, k*B, k*B + 1, k*B + 2 for every block size B the engine chose
+    (manager and kernel blocks of every group, a state group's too) that fit the model length.
+    A prompt of N tokens leaves N - 1 to the transfer, so N = k*B + 1 is where a planner that
+    plans the whole prompt needs one more decode block than decode allocated."""
+    sizes = {int(g[key]) for g in engine_groups(pd) for key in ("block_size", "kernel_block_size")}
+    limit = MAX_MODEL_LEN - MAX_TOKENS - 2
+    lengths = {
+        k * b + d for b in sizes for k in (1, 2) for d in (-1, 0, 1, 2) if 2 <= k * b + d <= limit
+    }
+    return sorted(lengths)
+
+
+def byte_lengths(pd: LocalPD) -> list[int]:
+    """Lengths that hold whole kernel blocks of every attention group, so the byte comparison
+    is never vacuous whatever block size the engine chose (a GDN state in float32 grows the
+    hybrid's attention block to over a thousand tokens)."""
+    kb = max(int(g["kernel_block_size"]) for g in engine_groups(pd) if g["kind"] != "mamba")
+    return sorted({kb + 5, min(2 * kb + kb // 3, MAX_MODEL_LEN - MAX_TOKENS - 2)})
 
 
 def references(pd: LocalPD, seeds: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
@@ -52,14 +79,9 @@ def through_proxy(pd: LocalPD, prompts: list[list[int]]) -> list[list[int]]:
         return list(pool.map(lambda p: pd.complete(pd.proxy, p, MAX_TOKENS), prompts))
 
 
-@pytest.mark.parametrize(
-    "pd", ["llama", "gemma3", "deepseek", "qwen3next", "llama+inproc"], indirect=True
-)
-def test_decode_equals_reference(pd: LocalPD) -> None:
-    """Greedy outputs through P/D equal one engine's alone ("llama+inproc": the vLLM workers
-    host their agents in-process)."""
-    prompts, reference = references(pd, [prompt(n, i) for i, n in enumerate(LENGTHS)])
-    assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
+def assert_transferred(pd: LocalPD, prompts: list[list[int]], reference: list[list[int]]) -> None:
+    """Through the proxy: outputs equal the reference, decode computed exactly each prompt's
+    last token and loaded the rest, and every group of every request completed."""
     before = prompt_tokens_by_source(pd.decode.url)
     d_before = group_counters(pd.decode.admin)
     p_before = group_counters(pd.prefill.admin)
@@ -78,7 +100,29 @@ def test_decode_equals_reference(pd: LocalPD) -> None:
         assert a["bytes"] > b["bytes"], a
 
 
-@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", "qwen3next"], indirect=True)
+@pytest.mark.parametrize(
+    "pd", ["llama", "gemma3", "deepseek", *HYBRIDS, "llama+inproc"], indirect=True
+)
+def test_decode_equals_reference(pd: LocalPD) -> None:
+    """Greedy outputs through P/D equal one engine's alone ("llama+inproc": the vLLM workers
+    host their agents in-process)."""
+    prompts, reference = references(pd, [prompt(n - 1, i) for i, n in enumerate(LENGTHS)])
+    assert len({tuple(r) for r in reference}) == len(prompts), "tiny model is not distinctive"
+    assert_transferred(pd, prompts, reference)
+
+
+@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", *HYBRIDS], indirect=True)
+def test_every_length_transfers(pd: LocalPD) -> None:
+    """Prompts just around every block boundary the engine chose transfer, and decode computes
+    only their last token (a 129-token prompt at block size 128 used to fail both sides and
+    be recomputed whole, with the right output: only the counters showed it)."""
+    lengths = boundary_lengths(pd)
+    prompts, reference = references(pd, [prompt(n - 1, 20 + i) for i, n in enumerate(lengths)])
+    assert [len(p) for p in prompts] == lengths
+    assert_transferred(pd, prompts, reference)
+
+
+@pytest.mark.parametrize("pd", ["llama", "gemma3", "deepseek", *HYBRIDS], indirect=True)
 def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
     """Requests go one at a time: a finished send frees its prefill blocks and a later request
     may reuse them, so both caches are read right after each request. State pages are left to
@@ -86,7 +130,7 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
     p_kv = EngineKV(pd.prefill.admin, pd.procs["sidecar-prefill"].pid)
     d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
     checked = 0
-    for i, n in enumerate(BYTE_LENGTHS):
+    for i, n in enumerate(byte_lengths(pd)):
         answer = pd.completion(pd.proxy, prompt(n, 50 + i), 2)
         rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
         p_ids = block_ids(pd.prefill.admin, rid, "send")

@@ -8,9 +8,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
 from tests.conftest import wait_for
-from tests.connectors.vllm.conftest import prompt, prompt_tokens_by_source
+from tests.connectors.vllm.conftest import prompt
 
 MAX_TOKENS = 8
 

@@ -49,14 +49,19 @@ CPU_KERNEL_MULTIPLE = 32
 
 @dataclass(frozen=True)
 class Case:
+    preset: str
     kind: str  # the tiny model family in ``TINY_MODELS``
     layers: int  # cache-carrying layers kept from the preset's pattern
+    ssm_dtype: str | None = None  # told to vLLM (``--mamba-ssm-cache-dtype``)
 
 
+# The hybrid runs with its GDN state in float32 and in bf16: unasked, vLLM's CPU platform picks
+# float32 on CPUs with AVX-512 BF16 and the model's bf16 elsewhere, so both run on every CPU.
 CASES = {
-    "llama-3.1-8b": Case("llama", 2),
-    "qwen3-next-80b-a3b": Case("qwen3next", 4),
-    "gemma-3-27b": Case("gemma3", 6),
+    "llama-3.1-8b": Case("llama-3.1-8b", "llama", 2),
+    "qwen3-next-80b-a3b+f32": Case("qwen3-next-80b-a3b", "qwen3next", 4, "float32"),
+    "qwen3-next-80b-a3b+bf16": Case("qwen3-next-80b-a3b", "qwen3next", 4, "bfloat16"),
+    "gemma-3-27b": Case("gemma-3-27b", "gemma3", 6),
 }
 
 
@@ -71,7 +76,7 @@ def tiny_overrides(name: str, case: Case) -> dict[str, Any]:
     Only the cache-relevant facts follow the preset; hidden size, vocabulary and MLP stay tiny.
     Query heads are twice the KV heads (GQA); they do not shape the cache.
     """
-    raw = raw_preset(name)
+    raw = raw_preset(case.preset)
     first = {key: entries[0] for key, entries in raw["specs"].items() if entries}
     attns = [d for d in first.values() if d["type"] == "attention"]
     attn = attns[0]
@@ -148,7 +153,8 @@ def engine(
     case = CASES[name]
     root = tmp_path_factory.mktemp(f"reg-{case.kind}")
     model = write_tiny_model(root / "model", case.kind, overrides=tiny_overrides(name, case))
-    pd = LocalPD(model, root / "run", kind=case.kind)
+    args = ("--mamba-ssm-cache-dtype", case.ssm_dtype) if case.ssm_dtype else ()
+    pd = LocalPD(model, root / "run", kind=case.kind, extra_vllm_args=args)
     shm_before = set(os.listdir("/dev/shm"))
     try:
         start_engine(pd)
@@ -171,8 +177,10 @@ class Built:
 
 
 def preset_side(name: str, reg: dict[str, Any]) -> Built:
-    """The preset path, for what this vLLM run is: only the block count comes from the engine."""
-    model = load_preset(name, layers=CASES[name].layers)
+    """The preset path, for what this vLLM run is: the block count and the state dtype the
+    engine chose come from the engine (the engine's choice wins)."""
+    case = CASES[name]
+    model = load_preset(case.preset, layers=case.layers, ssm_dtype=engine_ssm_dtype(reg))
     config = build_cache_config(
         model,
         1,
@@ -195,6 +203,13 @@ def preset_side(name: str, reg: dict[str, Any]) -> Built:
         tuple(b.data_ptr() for b in layout.buffers),
         tuple(c.name for c in model.layers),
     )
+
+
+def engine_ssm_dtype(reg: dict[str, Any]) -> str | None:
+    """The dtype of the state tensor named ``ssm`` the engine allocated, if any."""
+    found = {s["dtype"] for x in reg["layers"] for s in x["states"] if s["name"] == "ssm"}
+    assert len(found) <= 1, found
+    return found.pop() if found else None
 
 
 def engine_side(reg: dict[str, Any]) -> Built:
@@ -279,6 +294,8 @@ MODELS = sorted(CASES)
 @pytest.mark.parametrize("engine", MODELS, indirect=True)
 def test_groups_equal(engine: tuple[str, Observed]) -> None:
     name, seen = engine
+    # The engine took the state dtype it was told (else both dtypes would not be covered).
+    assert engine_ssm_dtype(seen.registration) == CASES[name].ssm_dtype
     preset, eng = preset_side(name, seen.registration), engine_side(seen.registration)
     assert eng.desc.groups == preset.desc.groups
     assert (eng.desc.tp, eng.desc.rank, eng.desc.num_blocks, eng.desc.null_block) == (
