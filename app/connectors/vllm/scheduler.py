@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 class _Send:
     sid: str
     remote: dict[str, Any]
-    prompt_len: int
+    prompt_len: int  # the whole prompt, as decode has it
     block_ids: BlockIds
+    computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
@@ -76,9 +77,6 @@ class SchedulerSide:
             for g in getattr(kv_cache_config, "kv_cache_groups", ())
             if isinstance(g.kv_cache_spec, MambaSpec)
         ]
-        # Mamba-style state after N-1 tokens lets decode derive the state after N itself; the
-        # state after N cannot be "un-run" (DESIGN §3, and vLLM's own P/D convention).
-        self.truncate = bool(states)
         self.mamba_mode = str(states[0].mamba_cache_mode) if states else "none"
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
@@ -102,7 +100,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
         p = _params(request)
-        if p.get("do_remote_decode") and self.truncate:
+        if p.get("do_remote_decode"):
             self._truncate(request)
         if not p.get("do_remote_prefill"):
             return self._pool_hit(request, num_computed)
@@ -132,7 +130,12 @@ class SchedulerSide:
         return hit - num_computed, True
 
     def _truncate(self, request: Any) -> None:
-        """Prefill stops one token short: decode recomputes the last prompt token."""
+        """Prefill computes the N - 1 tokens decode loads, never the last one (decode computes
+        it). A Mamba-style state after N cannot be "un-run" (DESIGN §3, vLLM's convention);
+        and the KV of N - 1 tokens is then bit for bit what one engine holds after a prefill
+        of them: a prefill of N tokens rounds some of the same rows otherwise (measured: a
+        37-token MLA prompt whose 36 loaded rows were byte-equal to prefill's answered
+        otherwise than the engine alone)."""
         params = request.kv_transfer_params
         if params.get("_kvs_truncated") or request.num_prompt_tokens < 2:
             return
@@ -156,9 +159,11 @@ class SchedulerSide:
             if not isinstance(remote, dict) or "request_id" not in remote:
                 log.error("request %s: do_remote_decode without a remote target; not sent", rid)
                 return
-            self.state.sends[rid] = _Send(
-                str(remote["request_id"]), remote, len(request.prompt_token_ids), ids
-            )
+            # The sidecar plans with the whole prompt (decode loads all but its last token);
+            # a truncated prefill computes exactly those, and its last slice ends the prompt.
+            computes = len(request.prompt_token_ids)
+            whole = computes + 1 if p.get("_kvs_truncated") else computes
+            self.state.sends[rid] = _Send(str(remote["request_id"]), remote, whole, ids, computes)
 
     def _expect(self, request: Any, p: dict[str, Any], ids: BlockIds) -> None:
         rid = request.request_id
@@ -232,9 +237,11 @@ class SchedulerSide:
                 send.grown = True
         for rid, n in out.num_scheduled_tokens.items():
             send = st.sends.get(rid)
-            if send is None or not send.admitted or computed.get(rid, 0) >= send.prompt_len:
+            if send is None or not send.admitted or computed.get(rid, 0) >= send.computes:
                 continue
-            end = min(computed[rid] + n, send.prompt_len)
+            end = min(computed[rid] + n, send.computes)
+            if end == send.computes:
+                end = send.prompt_len
             # Tokens loaded from the pool were never computed in a step: the first slice
             # carries them (they are final before this step runs).
             start = computed[rid] if send.sliced else 0

@@ -1,0 +1,147 @@
+"""Real engines of different TP sizes: what decode reads is prefill's, head for head.
+
+One engine pair per model: A at TP 1 and B at TP 2, both ``kv_both``, each told the other's TP
+as its prefill TP, and one proxy per direction, so the same two engines run P TP 1 -> D TP 2 and
+P TP 2 -> D TP 1. Outputs across TP sizes need not equal any single engine's (TP 2 and TP 1
+round differently), so the checks are: every kernel block decode reads is byte-equal to the
+prefill rank(s) that hold its heads (GQA heads split or joined across ranks; MLA's latent the
+same on every rank), decode computed only each prompt's last token, and both sides ended DONE.
+
+Catches: a head slice written to the wrong D rank or at the wrong offset in D's block, a
+missing sender (the manifest of a TP pairing), MLA written from the wrong rank, and any
+transfer that failed and was recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+
+from app.connectors.local_pd import Instance, LocalPD, prompt_tokens_by_source, write_tiny_model
+from tests.connectors.vllm.conftest import (
+    EngineKV,
+    leaked_engine_shm,
+    print_logs_on_failure,
+    prompt,
+    read_blocks,
+)
+
+MAX_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Case:
+    kind: str
+    overrides: dict[str, int]
+
+
+# Llama with 2 KV heads (one per rank at TP 2) and with 4 (two per rank); a hybrid; MLA.
+CASES = {
+    "llama-kv2": Case("llama", {"num_key_value_heads": 2}),
+    "llama-kv4": Case("llama", {"num_key_value_heads": 4, "num_attention_heads": 8}),
+    "qwen3next": Case("qwen3next", {}),
+    "deepseek": Case("deepseek", {}),
+}
+
+
+@dataclass
+class Pair:
+    """Engines A (TP 1) and B (TP 2), with a proxy for each direction."""
+
+    stack: LocalPD
+    proxies: dict[str, str]  # "1to2" / "2to1" -> proxy URL
+
+    def ends(self, direction: str) -> tuple[Instance, Instance]:
+        a, b = self.stack.prefill, self.stack.decode
+        return (a, b) if direction == "1to2" else (b, a)
+
+    def sidecar_pid(self, inst: Instance) -> int:
+        return self.stack.procs[f"sidecar-{inst.role}"].pid
+
+
+@pytest.fixture(scope="module")
+def pair(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pair]:
+    case = CASES[str(request.param)]
+    root = tmp_path_factory.mktemp(f"tp-{request.param}")
+    model = write_tiny_model(root / "model", case.kind, overrides=case.overrides)
+    # "prefill" is A (TP 1), "decode" is B (TP 2); each is told the other's TP as prefill TP.
+    stack = LocalPD(model, root / "run", recv_timeout_s=60.0, kind=case.kind, prefill_tp=1,
+                    decode_tp=2)  # fmt: skip
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        stack.start()
+        reverse = stack.start_proxy("proxy-2to1", stack.decode, stack.prefill)
+        yield Pair(stack, {"1to2": stack.proxy, "2to1": reverse})
+    finally:
+        stack.close()
+        print_logs_on_failure(root / "run")
+    left = leaked_engine_shm(shm_before)
+    assert not left, f"shared memory left behind: {left}"
+
+
+def entries(admin: str, rid: str, side: str) -> dict[int, dict[str, object]]:
+    found = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10).json()["entries"]
+    return {int(e["rank"]): e for e in found if e["side"] == side}
+
+
+def heads_of(kv: EngineKV, name: str) -> int:
+    return int(kv.view(name).shape[1])
+
+
+@pytest.mark.parametrize("direction", ["2to1", "1to2"])
+@pytest.mark.parametrize("pair", sorted(CASES), indirect=True)
+def test_pages_follow_heads_across_tp(pair: Pair, direction: str) -> None:
+    p, d = pair.ends(direction)
+    lengths = (300, 601)
+    before = prompt_tokens_by_source(d.url)
+    answers = [
+        pair.stack.completion(pair.proxies[direction], prompt(n - 1, 70 + i), MAX_TOKENS)
+        for i, n in enumerate(lengths)
+    ]
+    after = prompt_tokens_by_source(d.url)
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(lengths)
+
+    p_kv = [EngineKV(p.admin, pair.sidecar_pid(p), r) for r in range(p.tp)]
+    d_kv = [EngineKV(d.admin, pair.sidecar_pid(d), r) for r in range(d.tp)]
+    checked = 0
+    for answer, n in zip(answers, lengths, strict=True):
+        rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
+        sends, recvs = entries(p.admin, rid, "send"), entries(d.admin, rid, "recv")
+        assert sorted(recvs) == list(range(d.tp)), recvs
+        assert all(e["state"] == "DONE" for e in [*sends.values(), *recvs.values()]), (sends, recvs)
+        p_ids = {r: [g["block_ids"] for g in e["groups"]] for r, e in sends.items()}
+        d_ids = {r: [g["block_ids"] for g in e["groups"]] for r, e in recvs.items()}
+        for name, layer in d_kv[0].layers.items():
+            g = layer["group"]
+            group = d_kv[0].groups[g]
+            if group["kind"] == "mamba":
+                continue  # state: decode's own step has advanced it; the output count covers it
+            blocks = read_blocks(group, d_kv[0].kernel_block_size(name), n)
+            assert blocks, f"{name}: no whole kernel block below {n} tokens"
+            if group["kind"] == "mla":
+                # The latent is the same on every rank: each D rank holds its sender's page.
+                for dr in range(d.tp):
+                    src = dr * p.tp // d.tp if p.tp <= d.tp else dr * (p.tp // d.tp)
+                    want = p_kv[src].pages(name, p_ids[src][g], blocks)
+                    got = d_kv[dr].pages(name, d_ids[dr][g], blocks)
+                    assert torch.equal(want, got), f"{rid} {name} D{dr}"
+                    checked += len(blocks)
+                continue
+            # GQA: the model's heads in order are P ranks' heads joined, and D ranks' joined.
+            want = torch.cat(
+                [p_kv[r].pages(name, p_ids[r][g], blocks) for r in sorted(p_ids)], dim=1
+            )
+            got = torch.cat([d_kv[r].pages(name, d_ids[r][g], blocks) for r in range(d.tp)], dim=1)
+            assert want.abs().sum() > 0, f"{name}: prefill pages are empty"
+            assert want.shape == got.shape, (want.shape, got.shape)
+            bad = [j for k, j in enumerate(blocks) if not torch.equal(want[k], got[k])]
+            assert not bad, f"{rid} {name} {direction}: kernel blocks {bad[:5]} differ"
+            checked += len(blocks)
+    assert checked > 0
