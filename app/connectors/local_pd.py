@@ -16,12 +16,14 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded
+from app.ports import clear_port_file, wait_port_file
 from app.store.master import MasterProcess, free_port, start_master, stop_master
 
 MAX_MODEL_LEN = 2048  # the engines' --max-model-len
@@ -142,9 +144,10 @@ def write_tiny_model(
 class Instance:
     role: str
     vllm_port: int
-    admin_port: int
+    admin_port: int  # 0 until its sidecar reported the ports it bound
     control_port: int
     ipc: str
+    port_file: Path
 
     @property
     def url(self) -> str:
@@ -174,11 +177,13 @@ class LocalPD:
         self.work.mkdir(parents=True, exist_ok=True)
         self.prefill = self._instance("prefill")
         self.decode = self._instance("decode")
-        self.proxy_port = free_port()
+        self.proxy_port = 0  # the proxy binds port 0 and reports the port it got
 
     def _instance(self, role: str) -> Instance:
+        # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
+        # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
         return Instance(
-            role, free_port(), free_port(), free_port(), f"ipc://{self.work}/{role}.ipc"
+            role, free_port(), 0, 0, f"ipc://{self.work}/{role}.ipc", self.work / f"{role}.ports"
         )
 
     @property
@@ -203,13 +208,16 @@ class LocalPD:
         if self.in_process:  # what the command line gives a sidecar process
             env |= {
                 "KVSIDECAR_CONTROL_HOST": "127.0.0.1",
-                "KVSIDECAR_CONTROL_PORT": str(inst.control_port),
-                "KVSIDECAR_ADMIN_PORT": str(inst.admin_port),
+                "KVSIDECAR_CONTROL_PORT": "0",
+                "KVSIDECAR_ADMIN_PORT": "0",
+                "KVSIDECAR_PORT_FILE": str(inst.port_file),
             }
         return env
 
     def start_sidecar(self, inst: Instance) -> None:
         env = self._sidecar_env(inst)
+        inst.admin_port = inst.control_port = 0
+        clear_port_file(inst.port_file)
         self._spawn(
             f"sidecar-{inst.role}",
             [
@@ -228,11 +236,13 @@ class LocalPD:
                 "--control-host",
                 "127.0.0.1",
                 "--control-port",
-                str(inst.control_port),
+                "0",
                 "--engine-ipc",
                 inst.ipc,
                 "--admin-port",
-                str(inst.admin_port),
+                "0",
+                "--port-file",
+                str(inst.port_file),
             ],
             env,
         )
@@ -240,6 +250,8 @@ class LocalPD:
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
         self.start_instances((self.prefill, self.decode))
+        proxy_ports = self.work / "proxy.ports"
+        clear_port_file(proxy_ports)
         self._spawn(
             "proxy",
             [
@@ -252,11 +264,15 @@ class LocalPD:
                 "--decode",
                 self.decode.url,
                 "--port",
-                str(self.proxy_port),
+                "0",
+                "--port-file",
+                str(proxy_ports),
             ],
         )
         for inst in (self.prefill, self.decode):
             self.wait_engine(inst, timeout_s)
+        check = partial(self._check_alive, "proxy")
+        self.proxy_port = wait_port_file(proxy_ports, ("port",), 60, check=check)["port"]
         self._wait(f"{self.proxy}/health", "proxy", 60)
         self.started_s = time.monotonic() - t0
         return self
@@ -318,29 +334,31 @@ class LocalPD:
             )
 
     def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:
-        self._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
+        name = f"vllm-{inst.role}"
+        self._wait(f"{inst.url}/health", name, timeout_s)
+        if self.in_process:  # the worker hosts the agent: it wrote the ports once serving
+            self._read_ports(inst, name)
 
-    def _wait_sidecar(self, inst: Instance, attempts: int = 3) -> None:
+    def _wait_sidecar(self, inst: Instance) -> None:
         name = f"sidecar-{inst.role}"
-        for attempt in range(1, attempts + 1):
-            try:
-                self._wait(f"{inst.admin}/livez", name, 60)
-                return
-            except ConfigError as e:
-                # free_port() only says a port was free when asked; another process may take it
-                # before the sidecar binds. Anything else is a real failure.
-                if attempt == attempts or "Address already in use" not in str(e):
-                    raise
-            inst.admin_port, inst.control_port = free_port(), free_port()
-            self.start_sidecar(inst)
+        self._read_ports(inst, name)
+        self._wait(f"{inst.admin}/livez", name, 60)
+
+    def _read_ports(self, inst: Instance, name: str) -> None:
+        check = partial(self._check_alive, name)
+        ports = wait_port_file(inst.port_file, ("admin_port", "control_port"), 60, check=check)
+        inst.admin_port, inst.control_port = ports["admin_port"], ports["control_port"]
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise ConfigError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def _wait(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                tail = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise ConfigError(f"{name} exited with {proc.returncode}:\n{tail}")
+            self._check_alive(name)
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
                     return
