@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -96,12 +97,11 @@ def test_two_sidecars_on_port_zero_report_distinct_working_ports(
             procs.append(_spawn(args, tmp_path / f"{name}.log", env))
         ports = {}
         for name, proc in zip(names, procs, strict=True):
-            log = tmp_path / f"{name}.log"
             ports[name] = wait_port_file(
                 tmp_path / f"{name}.json",
                 ("admin_port", "control_port"),
                 START_TIMEOUT_S,
-                check=lambda p=proc, log=log: _alive(p, log),  # type: ignore[misc]
+                check=partial(_alive, proc, tmp_path / f"{name}.log"),
             )
         every = [p for ps in ports.values() for p in ps.values()]
         assert len(set(every)) == 4, ports
@@ -138,7 +138,7 @@ def test_two_proxies_on_port_zero_report_distinct_working_ports(
             tmp_path / f"{name}.json",
             ("port",),
             START_TIMEOUT_S,
-            check=lambda p=proc, log=tmp_path / f"{name}.log": _alive(p, log),  # type: ignore[misc]
+            check=partial(_alive, proc, tmp_path / f"{name}.log"),
         )["port"]
         for name, proc in zip(("p1", "p2"), procs, strict=True)
     ]
