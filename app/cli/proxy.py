@@ -93,15 +93,19 @@ def proxy_command(
     sock = _bind(host, port)
     port = int(sock.getsockname()[1])
     shown = f"[{host}]" if ":" in host else host
-    cfg = ProxyConfig(
-        prefill=tuple(prefill),
-        decode=tuple(decode),
-        public_url=public_url or f"http://{shown}:{port}",
-        policy=policy,
-        target_timeout_s=target_timeout,
-        request_timeout_s=request_timeout,
-        health_interval_s=health_interval,
-    )
+    try:
+        cfg = ProxyConfig(
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+            public_url=public_url or f"http://{shown}:{port}",
+            policy=policy,
+            target_timeout_s=target_timeout,
+            request_timeout_s=request_timeout,
+            health_interval_s=health_interval,
+        )
+    except ConfigError:
+        sock.close()
+        raise
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
