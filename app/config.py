@@ -299,7 +299,9 @@ class SidecarSettings(BaseSettings):
         default="127.0.0.1",
         description="Admin API bind address; loopback unless told otherwise (0.0.0.0 in a pod).",
     )
-    admin_port: int = Field(default=8300, ge=1, le=65535, description="Admin API port.")
+    admin_port: int = Field(
+        default=8300, ge=0, le=65535, description="Admin API port; 0: any free one (see port_file)."
+    )
     admin_token: SecretStr | None = Field(
         default=None,
         description="Bearer token that mutating admin calls (abort) must present.",
@@ -310,7 +312,20 @@ class SidecarSettings(BaseSettings):
         default="127.0.0.1",
         description="Bind address of the ZMQ ROUTER socket peers handshake with.",
     )
-    control_port: int = Field(default=5600, ge=1, le=65535, description="Peer control port.")
+    control_port: int = Field(
+        default=5600,
+        ge=0,
+        le=65535,
+        description="Peer control port; 0: any free one (see port_file).",
+    )
+    port_file: Path | None = Field(
+        default=None,
+        description=(
+            'Once both listen, write {"admin_port": N, "control_port": N} here as JSON (a '
+            "temporary file renamed over it; removed at start and at a clean stop): how a "
+            "launcher learns the ports the OS picked for port 0."
+        ),
+    )
     advertise_host: str | None = Field(
         default=None,
         description=(
@@ -584,6 +599,8 @@ class SidecarSettings(BaseSettings):
             ports["mooncake_rpc_port"] = self.mooncake_rpc_port
         seen: dict[int, str] = {}
         for name, port in ports.items():
+            if port == 0:
+                continue  # the OS gives each listener its own port
             if port in seen:
                 problems.append(
                     f"{name} ({env_var_for(name)}) and {seen[port]} ({env_var_for(seen[port])}) "

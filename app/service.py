@@ -15,6 +15,7 @@ from typing import Any
 
 from app.config import SidecarSettings
 from app.errors import DeadlineExceeded, KVSidecarError
+from app.ports import clear_port_file, write_port_file
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ async def run_until(
     shut down (in-flight requests get the grace period, then are aborted); the shutdown report."""
     for note in settings.warnings():
         log.warning(note)
+    if settings.port_file is not None:
+        clear_port_file(settings.port_file)  # an earlier run's ports are not ours
     sidecar = Sidecar(settings)
     await sidecar.start()
     admin = None
@@ -37,6 +40,12 @@ async def run_until(
         await admin.start()
     except ImportError:
         pass
+    ports = {"control_port": sidecar.control_port}
+    if admin is not None:
+        ports["admin_port"] = admin.port
+    log.info("listening: %s", " ".join(f"{k}={v}" for k, v in ports.items()))
+    if settings.port_file is not None:
+        write_port_file(settings.port_file, ports)
     if ready is not None:
         ready()
     await stop.wait()
@@ -44,6 +53,8 @@ async def run_until(
     report = await sidecar.stop()
     if admin is not None:
         await admin.stop()
+    if settings.port_file is not None:
+        clear_port_file(settings.port_file)  # nothing listens on those ports any more
     return report
 
 

@@ -3,13 +3,51 @@
 from __future__ import annotations
 
 import logging
+import socket
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated
 
 import typer
 import uvicorn
 
 from app.errors import ConfigError
+from app.ports import clear_port_file, write_port_file
 from app.proxy import Policy, ProxyConfig, create_proxy
+
+log = logging.getLogger(__name__)
+
+
+class _ProxyServer(uvicorn.Server):
+    """uvicorn that calls ``on_started`` once it serves and ``on_stopped`` once it stopped
+    (to write and remove the port file; uvicorn re-raises SIGTERM after its shutdown, so code
+    after ``run`` never runs then)."""
+
+    def __init__(
+        self, config: uvicorn.Config, on_started: Callable[[], None], on_stopped: Callable[[], None]
+    ) -> None:
+        super().__init__(config)
+        self._on_started, self._on_stopped = on_started, on_stopped
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            self._on_started()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        try:
+            await super().shutdown(sockets=sockets)
+        finally:
+            self._on_stopped()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Listen before anything else, so that port 0 is resolved for the default public URL."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise ConfigError(f"the proxy cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
 def proxy_command(
@@ -20,7 +58,11 @@ def proxy_command(
         list[str], typer.Option("--decode", help="Decode vLLM base URL (repeatable).")
     ],
     host: Annotated[str, typer.Option(help="Bind host.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Bind port.")] = 8000,
+    port: Annotated[int, typer.Option(help="Bind port; 0: any free one (see --port-file).")] = 8000,
+    port_file: Annotated[
+        Path | None,
+        typer.Option(help='Once serving, write {"port": N} here as JSON (for --port 0).'),
+    ] = None,
     policy: Annotated[
         Policy, typer.Option(help="How an instance is picked among the healthy ones.")
     ] = Policy.ROUND_ROBIN,
@@ -46,22 +88,44 @@ def proxy_command(
     """Serve /v1/completions and /v1/chat/completions over P and D instances, decode first."""
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level {log_level!r}: expected debug, info, warning or error")
-    cfg = ProxyConfig(
-        prefill=tuple(prefill),
-        decode=tuple(decode),
-        public_url=public_url or f"http://{host}:{port}",
-        policy=policy,
-        target_timeout_s=target_timeout,
-        request_timeout_s=request_timeout,
-        health_interval_s=health_interval,
-    )
+    if port_file is not None:
+        clear_port_file(port_file)  # an earlier run's port is not ours
+    sock = _bind(host, port)
+    port = int(sock.getsockname()[1])
+    shown = f"[{host}]" if ":" in host else host
+    try:
+        cfg = ProxyConfig(
+            prefill=tuple(prefill),
+            decode=tuple(decode),
+            public_url=public_url or f"http://{shown}:{port}",
+            policy=policy,
+            target_timeout_s=target_timeout,
+            request_timeout_s=request_timeout,
+            health_interval_s=health_interval,
+        )
+    except ConfigError:
+        sock.close()
+        raise
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    uvicorn.run(
-        create_proxy(cfg),
-        host=host,
-        port=port,
-        log_level=log_level,
-        access_log=log_level == "debug",
+
+    def started() -> None:
+        log.info("proxy listening on http://%s:%d", shown, port)
+        if port_file is not None:
+            write_port_file(port_file, {"port": port})
+
+    def stopped() -> None:
+        if port_file is not None:
+            clear_port_file(port_file)  # nothing listens on that port any more
+
+    server = _ProxyServer(
+        uvicorn.Config(create_proxy(cfg), log_level=log_level, access_log=log_level == "debug"),
+        started,
+        stopped,
     )
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+        stopped()  # also when startup failed

@@ -23,6 +23,10 @@ def serve_command(
     admin_host: Annotated[str | None, typer.Option(help="Admin API bind host.")] = None,
     admin_port: Annotated[int | None, typer.Option(help="Admin API port.")] = None,
     transport: Annotated[str | None, typer.Option(help="tcp or rdma.")] = None,
+    port_file: Annotated[
+        Path | None,
+        typer.Option(help="Write the bound admin and control ports here as JSON (for port 0)."),
+    ] = None,
     config: Annotated[Path | None, typer.Option(help="TOML or JSON config file.")] = None,
 ) -> None:
     """Run a sidecar until SIGTERM/SIGINT."""
@@ -37,6 +41,7 @@ def serve_command(
         "admin_host": admin_host,
         "admin_port": admin_port,
         "transport": transport,
+        "port_file": port_file,
     }
     settings = load_settings(flags, config)
     raise typer.Exit(asyncio.run(serve(settings)))

@@ -16,12 +16,14 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded
+from app.ports import clear_port_file, wait_port_file
 from app.store.master import MasterProcess, free_port, start_master, stop_master
 
 MAX_MODEL_LEN = 2048  # the engines' --max-model-len
@@ -142,9 +144,10 @@ def write_tiny_model(
 class Instance:
     role: str
     vllm_port: int
-    admin_port: int
+    admin_port: int  # 0 until its sidecar reported the ports it bound
     control_port: int
     ipc: str
+    port_file: Path
     tp: int = 1
 
     @property
@@ -179,11 +182,14 @@ class LocalPD:
             raise ConfigError("the in-process agent serves TP 1 only")
         self.prefill = self._instance("prefill", self.prefill_tp)
         self.decode = self._instance("decode", self.decode_tp)
-        self.proxy_port = free_port()
+        self.proxy_port = 0  # the proxy binds port 0 and reports the port it got
 
     def _instance(self, role: str, tp: int) -> Instance:
+        # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
+        # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
+        work = self.work
         return Instance(
-            role, free_port(), free_port(), free_port(), f"ipc://{self.work}/{role}.ipc", tp
+            role, free_port(), 0, 0, f"ipc://{work}/{role}.ipc", work / f"{role}.ports", tp
         )
 
     @property
@@ -208,13 +214,16 @@ class LocalPD:
         if self.in_process:  # what the command line gives a sidecar process
             env |= {
                 "KVSIDECAR_CONTROL_HOST": "127.0.0.1",
-                "KVSIDECAR_CONTROL_PORT": str(inst.control_port),
-                "KVSIDECAR_ADMIN_PORT": str(inst.admin_port),
+                "KVSIDECAR_CONTROL_PORT": "0",
+                "KVSIDECAR_ADMIN_PORT": "0",
+                "KVSIDECAR_PORT_FILE": str(inst.port_file),
             }
         return env
 
     def start_sidecar(self, inst: Instance) -> None:
         env = self._sidecar_env(inst)
+        inst.admin_port = inst.control_port = 0
+        clear_port_file(inst.port_file)
         self._spawn(
             f"sidecar-{inst.role}",
             [
@@ -233,11 +242,13 @@ class LocalPD:
                 "--control-host",
                 "127.0.0.1",
                 "--control-port",
-                str(inst.control_port),
+                "0",
                 "--engine-ipc",
                 inst.ipc,
                 "--admin-port",
-                str(inst.admin_port),
+                "0",
+                "--port-file",
+                str(inst.port_file),
             ],
             env,
         )
@@ -245,22 +256,21 @@ class LocalPD:
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
         self.start_instances((self.prefill, self.decode))
-        self._spawn_proxy("proxy", self.prefill, self.decode, self.proxy_port)
+        self._spawn_proxy("proxy", self.prefill, self.decode)
         for inst in (self.prefill, self.decode):
             self.wait_engine(inst, timeout_s)
-        self._wait(f"{self.proxy}/health", "proxy", 60)
+        self.proxy_port = self._proxy_port("proxy")
         self.started_s = time.monotonic() - t0
         return self
 
     def start_proxy(self, name: str, prefill: Instance, decode: Instance) -> str:
         """One more proxy over these instances (e.g. the pair the other way round); its URL."""
-        port = free_port()
-        self._spawn_proxy(name, prefill, decode, port)
-        url = f"http://127.0.0.1:{port}"
-        self._wait(f"{url}/health", name, 60)
-        return url
+        self._spawn_proxy(name, prefill, decode)
+        return f"http://127.0.0.1:{self._proxy_port(name)}"
 
-    def _spawn_proxy(self, name: str, prefill: Instance, decode: Instance, port: int) -> None:
+    def _spawn_proxy(self, name: str, prefill: Instance, decode: Instance) -> None:
+        ports = self.work / f"{name}.ports"
+        clear_port_file(ports)
         self._spawn(
             name,
             [
@@ -273,9 +283,18 @@ class LocalPD:
                 "--decode",
                 decode.url,
                 "--port",
-                str(port),
+                "0",
+                "--port-file",
+                str(ports),
             ],
         )
+
+    def _proxy_port(self, name: str) -> int:
+        """The port a proxy reported, once it answers ``/health``."""
+        check = partial(self._check_alive, name)
+        port = int(wait_port_file(self.work / f"{name}.ports", ("port",), 60, check=check)["port"])
+        self._wait(f"http://127.0.0.1:{port}/health", name, 60)
+        return port
 
     def start_instances(self, instances: Sequence[Instance]) -> None:
         """Each instance's sidecar (waited for) and vLLM server (not waited for: wait_engine)."""
@@ -340,29 +359,31 @@ class LocalPD:
             )
 
     def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:
-        self._wait(f"{inst.url}/health", f"vllm-{inst.role}", timeout_s)
+        name = f"vllm-{inst.role}"
+        self._wait(f"{inst.url}/health", name, timeout_s)
+        if self.in_process:  # the worker hosts the agent: it wrote the ports once serving
+            self._read_ports(inst, name)
 
-    def _wait_sidecar(self, inst: Instance, attempts: int = 3) -> None:
+    def _wait_sidecar(self, inst: Instance) -> None:
         name = f"sidecar-{inst.role}"
-        for attempt in range(1, attempts + 1):
-            try:
-                self._wait(f"{inst.admin}/livez", name, 60)
-                return
-            except ConfigError as e:
-                # free_port() only says a port was free when asked; another process may take it
-                # before the sidecar binds. Anything else is a real failure.
-                if attempt == attempts or "Address already in use" not in str(e):
-                    raise
-            inst.admin_port, inst.control_port = free_port(), free_port()
-            self.start_sidecar(inst)
+        self._read_ports(inst, name)
+        self._wait(f"{inst.admin}/livez", name, 60)
+
+    def _read_ports(self, inst: Instance, name: str) -> None:
+        check = partial(self._check_alive, name)
+        ports = wait_port_file(inst.port_file, ("admin_port", "control_port"), 60, check=check)
+        inst.admin_port, inst.control_port = ports["admin_port"], ports["control_port"]
+
+    def _check_alive(self, name: str) -> None:
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            tail = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
+            raise ConfigError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def _wait(self, url: str, name: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                tail = (self.work / f"{name}.log").read_text(errors="replace")[-3000:]
-                raise ConfigError(f"{name} exited with {proc.returncode}:\n{tail}")
+            self._check_alive(name)
             try:
                 if httpx.get(url, timeout=2).status_code == 200:
                     return

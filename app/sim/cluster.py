@@ -30,9 +30,10 @@ from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
 from app.kvcache.presets import load_preset
+from app.ports import clear_port_file, wait_port_file
 from app.sim.engine import Command, SimRequest
 from app.sim.reference import BlockAllocator, blocks_needed
-from app.store.master import MasterProcess, free_port, start_master, stop_master
+from app.store.master import MasterProcess, start_master, stop_master
 from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget
 
@@ -44,7 +45,7 @@ class Side:
     role: str
     tp: int
     params: CacheParams
-    control_port: int
+    control_port: int  # 0 until its sidecar reported the port it bound (wait_ready)
     admin_port: int
     engine_id: str
     sidecar: subprocess.Popen[bytes] | None = None
@@ -119,7 +120,7 @@ class Cluster:
                 heads_major=spec.heads_major,
                 conv_layout=spec.conv_layout,
             )
-            side = Side(role, tp, params, free_port(), free_port(), f"{role}-{os.getpid()}")
+            side = Side(role, tp, params, 0, 0, f"{role}-{os.getpid()}")
             side.allocator = BlockAllocator(
                 build_cache_config(model, tp, bs, num_blocks=nb), seed=1 if role == "decode" else 0
             )
@@ -154,6 +155,9 @@ class Cluster:
     def start_sidecar(self, side: Side) -> None:
         """The sidecar's settings, and its process unless the engine hosts it in-process."""
         side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
+        # Port 0: the OS picks free ports as the sidecar binds; it writes them to its port file.
+        side.control_port = side.admin_port = 0
+        clear_port_file(self.port_file(side))
         env = dict(os.environ)
         env.update(
             {
@@ -162,8 +166,9 @@ class Cluster:
                 "KVSIDECAR_RANKS": ",".join(map(str, range(side.tp))),
                 "KVSIDECAR_TP_SIZE": str(side.tp),
                 "KVSIDECAR_MODEL": self.spec.model,
-                "KVSIDECAR_CONTROL_PORT": str(side.control_port),
-                "KVSIDECAR_ADMIN_PORT": str(side.admin_port),
+                "KVSIDECAR_CONTROL_PORT": "0",
+                "KVSIDECAR_ADMIN_PORT": "0",
+                "KVSIDECAR_PORT_FILE": str(self.port_file(side)),
                 "KVSIDECAR_ENGINE_IPC": side.ipc,
                 "KVSIDECAR_LOG_LEVEL": "warning",
                 "MC_FORCE_TCP": "1",
@@ -306,26 +311,26 @@ class Cluster:
             side.sockets.append(sock)
         return side.sockets[0]
 
-    def wait_ready(self, side: Side, timeout: float = 180.0, attempts: int = 3) -> None:
-        """Wait until every rank registered; a sidecar that lost its ports gets fresh ones."""
-        for attempt in range(1, attempts + 1):
-            try:
-                side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
-                return
-            except KVSidecarError:
-                if attempt == attempts or not self._lost_port_race(side):
-                    raise
-            # free_port() only says a port was free when asked: an outgoing connection or
-            # another test's process may take it before the sidecar binds.
-            self.kill_side(side)
-            side.control_port, side.admin_port = free_port(), free_port()
-            self.start_side(side)
+    def port_file(self, side: Side) -> Path:
+        """Where the instance's sidecar (or in-process agent) writes the ports it bound."""
+        return Path(self.tmp) / f"{side.role}-ports.json"
 
-    def _lost_port_race(self, side: Side) -> bool:
-        if side.sidecar is None or side.sidecar.poll() is None:
-            return False
-        log = self.log_dir / f"{side.role}-sidecar.log"
-        return b"Address already in use" in log.read_bytes()[-4096:]
+    def wait_ready(self, side: Side, timeout: float = 180.0) -> None:
+        """Wait until every rank registered and the sidecar reported its ports."""
+        side.info = self.call(side, Command(cmd="info"), timeout)["ranks"]
+        writer = side.sidecar or side.engines[0]
+
+        def alive() -> None:
+            if writer.poll() is not None:
+                raise KVSidecarError(
+                    f"the {side.role} sidecar exited with {writer.returncode} before it wrote "
+                    f"its ports; see the logs in {self.log_dir}"
+                )
+
+        ports = wait_port_file(
+            self.port_file(side), ("control_port", "admin_port"), 30, check=alive
+        )
+        side.control_port, side.admin_port = ports["control_port"], ports["admin_port"]
 
     def send(self, side: Side, cmd: Command) -> None:
         self._socket(side).send(msgspec.json.encode(cmd))

@@ -246,6 +246,8 @@ def start_master(
     # Retry only when the RPC port is ours to pick: a taken explicit port stays taken.
     attempts = _START_ATTEMPTS if port == 0 else 1
     for _ in range(attempts):
+        # Not port 0 passed on: mooncake_master turns --rpc_port=0 into its default 50051 (and
+        # reports no port it bound), so its ports are picked here and a lost race retried.
         rpc = port or free_port(host)
         metrics = metrics_port or free_port(host)
         http = None

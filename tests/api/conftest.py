@@ -19,7 +19,6 @@ from app.api.server import AdminServer
 from app.config import SidecarSettings
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.engine import Command, SimRequest
-from app.store.master import free_port
 from app.transfer.sidecar import Sidecar
 from tests.conftest import wait_for
 
@@ -34,15 +33,15 @@ Pairs = list[tuple[SimRequest, SimRequest]]
 
 @contextlib.asynccontextmanager
 async def in_process_sidecar(name: str, tmp: Path) -> AsyncIterator[tuple[Sidecar, AdminServer]]:
-    """A decode sidecar and its admin API in this process, on free ports."""
+    """A decode sidecar and its admin API in this process, on ports the OS picks (port 0)."""
     ipc = Path("/dev/shm") / f"kvs-{name}-{tmp.name}"
     ipc.mkdir(exist_ok=True)
     settings = SidecarSettings(
         role="decode",
         engine_id=name,
         ranks=[0],
-        control_port=free_port(),
-        admin_port=free_port(),
+        control_port=0,
+        admin_port=0,
         engine_ipc=f"ipc://{ipc}/engine.sock",
     )
     sc = Sidecar(settings)

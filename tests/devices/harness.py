@@ -19,7 +19,7 @@ import pytest
 
 from app.devices.base import available
 from app.engine_link.client import CacheParams, EngineLink, FinishedRequests
-from app.store.master import free_port
+from app.ports import clear_port_file, wait_port_file
 from app.transfer.protocol import FailedRequest, RemoteTarget
 
 # Two layers of Llama 3.1 8B: 64 KiB per 16-token block and layer, one full-attention group.
@@ -72,10 +72,11 @@ class Side:
     role: str
     engine_id: str
     ipc: str
-    control_port: int
+    control_port: int  # 0 until _connect read the sidecar's port file
     log: Path
     proc: subprocess.Popen[bytes]
     link: EngineLink | None = None
+    port_file: Path | None = None
 
 
 @dataclass
@@ -150,7 +151,9 @@ def _start_sidecar(
 ) -> Side:
     engine_id = f"{role}-{os.getpid()}-{sock_dir.name}"
     ipc = f"ipc://{sock_dir}/{role}-engine.sock"
-    port = free_port()
+    # Port 0: the sidecar binds free ports and reports them in its port file (read in _connect).
+    port_file = sock_dir / f"{role}-ports.json"
+    clear_port_file(port_file)
     full = dict(os.environ)
     full.update(
         {
@@ -159,8 +162,9 @@ def _start_sidecar(
             "KVSIDECAR_RANKS": "0",
             "KVSIDECAR_TP_SIZE": "1",
             "KVSIDECAR_MODEL": params.model,
-            "KVSIDECAR_CONTROL_PORT": str(port),
-            "KVSIDECAR_ADMIN_PORT": str(free_port()),
+            "KVSIDECAR_CONTROL_PORT": "0",
+            "KVSIDECAR_ADMIN_PORT": "0",
+            "KVSIDECAR_PORT_FILE": str(port_file),
             "KVSIDECAR_ENGINE_IPC": ipc,
             "KVSIDECAR_LOG_LEVEL": "warning",
             "MC_FORCE_TCP": "1",
@@ -174,7 +178,7 @@ def _start_sidecar(
         proc = subprocess.Popen(
             [sys.executable, "-m", "app", "serve"], env=full, stdout=out, stderr=subprocess.STDOUT
         )
-    return Side(role, engine_id, ipc, port, log, proc)
+    return Side(role, engine_id, ipc, 0, log, proc, port_file=port_file)
 
 
 def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> EngineLink:
@@ -186,6 +190,15 @@ def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> Engin
             tail = side.log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"{side.role} sidecar did not start; its log ends:\n{tail}")
         time.sleep(0.1)
+    if side.port_file is not None:
+
+        def alive() -> None:
+            if side.proc.poll() is not None:
+                tail = side.log.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{side.role} sidecar exited; its log ends:\n{tail}")
+
+        ports = wait_port_file(side.port_file, ("control_port",), timeout_s, check=alive)
+        side.control_port = ports["control_port"]
     prefix = f"kvs-dev-{side.role}-{os.getpid()}-{id(side) % 100000}"
     link = EngineLink(side.ipc, side.engine_id, 0, shm_prefix=prefix)
     link.allocate_kv_caches(params)

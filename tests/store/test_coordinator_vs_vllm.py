@@ -149,6 +149,12 @@ CONFIGS = {
     "full+mamba": Config((full(16), mamba(16))),
     "full 16 + mamba 64": Config((full(16), mamba(64))),
     "full 32 + mamba 64": Config((full(32), mamba(64))),
+    # Mamba blocks smaller than the lcm: vLLM's hybrid allocator grows the attention block
+    # until its page fits the Mamba state, so a Mamba hit must also be aligned to the lcm.
+    "full 64 + mamba 16": Config((full(64), mamba(16))),
+    "mamba 16 + full 48": Config((mamba(16), full(48))),
+    "full 32 + mamba 48 (lcm 96)": Config((full(32), mamba(48))),
+    "full 16 + sliding 64 + mamba 32": Config((full(16), sliding(64, 100), mamba(32))),
     "full+sliding+mamba": Config((full(16), sliding(16, 33), mamba(16))),
     "full 16 + sliding 16 + mamba 32": Config((full(16), sliding(16, 17), mamba(32))),
     "full 16 + sliding 32 + mamba 64": Config((full(16), sliding(32, 50), mamba(64))),
