@@ -157,6 +157,14 @@ def read_blocks(group: dict[str, object], kernel_block: int, prompt_len: int) ->
     return list(range(first // kernel_block, last // kernel_block))
 
 
+def whole_block_lengths(groups: list[dict[str, object]], limit: int) -> list[int]:
+    """Prompt lengths (at most ``limit``) that hold whole kernel blocks of every attention group,
+    so a byte comparison is never vacuous whatever block size the engine chose (a GDN state in
+    float32 grows the hybrid's attention block to over a thousand tokens)."""
+    kb = max(int(str(g["kernel_block_size"])) for g in groups if g["kind"] != "mamba")
+    return sorted({kb + 5, min(2 * kb + kb // 3, limit)})
+
+
 def block_ids(admin: str, rid: str, side: str) -> list[list[int]]:
     entries = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10).json()["entries"]
     (entry,) = [e for e in entries if e["side"] == side]

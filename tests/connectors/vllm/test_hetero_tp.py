@@ -22,13 +22,20 @@ import httpx
 import pytest
 import torch
 
-from app.connectors.local_pd import Instance, LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import (
+    MAX_MODEL_LEN,
+    Instance,
+    LocalPD,
+    prompt_tokens_by_source,
+    write_tiny_model,
+)
 from tests.connectors.vllm.conftest import (
     EngineKV,
     leaked_engine_shm,
     print_logs_on_failure,
     prompt,
     read_blocks,
+    whole_block_lengths,
 )
 
 MAX_TOKENS = 4
@@ -99,7 +106,9 @@ def heads_of(kv: EngineKV, name: str) -> int:
 @pytest.mark.parametrize("pair", sorted(CASES), indirect=True)
 def test_pages_follow_heads_across_tp(pair: Pair, direction: str) -> None:
     p, d = pair.ends(direction)
-    lengths = (300, 601)
+    p_kv = [EngineKV(p.admin, pair.sidecar_pid(p), r) for r in range(p.tp)]
+    d_kv = [EngineKV(d.admin, pair.sidecar_pid(d), r) for r in range(d.tp)]
+    lengths = whole_block_lengths(d_kv[0].groups, MAX_MODEL_LEN - MAX_TOKENS - 2)
     before = prompt_tokens_by_source(d.url)
     answers = [
         pair.stack.completion(pair.proxies[direction], prompt(n - 1, 70 + i), MAX_TOKENS)
@@ -108,8 +117,6 @@ def test_pages_follow_heads_across_tp(pair: Pair, direction: str) -> None:
     after = prompt_tokens_by_source(d.url)
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(lengths)
 
-    p_kv = [EngineKV(p.admin, pair.sidecar_pid(p), r) for r in range(p.tp)]
-    d_kv = [EngineKV(d.admin, pair.sidecar_pid(d), r) for r in range(d.tp)]
     checked = 0
     for answer, n in zip(answers, lengths, strict=True):
         rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]

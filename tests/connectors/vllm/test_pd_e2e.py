@@ -28,6 +28,7 @@ from tests.connectors.vllm.conftest import (
     group_counters,
     prompt,
     read_blocks,
+    whole_block_lengths,
 )
 
 LENGTHS = (37, 130, 300, 600)
@@ -55,11 +56,7 @@ def boundary_lengths(pd: LocalPD) -> list[int]:
 
 
 def byte_lengths(pd: LocalPD) -> list[int]:
-    """Lengths that hold whole kernel blocks of every attention group, so the byte comparison
-    is never vacuous whatever block size the engine chose (a GDN state in float32 grows the
-    hybrid's attention block to over a thousand tokens)."""
-    kb = max(int(g["kernel_block_size"]) for g in engine_groups(pd) if g["kind"] != "mamba")
-    return sorted({kb + 5, min(2 * kb + kb // 3, MAX_MODEL_LEN - MAX_TOKENS - 2)})
+    return whole_block_lengths(engine_groups(pd), MAX_MODEL_LEN - MAX_TOKENS - 2)
 
 
 def references(pd: LocalPD, seeds: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
