@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
+from app.kvcache.preset_registration import describe
 from app.kvcache.groups import (
     NULL_BLOCK,
     CacheConfig,
