@@ -115,6 +115,7 @@ def test_the_hash_ignores_layout_and_tp_but_not_the_model() -> None:
     a = describe(_layout("llama-3.1-8b", 1, 0, LAYOUTS[0], layers=2)).compat_hash
     assert a == describe(_layout("llama-3.1-8b", 2, 1, LAYOUTS[3], layers=2)).compat_hash
     assert a != describe(_layout("llama-3.1-8b", 1, 0, LAYOUTS[0], layers=3)).compat_hash
+    assert a != describe(_layout("gpt-oss-20b", 1, 0, LAYOUTS[0], layers=2)).compat_hash
     assert (
         a
         != describe(
