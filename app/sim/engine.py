@@ -3,7 +3,8 @@
 It allocates its KV cache in shared memory (``app.sim.ranks``), registers it as a vLLM worker
 does (``RegisterEngine``), then obeys a driver (the demo, a benchmark or a test) over ZMQ
 with msgspec-JSON commands: P ranks play the forward pass (per layer: write the deterministic
-fill, wait the compute time, signal the layer); D ranks expect requests, wait for them and verify them byte-exact.
+fill, wait the compute time, signal the layer); D ranks expect requests, wait for them and
+verify them byte-exact.
 
 For fault tests every rank keeps a ledger of the terminal states its sidecar reported (each
 ``get_finished`` entry, with the time it was seen), can fill its whole cache with a sentinel
