@@ -9,11 +9,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.engine_link.client import CacheParams
-from app.kvcache.layout import KVLayout, LayoutMode
-from app.kvcache.presets import load_preset
+from app.kvcache.preset_registration import describe
 from app.sim.engine import SimRequest
-from app.sim.reference import Instance, build_instance, empty_allocator
+from app.sim.ranks import CacheParams, allocate_rank, preset_config
+from app.sim.reference import BlockAllocator, Instance, empty_allocator
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
 Pairs = Sequence[tuple[SimRequest, SimRequest]]
@@ -23,20 +22,12 @@ _SPAN_SHIFT = 48
 
 
 def _instance(params: CacheParams, seed: int) -> Instance:
-    model = load_preset(
-        params.model, layers=params.layers, dtype=params.dtype, cache_dtype=params.cache_dtype
-    )
-    return build_instance(
-        model,
-        params.tp_size,
-        params.block_size,
-        params.num_blocks,
-        mode=LayoutMode(params.layout_mode),
-        kv_layout=KVLayout(params.kv_layout),
-        heads_major=params.heads_major,
-        allocator=empty_allocator,
-        seed=seed,
-    )
+    config = preset_config(params)
+    ranks = [
+        allocate_rank(params, r, allocator=empty_allocator, config=config)
+        for r in range(params.tp_size)
+    ]
+    return Instance(config, ranks, [describe(r) for r in ranks], BlockAllocator(config, seed))
 
 
 def _span_keys(addr: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -246,27 +246,3 @@ class DeviceArena:
         for e in self.exported:
             e.close()
         self.exported = []
-
-
-def import_allocator(
-    buffers: Sequence[DeviceBuffer], imported: list[ImportedMemory]
-) -> Callable[[int], torch.Tensor]:
-    """An allocator that maps the engine's buffers in order (appending to ``imported``)."""
-    queue = list(buffers)
-
-    def allocate(nbytes: int) -> torch.Tensor:
-        if not queue:
-            raise ConfigError(
-                f"engine registered {len(buffers)} device buffers, the layout needs more"
-            )
-        buf = queue.pop(0)
-        if buf.size != nbytes:
-            raise ConfigError(
-                f"device buffer {len(imported)} has {buf.size} bytes, the layout expects "
-                f"{nbytes}; engine and sidecar disagree on model, TP or block settings"
-            )
-        mem = import_buffer(buf)
-        imported.append(mem)
-        return mem.tensor
-
-    return allocate

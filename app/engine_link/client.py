@@ -1,13 +1,13 @@
 """The engine-side shim: what an inference worker calls, shaped after vLLM's connector hooks.
 
-``register_kv_caches`` → ``add_send_request`` / ``expect_receive`` → per step ``begin_step`` and
+``register_engine`` → ``add_send_request`` / ``expect_receive`` → per step ``begin_step`` and
 ``layer_ready(layer, event)`` → ``get_finished``. The engine and its sidecar are separate
 processes; KV memory is shared as POSIX shared memory (CPU) or exported device memory
 (``app.devices.memory``), so registering only sends names and handles.
 Calls are synchronous (vLLM workers are), each with a deadline; ``layer_ready`` is one-way and
 never waits on the transfer path.
 
-Events: with an event ring (``CacheParams.events``, or ``create_event_ring``) ``layer_ready``
+Events: with an event ring (``create_event_ring`` before registering) ``layer_ready``
 records the layer's event in the ring and the sidecar waits on it before writing. Without one,
 a layer whose event is not complete yet is signalled by a waiter thread once it is; either way
 the caller is not blocked (except by a ring slot the sidecar still holds) and the rank's
@@ -17,6 +17,7 @@ the caller is not blocked (except by a ring slot the sidecar still holds) and th
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -26,13 +27,8 @@ import numpy as np
 
 from app.devices import CpuEvent, Event
 from app.devices.events import DEFAULT_SLOTS, EngineRing
-from app.devices.memory import DeviceArena
-from app.engine_link.shm import ShmArena
-from app.errors import ConfigError, KVSidecarError
+from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
-from app.kvcache.groups import build_cache_config
-from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
-from app.kvcache.presets import load_preset
 from app.transfer.protocol import (
     AbortRequest,
     AddSend,
@@ -48,7 +44,6 @@ from app.transfer.protocol import (
     PoolLoaded,
     PoolLookup,
     PoolSave,
-    RegisterCaches,
     RegisterEngine,
     RemoteTarget,
     Reply,
@@ -62,26 +57,6 @@ log = logging.getLogger(__name__)
 
 class EngineLinkError(KVSidecarError):
     """The sidecar refused or failed an engine call; the message is the sidecar's sentence."""
-
-
-@dataclass(frozen=True)
-class CacheParams:
-    model: str
-    tp_size: int
-    block_size: int
-    num_blocks: int
-    layers: int | None = None
-    dtype: str | None = None
-    cache_dtype: str = "auto"
-    layout_mode: str = "per_layer"
-    kv_layout: str = "HND"
-    heads_major: bool = False
-    conv_layout: str = "SD"  # Mamba conv state rows: (state, dim) "SD" or (dim, state) "DS"
-    # An event ring with this many slots per layer (app.devices.events); off: every layer is
-    # complete when signalled, or waited for in this process (``EngineLink.layer_ready``).
-    events: bool = False
-    event_slots: int = DEFAULT_SLOTS
-    device: str = "cpu"  # where the KV lives: cpu (POSIX shm), cuda[:i] or npu[:i]
 
 
 @dataclass(frozen=True)
@@ -109,9 +84,8 @@ class EngineLink:
         self.engine_id = engine_id
         self.rank = rank
         self.timeout_s = timeout_s
-        self.arena = ShmArena(shm_prefix) if shm_prefix else ShmArena()
-        self.device_arena: DeviceArena | None = None
-        self.layout: RankLayout | None = None
+        # Names this rank's event ring (and, by convention, the engine's KV segments).
+        self.shm_prefix = shm_prefix or f"kvs-{secrets.token_hex(4)}"
         self.ring: EngineRing | None = None
         self.epoch = ""
         self.control_port = 0
@@ -134,33 +108,6 @@ class EngineLink:
             )
         return reply
 
-    def allocate_kv_caches(self, params: CacheParams) -> RankLayout:
-        """Allocate this rank's KV cache (as the worker's allocator would): in shared memory,
-        or on ``params.device`` to be exported at registration."""
-        model = load_preset(
-            params.model,
-            layers=params.layers,
-            dtype=params.dtype,
-            cache_dtype=params.cache_dtype,
-            conv_layout=params.conv_layout,
-        )
-        config = build_cache_config(
-            model, params.tp_size, params.block_size, num_blocks=params.num_blocks
-        )
-        allocator = self.arena.allocator
-        if params.device != "cpu":
-            self.device_arena = DeviceArena(params.device)
-            allocator = self.device_arena.allocator
-        self.layout = allocate(
-            config,
-            self.rank,
-            mode=LayoutMode(params.layout_mode),
-            kv_layout=KVLayout(params.kv_layout),
-            heads_major=params.heads_major,
-            allocator=allocator,
-        )
-        return self.layout
-
     def create_event_ring(
         self, layers: int, device: str = "cpu", slots: int = DEFAULT_SLOTS
     ) -> EngineRing:
@@ -173,43 +120,10 @@ class EngineLink:
             device=kind,
             index=int(index or 0),
             slots=slots,
-            prefix=self.arena.prefix,
+            prefix=self.shm_prefix,
             timeout_s=max(self.timeout_s, 60.0),
         )
         return self.ring
-
-    def register_kv_caches(self, params: CacheParams, timeout_s: float = 60.0) -> None:
-        """Register what ``allocate_kv_caches`` allocated, with a new event ring if
-        ``params.events``."""
-        if params.events:
-            if self.layout is None:
-                raise ConfigError("allocate_kv_caches must run before an event ring is made")
-            self.create_event_ring(len(self.layout.placements), params.device, params.event_slots)
-        device_memory = self.device_arena.export() if self.device_arena is not None else None
-        reply = self._call(
-            RegisterCaches(
-                engine_id=self.engine_id,
-                rank=self.rank,
-                tp_size=params.tp_size,
-                model=params.model,
-                layers=params.layers,
-                dtype=params.dtype,
-                cache_dtype=params.cache_dtype,
-                block_size=params.block_size,
-                num_blocks=params.num_blocks,
-                layout_mode=params.layout_mode,
-                kv_layout=params.kv_layout,
-                heads_major=params.heads_major,
-                shm_names=list(self.arena.names),
-                conv_layout=params.conv_layout,
-                events=self.ring.spec if self.ring is not None else None,
-                device_memory=device_memory,
-            ),
-            timeout_s,
-        )
-        assert isinstance(reply, Reply)
-        self.epoch = str(reply.data.get("epoch", ""))
-        self.control_port = int(reply.data.get("control_port") or 0)
 
     def register_engine(self, registration: EngineRegistration, timeout_s: float = 60.0) -> str:
         """Register KV memory the engine allocated itself; returns the compat hash. For an
@@ -379,10 +293,6 @@ class EngineLink:
             self.client.close()
         if self.ring is not None:
             self.ring.close(unlink=unlink)
-        if self.device_arena is not None:
-            self.device_arena.close()
-        if unlink:
-            self.arena.unlink()
 
 
 class _Signals:
@@ -450,4 +360,4 @@ class _Signals:
             log.warning("engine link closed with %d layer signal(s) still waiting", dropped)
 
 
-__all__ = ["CacheParams", "CpuEvent", "EngineLink", "EngineLinkError", "FinishedRequests"]
+__all__ = ["CpuEvent", "EngineLink", "EngineLinkError", "FinishedRequests"]

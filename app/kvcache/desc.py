@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from app.kvcache.layout import LayerPlacement, RankLayout, Region
+from app.kvcache.layout import LayerPlacement, Region
 from app.kvcache.specs import SpecKind
 
 
@@ -48,32 +48,3 @@ class LayoutDesc:
             cached = {p.layer: p for p in self.placements}
             object.__setattr__(self, "_index", cached)
         return cached
-
-
-def describe(layout: RankLayout) -> LayoutDesc:
-    """The peer-facing description of a rank's layout."""
-    cfg = layout.config
-    return LayoutDesc(
-        compat_hash=cfg.model.compat_hash(),
-        tp=cfg.tp,
-        rank=layout.rank,
-        num_blocks=cfg.num_blocks,
-        null_block=layout.null_block,
-        kv_layout=layout.kv_layout.value,
-        layout_mode=layout.mode.value
-        + ("+heads_major" if layout.heads_major else "")
-        + ("+stacked" if layout.stacked else ""),
-        groups=tuple(
-            GroupDesc(
-                g.index,
-                g.kind,
-                g.block_size,
-                g.kernel_block_size,
-                tuple(c.index for c in g.layers),
-                g.sliding_window,
-            )
-            for g in cfg.groups
-        ),
-        placements=tuple(layout.placements[k] for k in sorted(layout.placements)),
-        regions=tuple(layout.regions()),
-    )

@@ -91,7 +91,10 @@ def _attention_pieces(layer: EngineLayer, rank: int, tp: int) -> tuple[Piece, ..
     pieces = []
     v_offset = kv.stride * size if kv else layer.head_size * size
     for name, width, offset in (("k", layer.head_size, 0), ("v", layer.head_size_v, v_offset)):
-        if token.stride == width:  # a head's tokens are one run: the unit is the whole head
+        # A head's tokens are one run (the unit is the whole head) only when the head axis
+        # steps over all of them; with one head per rank NHD's token stride equals the width
+        # too, but its heads sit inside each token row.
+        if token.stride == width and head.stride >= token.size * width:
             outer, outer_stride, unit = 1, 0, token.size * width * size
         else:
             outer, outer_stride, unit = token.size, token.stride * size, width * size
@@ -185,10 +188,21 @@ def _placement(
         pieces = _state_pieces(layer, rank, tp)
         return LayerPlacement(index, -1, base, layer.block_stride, 0, 1, pieces, layer.buffer)
     block = _axis(layer, "block")
+    kernel = _axis(layer, "kernel", required=False)
     assert block is not None
-    kstride = block.stride * dtype_size(layer.dtype)
+    size = dtype_size(layer.dtype)
+    if kernel is None:  # vLLM's: one axis of kernel blocks, ``ratio`` of them per block
+        kstride = block.stride * size
+        bstride = ratio * kstride
+    else:  # a block that is not ``ratio`` adjacent kernel blocks (e.g. cross-layer pages)
+        if kernel.size != ratio:
+            raise ConfigError(
+                f"layer {layer.name}: kernel axis of {kernel.size}, the group has {ratio} "
+                "kernel blocks per block"
+            )
+        kstride, bstride = kernel.stride * size, block.stride * size
     pieces = _mla_pieces(layer) if kind is SpecKind.MLA else _attention_pieces(layer, rank, tp)
-    return LayerPlacement(index, -1, base, ratio * kstride, kstride, ratio, pieces, layer.buffer)
+    return LayerPlacement(index, -1, base, bstride, kstride, ratio, pieces, layer.buffer)
 
 
 def _extent(p: Piece) -> int:

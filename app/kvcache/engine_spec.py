@@ -30,6 +30,8 @@ class Axis(msgspec.Struct, array_like=True):
     """One dimension of a layer's KV tensor: what it means, its size and stride (elements).
 
     Roles: ``block`` (kernel blocks), ``kv`` (K=0, V=1), ``head``, ``token``, ``channel``.
+    With a ``kernel`` axis (kernel blocks of one block; simulated cross-layer layouts only)
+    ``block`` counts manager blocks instead.
     Without a ``kv`` axis an attention channel holds K's ``head_size`` channels then V's.
     """
 

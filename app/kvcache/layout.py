@@ -202,7 +202,6 @@ def _attention_pieces(
     kb: int,
     kv_layout: KVLayout,
     head_stride: int | None,
-    layer_offset: int,
     v_offset: int,
 ) -> tuple[Piece, ...]:
     """K and V pieces of one kernel block. ``head_stride`` is set for the heads-major layout;
@@ -216,7 +215,7 @@ def _attention_pieces(
             pieces.append(
                 Piece(
                     name,
-                    base + layer_offset,
+                    base,
                     kb,
                     row,
                     spec.num_kv_heads,
@@ -229,17 +228,13 @@ def _attention_pieces(
         elif kv_layout is KVLayout.HND:
             unit = kb * hs * size
             stride = head_stride if head_stride is not None else unit
-            pieces.append(
-                Piece(
-                    name, base + layer_offset, 1, 0, spec.num_kv_heads, first, count, stride, unit
-                )
-            )
+            pieces.append(Piece(name, base, 1, 0, spec.num_kv_heads, first, count, stride, unit))
         else:
             unit = hs * size
             pieces.append(
                 Piece(
                     name,
-                    base + layer_offset,
+                    base,
                     kb,
                     count * unit,
                     spec.num_kv_heads,
@@ -364,24 +359,17 @@ def allocate(
                     v_off = hs * head_stride_k
                     if spec.head_size_v != spec.head_size:
                         raise ConfigError("heads-major needs equal K and V head sizes")
-                    pieces = _attention_pieces(
-                        spec,
-                        tp,
-                        rank,
-                        kb,
-                        kv_layout,
-                        head_stride_k,
-                        pos * bs * spec.head_size * size,
-                        v_off,
-                    )
-                    base, kstride = buf.data_ptr(), kb * spec.head_size * size
+                    pieces = _attention_pieces(spec, tp, rank, kb, kv_layout, head_stride_k, v_off)
+                    # The layer's K of head 0 starts ``pos`` blocks of one head in.
+                    base = buf.data_ptr() + pos * bs * spec.head_size * size
+                    kstride = kb * spec.head_size * size
                 else:
                     size = dtype_size(spec.dtype)
                     # V follows K inside each token row (HNC), else after every head's K.
                     v_off = spec.head_size * size
                     if kv_layout is not KVLayout.HNC:
                         v_off *= hs * kb
-                    pieces = _attention_pieces(spec, tp, rank, kb, kv_layout, None, 0, v_off)
+                    pieces = _attention_pieces(spec, tp, rank, kb, kv_layout, None, v_off)
                     base, kstride = buf.data_ptr() + slot_off, kpage
             elif isinstance(spec, MLASpec):
                 unit = spec.page_bytes(tp, kb)

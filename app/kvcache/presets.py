@@ -1,13 +1,12 @@
 """Model presets: public config.json facts (shared/models) turned into per-layer cache specs.
 
 The JSON files next to this module record the vLLM version whose formulas they follow
-(``vllm_version``); it is part of the compat hash, so two sides built against different
-formulas fail the handshake instead of exchanging mis-shaped states.
+(``vllm_version``). A preset rank's identity is the compat hash of its registration
+(``preset_registration``), the same hash a vLLM rank's gets.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from functools import cache
@@ -56,13 +55,6 @@ class ModelSpec:
     def default_block_size(self) -> int:
         """The smallest block size every attention kernel accepts (the largest kernel block)."""
         return max(k for c in self.layers if (k := self.kernel_block_size(c.spec)) is not None)
-
-    def compat_hash(self) -> str:
-        """Model identity for the handshake; excludes TP, block size and layout (DESIGN §4)."""
-        body = json.dumps(
-            [self.name, self.vllm_version, self.dtype, [repr(c.spec) for c in self.layers]]
-        )
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
 
 
 def _dt(d: dict[str, Any], key: str, default: str) -> str:

@@ -24,14 +24,14 @@ import msgspec
 import numpy as np
 import zmq
 
-from app.engine_link.client import CacheParams
 from app.engine_link.shm import attach_allocator
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.groups import build_cache_config
-from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
+from app.kvcache.layout import RankLayout
 from app.kvcache.presets import load_preset
 from app.ports import clear_port_file, wait_port_file
 from app.sim.engine import Command, SimRequest
+from app.sim.ranks import CacheParams, allocate_rank, preset_config
 from app.sim.reference import BlockAllocator, blocks_needed
 from app.store.master import MasterProcess, start_master, stop_master
 from app.transfer.planner import MambaMode
@@ -122,7 +122,7 @@ class Cluster:
             )
             side = Side(role, tp, params, 0, 0, f"{role}-{os.getpid()}")
             side.allocator = BlockAllocator(
-                build_cache_config(model, tp, bs, num_blocks=nb), seed=1 if role == "decode" else 0
+                preset_config(params), seed=1 if role == "decode" else 0
             )
             self.sides[role] = side
         # Sockets live in /dev/shm and go at close; logs go to disk and stay for a post-mortem.
@@ -277,23 +277,7 @@ class Cluster:
             (f.name for f in Path("/dev/shm").glob(f"{prefix}*")),
             key=lambda n: int(n.rsplit("-", 1)[1]),
         )
-        p = side.params
-        model = load_preset(
-            p.model,
-            layers=p.layers,
-            dtype=p.dtype,
-            cache_dtype=p.cache_dtype,
-            conv_layout=p.conv_layout,
-        )
-        config = build_cache_config(model, p.tp_size, p.block_size, num_blocks=p.num_blocks)
-        return allocate(
-            config,
-            rank,
-            mode=LayoutMode(p.layout_mode),
-            kv_layout=KVLayout(p.kv_layout),
-            heads_major=p.heads_major,
-            allocator=attach_allocator(names),
-        )
+        return allocate_rank(side.params, rank, allocator=attach_allocator(names))
 
     def unlink_shm(self, side: Side, prefix: str | None = None) -> None:
         """Remove a stopped instance's KV segments, every generation's (a killed engine

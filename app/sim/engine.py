@@ -1,9 +1,10 @@
 """The simulated engine: one TP rank of a P or D instance as its own process.
 
-It allocates its KV cache in shared memory, registers it with its sidecar over the engine link,
-then obeys a driver (the demo, a benchmark or a test) over ZMQ with msgspec-JSON commands:
-P ranks play the forward pass (per layer: write the deterministic fill, wait the compute time,
-signal the layer); D ranks expect requests, wait for them and verify them byte-exact.
+It allocates its KV cache in shared memory (``app.sim.ranks``), registers it as a vLLM worker
+does (``RegisterEngine``), then obeys a driver (the demo, a benchmark or a test) over ZMQ
+with msgspec-JSON commands: P ranks play the forward pass (per layer: write the deterministic
+fill, wait the compute time, signal the layer); D ranks expect requests, wait for them and
+verify them byte-exact.
 
 For fault tests every rank keeps a ledger of the terminal states its sidecar reported (each
 ``get_finished`` entry, with the time it was seen), can fill its whole cache with a sentinel
@@ -29,7 +30,7 @@ import numpy as np
 import zmq
 
 from app.config import SidecarSettings
-from app.engine_link.client import CacheParams, EngineLink, FinishedRequests
+from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.kvcache.layout import RankLayout
 from app.kvcache.specs import SpecKind
@@ -47,6 +48,7 @@ from app.sim.kv_io import (
     write_state,
     write_tokens,
 )
+from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.agent import ALL_LAYERS
 from app.transfer.protocol import RemoteTarget, Status
 
@@ -590,14 +592,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         for r in args.ranks.split(",")
     ]
+    kvs: list[SimKV] = []
     try:
-        layouts = [link.allocate_kv_caches(params) for link in links]
         for link in links:
-            link.register_kv_caches(params)
+            kvs.append(register_rank(link, params))
         sim = SimInstance(
             [
-                SimEngine(link, lay, params, link_lease_s=args.link_lease, sentinel=args.sentinel)
-                for link, lay in zip(links, layouts, strict=True)
+                SimEngine(
+                    link, kv.layout, params, link_lease_s=args.link_lease, sentinel=args.sentinel
+                )
+                for link, kv in zip(links, kvs, strict=True)
             ]
         )
         sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REP)
@@ -632,6 +636,8 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         for link in links:
             link.close()
+        for kv in kvs:
+            kv.close()
         if agent is not None:
             agent.stop()
         # A SIGTERM between a segment's creation and its recording in the arena (while

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.groups import (
     NULL_BLOCK,
     CacheConfig,
@@ -21,6 +21,7 @@ from app.kvcache.groups import (
     build_cache_config,
 )
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate, zeros_allocator
+from app.kvcache.preset_registration import describe
 from app.kvcache.presets import ModelSpec
 from app.kvcache.specs import SpecKind
 from app.sim.fill import request_salt

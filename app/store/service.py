@@ -19,10 +19,10 @@ from typing import Literal
 import numpy as np
 
 from app.errors import ConfigError
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
-from app.kvcache.layout import RankLayout
-from app.kvcache.specs import AttentionSpec, RegionKind
+from app.kvcache.layout import LayerPlacement
+from app.kvcache.specs import RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
 from app.store.hashing import group_block_hashes, hash_blocks
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
@@ -74,30 +74,6 @@ class RankPool:
         )
 
     @classmethod
-    def from_layout(cls, layout: RankLayout) -> RankPool:
-        """A rank whose cache the sidecar built from a preset (the simulated engine)."""
-        if layout.heads_major:
-            raise ConfigError(
-                "the KV pool needs a layer's page contiguous: heads-major "
-                "cross-layer blocks are not supported; use per_layer or cross_layer"
-            )
-        cfg = layout.config
-        model = cfg.model
-        layout_name = f"{layout.mode.value}.{layout.kv_layout.value}.bs{cfg.block_size}"
-        prefixes: dict[int, KeyPrefix] = {}
-        for c in model.layers:
-            spec = c.spec
-            heads = spec.num_kv_heads if isinstance(spec, AttentionSpec) else None
-            ns = tp_namespace(
-                _NS_KIND[spec.region_kind], tp_size=cfg.tp, rank=layout.rank, num_kv_heads=heads
-            )
-            prefixes[c.index] = KeyPrefix(
-                f"{model.name}.{model.compat_hash()[:8]}", model.dtype, layout_name, ns
-            )
-        pages = {c.index: cfg.slot_of(c.index).page_bytes for c in model.layers}
-        return cls(describe(layout), prefixes, pages, layout.spans())
-
-    @classmethod
     def from_engine(
         cls, desc: LayoutDesc, reg: EngineRegistration, spans: list[tuple[int, int]]
     ) -> RankPool:
@@ -105,11 +81,11 @@ class RankPool:
 
         A layer's page of a block is its block stride (vLLM gives every layer its own
         block-major tensor; hybrid pages are padded alike), so a stored page is what the
-        engine holds for that block, padding included.
+        engine holds for that block, padding included; in a cross-layer block it is the
+        block's share of one slot.
         """
         layout_name = f"engine.{desc.kv_layout}.bs{max(g.block_size for g in desc.groups)}"
         prefixes: dict[int, KeyPrefix] = {}
-        pages: dict[int, int] = {}
         kinds = {layer: r.kind for r in desc.regions for layer in r.layers}
         for pl in desc.placements:
             layer = reg.layers[pl.layer]
@@ -122,8 +98,7 @@ class RankPool:
             prefixes[pl.layer] = KeyPrefix(
                 f"{reg.model}.{desc.compat_hash[:8]}", layer.dtype, layout_name, ns
             )
-            pages[pl.layer] = pl.block_stride
-        return cls(desc, prefixes, pages, spans)
+        return cls(desc, prefixes, _pages(desc.placements), spans)
 
     def group_hashes(
         self, token_ids: Sequence[int], extra_keys: Sequence[str]
@@ -146,6 +121,36 @@ class RankPool:
         """(address, bytes) of one layer's page of a manager block."""
         pl = self.desc.placement(layer)
         return (pl.base + block_id * pl.block_stride, self.page_bytes[layer])
+
+
+def _pages(placements: Sequence[LayerPlacement]) -> dict[int, int]:
+    """Each layer's page: its block stride, or the stride over the slots that share it when
+    several layers' pages are interleaved in one block (cross-layer)."""
+    bases: dict[tuple[int, int], set[int]] = {}
+    for pl in placements:
+        bases.setdefault((pl.buffer, pl.block_stride), set()).add(pl.base)
+    pages = {}
+    for pl in placements:
+        own = bases[(pl.buffer, pl.block_stride)]
+        interleaved = max(own) - min(own) < pl.block_stride
+        page = pl.block_stride // len(own) if interleaved else pl.block_stride
+        end = (pl.ratio - 1) * pl.kernel_stride + max(
+            (
+                pc.offset
+                + (pc.outer - 1) * pc.outer_stride
+                + (pc.unit_count - 1) * pc.unit_stride
+                + pc.unit_bytes
+                for pc in pl.pieces
+            ),
+            default=0,
+        )
+        if end > page:
+            raise ConfigError(
+                f"layer {pl.layer}'s KV of a block is not one contiguous page (heads-major "
+                "cross-layer blocks?); the KV pool needs per_layer or cross_layer"
+            )
+        pages[pl.layer] = page
+    return pages
 
 
 class PoolService:

@@ -14,7 +14,7 @@ from typing import Annotated, get_args
 
 import msgspec
 
-from app.devices.spec import MAX_RING_SLOTS, DeviceBuffer, EventRingSpec
+from app.devices.spec import MAX_RING_SLOTS
 from app.errors import ProtocolError
 from app.kvcache.desc import GroupDesc, LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
@@ -231,29 +231,6 @@ class Error(Msg, tag="error"):
 # ---- engine <-> its sidecar ----------------------------------------------------------------
 
 
-class RegisterCaches(Msg, tag="register"):
-    """An engine rank's KV cache: the layout parameters and the shared-memory names, in order."""
-
-    engine_id: str
-    rank: Index
-    tp_size: TpSize
-    model: str
-    layers: Positive | None
-    dtype: str | None
-    cache_dtype: str
-    block_size: Positive
-    num_blocks: NonNegInt
-    layout_mode: str
-    kv_layout: str
-    heads_major: bool
-    shm_names: list[str]
-    conv_layout: str = "SD"
-    # The rank's event ring (app.devices.events); None: its layers are complete when signalled.
-    events: EventRingSpec | None = None
-    # Device KV buffers in allocation order, instead of ``shm_names`` (app.devices.memory).
-    device_memory: Annotated[list[DeviceBuffer], msgspec.Meta(max_length=4096)] | None = None
-
-
 class RegisterEngine(Msg, tag="register_engine"):
     """An engine rank's KV cache as the engine itself allocated it (DESIGN §2a)."""
 
@@ -398,7 +375,6 @@ AnyMsg = (
     | Claim
     | NewEpoch
     | Error
-    | RegisterCaches
     | RegisterEngine
     | AddSend
     | ExpectRecv

@@ -16,26 +16,17 @@ from collections.abc import Awaitable, Callable
 
 from app.config import SidecarSettings
 from app.devices.events import SidecarRing
-from app.devices.memory import (
-    ImportedMemory,
-    check_device_type,
-    import_allocator,
-    import_buffer,
-)
+from app.devices.memory import ImportedMemory, check_device_type, import_buffer
 from app.devices.spec import EventRingSpec
-from app.engine_link.shm import attach_allocator, map_engine_file
+from app.engine_link.shm import map_engine_file
 from app.errors import ConfigError, KVSidecarError
-from app.kvcache.desc import describe
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration
-from app.kvcache.groups import build_cache_config
-from app.kvcache.layout import KVLayout, LayoutMode, allocate
-from app.kvcache.presets import load_preset
 from app.store.service import PoolService, RankPool
 from app.transfer.agent import Agent, SendRequest, StreamThread
 from app.transfer.mooncake import MooncakeEngine
 from app.transfer.peers import Peer, Peers
-from app.transfer.protocol import Msg, NewEpoch, RegisterCaches, Reply, Status
+from app.transfer.protocol import Msg, NewEpoch, Reply, Status
 
 log = logging.getLogger(__name__)
 
@@ -61,61 +52,6 @@ class Registry:
         self.generation = 0
         self.compat_hash = ""
         self.tp_size = settings.tp_size
-
-    async def register_caches(self, msg: RegisterCaches) -> Msg:
-        model = load_preset(
-            msg.model,
-            layers=msg.layers,
-            dtype=msg.dtype,
-            cache_dtype=msg.cache_dtype,
-            conv_layout=msg.conv_layout,
-        )
-        config = build_cache_config(model, msg.tp_size, msg.block_size, num_blocks=msg.num_blocks)
-        imported: list[ImportedMemory] = []
-        if msg.device_memory:
-            check_device_type(self.settings.device_type, msg.rank, msg.device_memory)
-            allocator = import_allocator(msg.device_memory, imported)
-        else:
-            allocator = attach_allocator(msg.shm_names)
-        try:
-            layout = allocate(
-                config,
-                msg.rank,
-                mode=LayoutMode(msg.layout_mode),
-                kv_layout=KVLayout(msg.kv_layout),
-                heads_major=msg.heads_major,
-                allocator=allocator,
-            )
-            if msg.device_memory and len(imported) != len(msg.device_memory):
-                raise ConfigError(
-                    f"rank {msg.rank} registered {len(msg.device_memory)} device buffers, the "
-                    f"layout uses {len(imported)}; engine and sidecar disagree on the layout"
-                )
-            agent = Agent(layout, describe(layout), msg.engine_id)
-            agent.events = self._open_ring(msg.rank, msg.events, len(agent.desc.placements))
-        except BaseException:
-            _close(imported)
-            raise
-        # Only memory we could open starts a new generation: a refusal changes nothing.
-        await self._new_generation_if_restarted(msg.rank)
-        if self.compat_hash and model.compat_hash() != self.compat_hash:
-            _close(imported)
-            return Reply(ok=False, error="rank registered a different model than its siblings")
-        agent.device_memory = imported
-        assert self.engine is not None
-        await asyncio.to_thread(self.engine.register_many, layout.spans())
-        if self.pool is not None:
-            await self.pool.register(RankPool.from_layout(layout))
-        await self._install(agent)
-        self.compat_hash = model.compat_hash()
-        self.tp_size = msg.tp_size
-        return Reply(
-            data={
-                "epoch": self.epoch,
-                "control_port": self._control_port(),
-                "num_blocks": config.num_blocks,
-            }
-        )
 
     async def register_engine(self, reg: EngineRegistration) -> Msg:
         """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""

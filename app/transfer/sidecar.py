@@ -54,7 +54,6 @@ from app.transfer.protocol import (
     PoolLoaded,
     PoolLookup,
     PoolSave,
-    RegisterCaches,
     RegisterEngine,
     Rejected,
     Reply,
@@ -331,8 +330,6 @@ class Sidecar:
             if isinstance(msg, LayerReady):
                 await self.send.layer_ready(msg)
                 return None
-            if isinstance(msg, RegisterCaches):
-                return await self.registry.register_caches(msg)
             if isinstance(msg, RegisterEngine):
                 return await self.registry.register_engine(msg.registration)
             if isinstance(msg, AddSend):

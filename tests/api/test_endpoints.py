@@ -138,7 +138,7 @@ def test_status(cluster: Cluster, prefill: httpx.Client, decode: httpx.Client) -
         assert [r["rank"] for r in s["ranks"]] == [0]
         rank = s["ranks"][0]
         assert rank["registered"] is True and rank["engine_id"] == side.engine_id
-        assert rank["num_blocks"] == side.params.num_blocks and rank["kv_layout"] == "HND"
+        assert rank["num_blocks"] == side.params.num_blocks and rank["kv_layout"] == "engine"
         assert rank["stream_queue_capacity"] == 64
         assert re.fullmatch(r"127\.0\.0\.1:\d+", s["mooncake"]["session"])
         assert s["mooncake"]["transport"] == "tcp"

@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from app.api.server import AdminServer
-from app.engine_link.client import CacheParams, EngineLink
+from app.engine_link.client import EngineLink
 from app.errors import ConfigError
+from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.sidecar import Sidecar
 from tests.api.conftest import in_process_sidecar
 
@@ -24,11 +25,9 @@ async def sidecar(tmp_path: Path) -> AsyncIterator[tuple[Sidecar, AdminServer]]:
         yield pair
 
 
-def _register(endpoint: str) -> EngineLink:
+def _register(endpoint: str) -> tuple[EngineLink, SimKV]:
     link = EngineLink(endpoint, "in-process", 0)
-    link.allocate_kv_caches(PARAMS)
-    link.register_kv_caches(PARAMS)
-    return link
+    return link, register_rank(link, PARAMS)
 
 
 async def test_not_ready_until_the_engine_registers(
@@ -70,7 +69,7 @@ async def test_not_ready_until_the_engine_registers(
         assert "kvsidecar_ready 0.0" in text
 
         # The engine link is synchronous, as a vLLM worker's is: keep it off the loop.
-        link = await asyncio.to_thread(_register, sc.settings.engine_ipc)
+        link, kv = await asyncio.to_thread(_register, sc.settings.engine_ipc)
         try:
             r = await client.get("/readyz")
             assert (r.status_code, r.json()) == (200, {"ready": True, "reason": "ready"})
@@ -85,6 +84,7 @@ async def test_not_ready_until_the_engine_registers(
             assert (await client.post("/v1/requests/x/abort")).status_code == 404
         finally:
             link.close()
+            kv.close()
 
         # Shutdown began: out of rotation before the servers close.
         sc.stop_admitting()

@@ -18,8 +18,10 @@ import numpy as np
 import pytest
 
 from app.devices.base import available
-from app.engine_link.client import CacheParams, EngineLink, FinishedRequests
+from app.engine_link.client import EngineLink, FinishedRequests
+from app.kvcache.layout import RankLayout
 from app.ports import clear_port_file, wait_port_file
+from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.protocol import FailedRequest, RemoteTarget
 
 # Two layers of Llama 3.1 8B: 64 KiB per 16-token block and layer, one full-attention group.
@@ -77,6 +79,7 @@ class Side:
     proc: subprocess.Popen[bytes]
     link: EngineLink | None = None
     port_file: Path | None = None
+    kv: SimKV | None = None  # the engine's KV memory, held by the test
 
 
 @dataclass
@@ -98,6 +101,16 @@ class Pair:
     def d(self) -> EngineLink:
         assert self.decode.link is not None
         return self.decode.link
+
+    @property
+    def p_layout(self) -> RankLayout:
+        assert self.prefill.kv is not None
+        return self.prefill.kv.layout
+
+    @property
+    def d_layout(self) -> RankLayout:
+        assert self.decode.kv is not None
+        return self.decode.kv.layout
 
     def target(self, d_blocks: Sequence[np.ndarray]) -> RemoteTarget:
         return RemoteTarget(
@@ -131,6 +144,8 @@ class Pair:
         for side in (self.prefill, self.decode):
             if side.link is not None:
                 side.link.close()
+            if side.kv is not None:
+                side.kv.close()
             if side.proc.poll() is None:
                 side.proc.terminate()
         for side in (self.prefill, self.decode):
@@ -181,7 +196,7 @@ def _start_sidecar(
     return Side(role, engine_id, ipc, 0, log, proc, port_file=port_file)
 
 
-def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> EngineLink:
+def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> None:
     """Wait for the sidecar's engine socket, then allocate and register rank 0."""
     sock = Path(side.ipc.removeprefix("ipc://"))
     deadline = time.monotonic() + timeout_s
@@ -200,10 +215,8 @@ def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> Engin
         ports = wait_port_file(side.port_file, ("control_port",), timeout_s, check=alive)
         side.control_port = ports["control_port"]
     prefix = f"kvs-dev-{side.role}-{os.getpid()}-{id(side) % 100000}"
-    link = EngineLink(side.ipc, side.engine_id, 0, shm_prefix=prefix)
-    link.allocate_kv_caches(params)
-    link.register_kv_caches(params)
-    return link
+    side.link = EngineLink(side.ipc, side.engine_id, 0, shm_prefix=prefix)
+    side.kv = register_rank(side.link, params)
 
 
 def start_pair(
@@ -222,8 +235,8 @@ def start_pair(
     prefill = _start_sidecar("prefill", sock_dir, log_dir, params, send_timeout_s, extra)
     pair = Pair(prefill, decode, params, send_timeout_s)
     try:
-        decode.link = _connect(decode, d_params)
-        prefill.link = _connect(prefill, params)
+        _connect(decode, d_params)
+        _connect(prefill, params)
     except BaseException:
         pair.close()
         raise

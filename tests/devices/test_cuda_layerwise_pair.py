@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from app.engine_link.client import CacheParams
+from app.sim.ranks import CacheParams
 from tests.devices.harness import PAGE, require_device, require_device_mooncake, start_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,7 +40,7 @@ def test_layers_are_pushed_between_gpu_pairs_only_after_their_events(
         sockets, tmp_path, params, send_timeout_s=30, env={"KVSIDECAR_DEVICE_TYPE": "cuda"}
     )
     try:
-        p, d = pair.p.layout, pair.d.layout
+        p, d = pair.p_layout, pair.d_layout
         assert p is not None and d is not None
         assert pair.p.ring is not None and pair.p.ring.spec.kind == "cuda"
         rid = "gpu-1"

@@ -20,7 +20,8 @@ from app.kvcache.engine_spec import (
     EngineRegistration,
     MemorySpan,
 )
-from app.transfer.protocol import RegisterCaches, RegisterEngine, Reply
+from app.kvcache.preset_registration import preset_registration
+from app.transfer.protocol import RegisterEngine, Reply
 from app.transfer.sync_client import SyncClient
 from tests.devices.harness import Pair
 
@@ -68,35 +69,26 @@ def test_device_type_must_allow_the_registered_memory() -> None:
 
 
 def test_a_real_sidecar_refuses_device_memory_it_cannot_see(pair: Pair) -> None:
-    assert pair.p.layout is not None
-    sizes = [int(b.numel()) for b in pair.p.layout.buffers]
+    """The simulated engine's registration of the same cache on a device: refused, and the
+    rank already registered keeps its memory and epoch."""
+    before = pair.p.sidecar_info()
+    sizes = [int(b.numel()) for b in pair.p_layout.buffers]
     buffers = [msgspec.structs.replace(CUDA_BUFFER, size=n, storage_size=n) for n in sizes]
+    reg = preset_registration(
+        pair.p_layout,
+        engine_id="probe",
+        memory=[MemorySpan(f"cuda:0-{i}", 0, n) for i, n in enumerate(sizes)],
+        device_memory=buffers,
+    )
     client = SyncClient(pair.prefill.ipc)
     try:
-        reply = client.request(
-            RegisterCaches(
-                engine_id="probe",
-                rank=1,  # not the pair's rank: a refusal must leave rank 0 alone
-                tp_size=1,
-                model=pair.params.model,
-                layers=pair.params.layers,
-                dtype=None,
-                cache_dtype="auto",
-                block_size=pair.params.block_size,
-                num_blocks=pair.params.num_blocks,
-                layout_mode="per_layer",
-                kv_layout="HND",
-                heads_major=False,
-                shm_names=[],
-                device_memory=buffers,
-            ),
-            30,
-        )
+        reply = client.request(RegisterEngine(registration=reg), 30)
     finally:
         client.close()
     assert isinstance(reply, Reply) and not reply.ok
     assert reply.error is not None and SEES_NO_CUDA in reply.error
-    assert pair.p.sidecar_info()["ready"] is True
+    after = pair.p.sidecar_info()
+    assert after["ready"] is True and after["epoch"] == before["epoch"], (before, after)
 
 
 def test_a_real_sidecar_refuses_an_engine_registration_on_a_device_it_cannot_see(

@@ -23,7 +23,7 @@ def test_a_stuck_event_fails_the_request_within_the_deadline(pair: Pair) -> None
     rid = "stuck-1"
     p_ids = [np.arange(5, 9, dtype=np.int64)]
     d_ids = [np.arange(13, 17, dtype=np.int64)]
-    p, d = pair.p.layout, pair.d.layout
+    p, d = pair.p_layout, pair.d_layout
     assert p is not None and d is not None
     for layer in sorted(p.placements):
         write_tokens(p, layer, p_ids[0], 0, PROMPT, request_salt(rid))

@@ -25,7 +25,7 @@ PROMPT = 64  # four 16-token blocks
 
 
 def _buffer(pair: Pair, layer: int) -> torch.Tensor:
-    d = pair.d.layout
+    d = pair.d_layout
     assert d is not None
     return d.buffers[d.placements[layer].buffer]
 
@@ -35,7 +35,7 @@ def test_each_layer_is_written_only_after_its_event_completed(pair: Pair) -> Non
     p_ids = [np.arange(1, 5, dtype=np.int64)]
     d_ids = [np.arange(9, 13, dtype=np.int64)]
     salt = request_salt(rid)
-    p, d = pair.p.layout, pair.d.layout
+    p, d = pair.p_layout, pair.d_layout
     assert p is not None and d is not None
     layers = sorted(p.placements)
     for layer in layers:

@@ -5,30 +5,24 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+import torch
 
 from app.devices.spec import CuMemBuffer, EventRingSpec, TorchIpcBuffer
 from app.errors import ProtocolError
 from app.kvcache.engine_spec import EngineRegistration
-from app.transfer.protocol import LayerReady, RegisterCaches, decode, encode
+from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import allocate
+from app.kvcache.preset_registration import preset_registration
+from app.kvcache.presets import load_preset
+from app.transfer.protocol import LayerReady, RegisterEngine, decode, encode
 
 
-def _register(**kw: object) -> RegisterCaches:
-    base: dict[str, object] = {
-        "engine_id": "e",
-        "rank": 0,
-        "tp_size": 1,
-        "model": "llama-3.1-8b",
-        "layers": 2,
-        "dtype": None,
-        "cache_dtype": "auto",
-        "block_size": 16,
-        "num_blocks": 8,
-        "layout_mode": "per_layer",
-        "kv_layout": "HND",
-        "heads_major": False,
-        "shm_names": ["a"],
-    }
-    return RegisterCaches(**{**base, **kw})  # type: ignore[arg-type]
+def _register(**kw: object) -> RegisterEngine:
+    """The simulated engine's registration of a two-layer Llama (one shm file per layer)."""
+    cfg = build_cache_config(load_preset("llama-3.1-8b", layers=2), 1, 16, num_blocks=8)
+    layout = allocate(cfg, 0, allocator=lambda n: torch.empty(n, dtype=torch.uint8))
+    reg = preset_registration(layout, engine_id="e")
+    return RegisterEngine(registration=msgspec.structs.replace(reg, **kw))
 
 
 def test_a_layer_ready_without_a_slot_means_no_event() -> None:
@@ -52,7 +46,8 @@ def test_layer_ready_bounds(field: str, value: int) -> None:
 
 
 def test_registrations_carry_an_optional_ring_and_device_buffers() -> None:
-    assert _register().events is None and _register().device_memory is None
+    plain = _register().registration
+    assert plain.events is None and plain.device_memory is None
     defaults = {f.name: f.default for f in msgspec.structs.fields(EngineRegistration)}
     assert defaults["events"] is None
     ring = EventRingSpec(kind="cuda", layers=1, slots=2, table="t", handles=(b"a" * 64, b"b" * 64))
@@ -79,15 +74,15 @@ def test_registrations_carry_an_optional_ring_and_device_buffers() -> None:
 
 
 def test_a_ring_with_the_wrong_number_of_handles_is_a_protocol_error() -> None:
-    bad = msgspec.msgpack.encode(
-        {
-            "type": "register", "version": 1, "engine_id": "e", "rank": 0, "tp_size": 1,
-            "model": "m", "layers": None, "dtype": None, "cache_dtype": "auto",
-            "block_size": 16, "num_blocks": 8, "layout_mode": "per_layer", "kv_layout": "HND",
-            "heads_major": False, "shm_names": [],
-            "events": {"kind": "cuda", "layers": 2, "slots": 2, "table": "t", "handles": []},
-        }
-    )  # fmt: skip
+    raw = msgspec.to_builtins(_register())
+    raw["registration"]["events"] = {
+        "kind": "cuda",
+        "layers": 2,
+        "slots": 2,
+        "table": "t",
+        "handles": [],
+    }
+    bad = msgspec.msgpack.encode(raw)
     with pytest.raises(ProtocolError, match="carries 4 event handles, not 0"):
         decode(bad)
 

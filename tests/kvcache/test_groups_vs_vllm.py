@@ -356,7 +356,7 @@ def test_group_size_tolerance_and_stride_split_match_vllm(pattern: str, groups: 
         "0",
         "bfloat16",
         tuple(
-            CacheLayer(i, f"layers.{i}", _build_spec(f, "bfloat16", "auto", "SD"))
+            CacheLayer(i, f"layers.{i}", _build_spec(f, "bfloat16", "auto", "SD", None))
             for i, f in enumerate(facts)
         ),
         len(facts),

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from app.errors import ConfigError
-from app.kvcache.desc import describe
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, allocate
+from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 
 

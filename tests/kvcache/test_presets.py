@@ -63,14 +63,6 @@ def test_scaling_keeps_a_periodic_pattern() -> None:
     assert [c.spec.kind.value[0] for c in m.layers] == list("mmmfmmmf")
 
 
-def test_compat_hash_names_model_and_dtype_not_tp() -> None:
-    a = load_preset("llama-3.1-8b").compat_hash()
-    assert a == load_preset("llama-3.1-8b").compat_hash()
-    assert a != load_preset("llama-3.1-8b", dtype="float16").compat_hash()
-    assert a != load_preset("llama-3.1-8b", layers=4).compat_hash()
-    assert a != load_preset("gpt-oss-20b").compat_hash()
-
-
 def test_unknown_model_lists_the_choices() -> None:
     with pytest.raises(ConfigError, match="qwen3-next-80b-a3b"):
         load_preset("qwen4")

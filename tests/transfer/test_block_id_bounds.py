@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from app.errors import OutOfBoundsError
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
+from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 from app.transfer.planner import check_block_ids
 

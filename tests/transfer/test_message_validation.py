@@ -7,6 +7,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import torch
 import zmq
 import zmq.asyncio
 
@@ -20,6 +21,10 @@ from app.kvcache.engine_spec import (
     StatePart,
     StateTensor,
 )
+from app.kvcache.groups import build_cache_config
+from app.kvcache.layout import LayoutMode, allocate
+from app.kvcache.preset_registration import preset_registration
+from app.kvcache.presets import load_preset
 from app.transfer.control import ControlServer
 from app.transfer.protocol import (
     MAX_DEADLINE_S,
@@ -37,7 +42,6 @@ from app.transfer.protocol import (
     PoolLoaded,
     PoolSave,
     RankMetadata,
-    RegisterCaches,
     RegisterEngine,
     RemoteTarget,
     Role,
@@ -67,20 +71,18 @@ DONE = Done(
 GROUP = WireGroup(0, "full_attention", 16, 16, [0, 1])
 RANK = RankMetadata(0, 1, 8, 0, "HND", "per_layer", "c", [GROUP], [], [])
 META = AgentMetadata(engine_id="d", epoch="ep", tp_size=1, te_session="h:1", ranks=[RANK])
-REGISTER = RegisterCaches(
-    engine_id="e",
-    rank=0,
-    tp_size=1,
-    model="m",
-    layers=2,
-    dtype=None,
-    cache_dtype="auto",
-    block_size=16,
-    num_blocks=8,
-    layout_mode="per_layer",
-    kv_layout="HND",
-    heads_major=True,
-    shm_names=["a"],
+# What the simulated engine sends: a preset rank (heads-major, so with a kernel axis).
+SIM = RegisterEngine(
+    registration=preset_registration(
+        allocate(
+            build_cache_config(load_preset("llama-3.1-8b", layers=2), 1, 32, num_blocks=8),
+            0,
+            mode=LayoutMode.CROSS_LAYER,
+            heads_major=True,
+            allocator=lambda n: torch.empty(n, dtype=torch.uint8),
+        ),
+        engine_id="e",
+    )
 )
 ENGINE = RegisterEngine(
     registration=EngineRegistration(
@@ -161,9 +163,14 @@ BAD = [
     (META, "ranks.0.tp_size", 0, "$.ranks[0].tp_size"),
     (META, "ranks.0.num_blocks", -8, "$.ranks[0].num_blocks"),
     (META, "ranks.0.groups.0.block_size", 0, "$.ranks[0].groups[0].block_size"),
-    (REGISTER, "tp_size", 0, "$.tp_size"),
-    (REGISTER, "block_size", 0, "$.block_size"),
-    (REGISTER, "num_blocks", -1, "$.num_blocks"),
+    (SIM, "registration.tp_size", 0, "$.registration.tp_size"),
+    (
+        SIM,
+        "registration.groups.0.kernel_block_size",
+        0,
+        "$.registration.groups[0].kernel_block_size",
+    ),
+    (SIM, "registration.num_blocks", -1, "$.registration.num_blocks"),
     # An engine's own registration: what would break the layout code or the mappings.
     (ENGINE, "registration.rank", -1, "$.registration.rank"),
     (ENGINE, "registration.tp_size", 0, "$.registration.tp_size"),
@@ -232,7 +239,7 @@ GOOD = [
     ADD,
     DONE,
     META,
-    REGISTER,
+    SIM,
     ENGINE,
     SAVE,
     LayerReady(rank=3, step=0, layer=-1),  # -1: every layer of the step (agent.ALL_LAYERS)
