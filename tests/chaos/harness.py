@@ -174,6 +174,22 @@ class Chaos:
         self.c.send(self.d, Command(cmd="wait", requests=reqs, timeout_s=self.driver_s))
         self.awaiting.add("decode")
 
+    def wait_written(self, timeout_s: float = 60.0) -> None:
+        """Until prefill's sidecar reports a layer of this scenario's requests landed at
+        decode: a fault then falls mid-transfer on observed progress, however busy the
+        machine (a fixed sleep placed it before the first write on a slow run)."""
+        admin = f"http://127.0.0.1:{self.p.admin_port}"
+        ids = [pr.id for pr, _ in self.pairs]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for rid in ids:
+                r = httpx.get(f"{admin}/v1/requests/{rid}", timeout=5)
+                entries = r.json().get("entries", []) if r.status_code == 200 else []
+                if any(g["layers_sent"] for e in entries for g in e["groups"]):
+                    return
+            time.sleep(0.02)
+        raise AssertionError(f"{self.name}: no layer of {ids} landed within {timeout_s}s")
+
     def at_fault(self) -> float:
         self.fault_at = time.monotonic()
         return self.fault_at

@@ -4,7 +4,6 @@ ABORTED on both sides (never DONE); the others arrive byte-exact."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import httpx
@@ -60,7 +59,7 @@ def test_decode_engine_aborts_mid_layer(chaos: Callable[..., Chaos]) -> None:
     """Decode's engine aborts while prefill is still signalling layers."""
     ch = chaos("D engine abort mid-layer", sidecar_env=ENV)
     pairs = ch.start(LENS, deadline_s=30, wait=False)
-    time.sleep(1.0)
+    ch.wait_written()
     d_req = next(dr for _, dr in pairs if dr.id == ABORTED)
     aborted_at = ch.c.call(ch.d, Command(cmd="abort", requests=[d_req]), 30)["aborted_at"]
     ch.fault_at = aborted_at

@@ -3,7 +3,6 @@ still end every request (at its deadline at worst), as must the peer."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from tests.chaos.harness import LENS, Chaos, Outcome
@@ -17,7 +16,7 @@ def test_prefill_engine_killed_mid_transfer(chaos: Callable[..., Chaos]) -> None
         decode_env={"KVSIDECAR_RECV_TIMEOUT_S": "30"},
     )
     ch.start(LENS, deadline_s=30)
-    time.sleep(1.0)
+    ch.wait_written()
     ch.at_fault()
     ch.kill_engine("prefill")
 
@@ -39,7 +38,7 @@ def test_decode_engine_killed_mid_transfer(chaos: Callable[..., Chaos]) -> None:
     killed engine left)."""
     ch = chaos("D engine SIGKILL mid-transfer", decode_env={"KVSIDECAR_RECV_TIMEOUT_S": "20"})
     ch.start(LENS, deadline_s=20)
-    time.sleep(1.0)
+    ch.wait_written()
     ch.at_fault()
     ch.kill_engine("decode")
 

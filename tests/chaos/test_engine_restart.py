@@ -83,7 +83,7 @@ def test_decode_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos]
     # new engine registers (a restart takes 5-15 s on a busy 2-core machine); prefill's engine
     # stops computing them once they ended.
     ch.start(LENS, deadline_s=45, compute_ms=400)
-    time.sleep(1.0)
+    ch.wait_written()
     handshakes = _handshakes(p_admin)
     old_prefix = f"{Path(ch.c.tmp).name}-decode-r"  # generation 0's segments
     ch.at_fault()
@@ -106,7 +106,7 @@ def test_prefill_engine_restarted_behind_live_sidecar(chaos: Callable[..., Chaos
     # new engine registers (a restart takes 5-15 s on a busy 2-core machine); prefill's engine
     # stops computing them once they ended.
     ch.start(LENS, deadline_s=45, compute_ms=400)
-    time.sleep(1.0)
+    ch.wait_written()
     old_prefix = f"{Path(ch.c.tmp).name}-prefill-r"
     ch.at_fault()
     ch.engine_gone.add("prefill")

@@ -48,7 +48,7 @@ def test_peer_silent_past_its_lease(chaos: Callable[..., Chaos], stopped: str) -
         engine_link_lease_s=None,
     )
     ch.start(LENS, deadline_s=DEADLINE_S, driver_s=DEADLINE_S + 10)
-    time.sleep(1.0)
+    ch.wait_written()
     fault = ch.at_fault()
     ch.signal_sidecar(stopped, signal.SIGSTOP)
     ch.sidecar_gone.add(stopped)  # checked for /livez again after SIGCONT, below

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Callable
 
 from tests.chaos.harness import LENS, Chaos, Outcome
@@ -19,7 +18,7 @@ def test_decode_sidecar_killed_mid_transfer(chaos: Callable[..., Chaos]) -> None
         sidecar_env={**LEASE, "KVSIDECAR_SEND_TIMEOUT_S": "20", "KVSIDECAR_RECV_TIMEOUT_S": "20"},
     )
     ch.start(LENS, deadline_s=20)
-    time.sleep(1.0)
+    ch.wait_written()
     ch.at_fault()
     ch.signal_sidecar("decode", signal.SIGKILL)
 
@@ -39,7 +38,7 @@ def test_prefill_sidecar_killed_mid_transfer(chaos: Callable[..., Chaos]) -> Non
     its sidecar gone, fails its own."""
     ch = chaos("P sidecar SIGKILL mid-transfer", sidecar_env=LEASE)
     ch.start(LENS, deadline_s=10)
-    time.sleep(1.0)
+    ch.wait_written()
     ch.at_fault()
     ch.signal_sidecar("prefill", signal.SIGKILL)
 
@@ -63,7 +62,7 @@ def test_prefill_sidecar_sigterm_mid_transfer(chaos: Callable[..., Chaos]) -> No
         sidecar_env={"KVSIDECAR_SEND_TIMEOUT_S": "30", "KVSIDECAR_RECV_TIMEOUT_S": "30"},
     )
     ch.start(LENS, deadline_s=30, compute_ms=80)
-    time.sleep(1.5)
+    ch.wait_written()
     ch.at_fault()
     ch.signal_sidecar("prefill", signal.SIGTERM)
 

@@ -31,11 +31,12 @@ import pytest
 import torch
 
 from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, write_tiny_model
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayerPlacement, LayoutMode, Piece, allocate
+from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure
 
