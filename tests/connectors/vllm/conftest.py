@@ -134,7 +134,8 @@ class EngineKV:
         return typed.as_strided(shape, strides, layer["offset"] // dtype.itemsize)
 
     def pages(self, name: str, block_ids: list[int], kernel_blocks: list[int]) -> torch.Tensor:
-        """Whole kernel-block pages ``[blocks, heads, ...]`` of a request, in token order.
+        """Whole kernel-block pages ``[blocks, heads, ...]`` of a request, in token order, as
+        bytes.
 
         Whole pages, because how a backend orders tokens and channels inside a head's page is
         its own business (vLLM's CPU attention keeps K transposed there).
@@ -142,7 +143,12 @@ class EngineKV:
         group = self.groups[self.layers[name]["group"]]
         ratio = group["block_size"] // group["kernel_block_size"]
         view = self.view(name)
-        return torch.stack([view[block_ids[j // ratio] * ratio + j % ratio] for j in kernel_blocks])
+        pages = torch.stack(
+            [view[block_ids[j // ratio] * ratio + j % ratio] for j in kernel_blocks]
+        )
+        # As raw bytes: compared bit for bit (a random tiny model's KV may hold NaN, which
+        # never equals itself as a float).
+        return pages.contiguous().view(torch.uint8)
 
     def kernel_block_size(self, name: str) -> int:
         return int(self.groups[self.layers[name]["group"]]["kernel_block_size"])
