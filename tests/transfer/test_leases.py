@@ -39,6 +39,7 @@ async def test_peer_silent_between_half_and_a_whole_lease_is_not_written_to(
 
 async def test_answers_renew_the_lease(prefill: Prefill) -> None:
     assert (await prefill.add()).ok
+    await prefill.peers.heartbeat({D_ENDPOINT}, P_ENGINE, P_EPOCH)  # in use from now
     prefill.clock.advance(0.4 * LEASE_S)
     await prefill.peers.heartbeat({D_ENDPOINT}, P_ENGINE, P_EPOCH)  # decode answers Pong
     prefill.clock.advance(0.4 * LEASE_S)

@@ -46,6 +46,7 @@ async def test_no_done_to_a_lost_decode(prefill: Prefill) -> None:
     assert (await prefill.add()).ok
     peer = prefill.peers.table[D_ENDPOINT]
     await prefill.side.peer_lost(peer, "lease ran out")
+    await prefill.side.send_done(prefill.req())  # as a late write result would
     await prefill.tasks.settle()
     assert prefill.req().state is Status.FAILED and prefill.req().peer_lost
     assert prefill.net.sent(Done) == []
