@@ -16,13 +16,9 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
-import zmq.asyncio
-
-from app.config import SidecarSettings
 from app.errors import DeadlineExceeded, KVSidecarError, LayoutMismatchError, ProtocolError
 from app.kvcache.desc import LayoutDesc
-from app.transfer.auth import FrameAuth
-from app.transfer.control import PeerClient
+from app.transfer.links import Connect, PeerLink
 from app.transfer.planner import PairPlanner
 from app.transfer.protocol import (
     AgentMetadata,
@@ -42,6 +38,16 @@ _MAX_LOST = 4096
 # Handshake -> planners for every local rank (raises LayoutMismatchError when they cannot pair).
 MakePlanners = Callable[[dict[int, LayoutDesc]], dict[int, PairPlanner]]
 OnLost = Callable[["Peer", str], Awaitable[None]]
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class PeerSettings:
+    """What the peer table reads of the sidecar's settings."""
+
+    lease_s: float
+    heartbeat_interval_s: float
+    handshake_timeout_s: float
 
 
 @dataclass
@@ -49,7 +55,7 @@ class Peer:
     """A remote sidecar, keyed by its control endpoint."""
 
     endpoint: str
-    client: PeerClient
+    client: PeerLink
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     epoch: str = ""
     engine_id: str = ""
@@ -60,8 +66,8 @@ class Peer:
     failures: int = 0
     last_handshake: float | None = None
     last_error: str = ""
-    # monotonic time of the last message or answer from it; the lease runs from here
-    last_heard: float = field(default_factory=time.monotonic)
+    # the table's clock at the last message or answer from it; the lease runs from here
+    last_heard: float = 0.0
     in_use: bool = False
 
 
@@ -70,25 +76,24 @@ class Peers:
 
     def __init__(
         self,
-        ctx: zmq.asyncio.Context,
-        settings: SidecarSettings,
+        settings: PeerSettings,
+        connect: Connect,
         *,
         hello: Callable[[], Hello],
         make_planners: MakePlanners,
         on_lost: OnLost,
         on_handshake: Callable[[float], None],
-        auth: FrameAuth | None = None,
         on_drop: Callable[[Peer], Awaitable[None]] | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         self.table: dict[str, Peer] = {}
         self.counters = {"handshakes": 0, "leases_lost": 0}
         # engine id -> (the epoch we declared lost, its control endpoint); its messages are
         # refused until it says Hello, and decode can still ask it whether it stopped writing
         self.lost: dict[str, tuple[str, str]] = {}
-        self._ctx, self._settings = ctx, settings
+        self._settings, self._connect, self._clock = settings, connect, clock
         self._hello, self._make_planners = hello, make_planners
         self._on_lost, self._on_handshake = on_lost, on_handshake
-        self._auth = auth
         self._on_drop = on_drop
 
     # ---- lookup ----------------------------------------------------------------------------
@@ -108,19 +113,18 @@ class Peers:
         """Whether a write to this peer may start now: we heard from it within half a lease,
         so it cannot have declared us lost yet (it waits a whole lease)."""
         peer = self.table.get(endpoint)
-        return peer is not None and time.monotonic() - peer.last_heard < self._settings.lease_s / 2
+        return peer is not None and self._clock() - peer.last_heard < self._settings.lease_s / 2
 
-    def connect(self, endpoint: str) -> PeerClient:
-        """A client of its own to ``endpoint`` (the caller closes it), whether or not the peer
+    def connect(self, endpoint: str) -> PeerLink:
+        """A link of its own to ``endpoint`` (the caller closes it), whether or not the peer
         has an entry: a lost peer has none."""
-        cap = self._settings.control_max_frame_bytes
-        return PeerClient(self._ctx, endpoint, auth=self._auth, max_frame_bytes=cap)
+        return self._connect(endpoint)
 
     def _entry(self, endpoint: str) -> Peer:
         peer = self.table.get(endpoint)
         if peer is None:
-            client = self.connect(endpoint)
-            peer = self.table[endpoint] = Peer(endpoint, client)
+            link = self.connect(endpoint)
+            peer = self.table[endpoint] = Peer(endpoint, link, last_heard=self._clock())
         return peer
 
     # ---- prefill side: targets and handshakes -----------------------------------------------
@@ -147,7 +151,7 @@ class Peers:
         return peer
 
     async def _handshake(self, peer: Peer) -> None:
-        t0 = time.monotonic()
+        t0 = self._clock()
         try:
             reply = await peer.client.request(self._hello(), self._settings.handshake_timeout_s)
         except DeadlineExceeded as e:
@@ -171,9 +175,9 @@ class Peers:
         peer.descs, peer.planners = descs, planners
         peer.handshakes += 1
         peer.last_handshake = time.time()
-        peer.last_heard = time.monotonic()
+        peer.last_heard = self._clock()
         self.counters["handshakes"] += 1
-        self._on_handshake(time.monotonic() - t0)
+        self._on_handshake(self._clock() - t0)
 
     # ---- decode side: who may write to us --------------------------------------------------
 
@@ -187,8 +191,12 @@ class Peers:
             old.engine_id = ""  # the engine moved; the old entry is reaped when idle
         peer = self._entry(msg.control)
         peer.engine_id, peer.epoch = msg.engine_id, msg.epoch
-        peer.last_heard = time.monotonic()
+        peer.last_heard = self._clock()
         return peer
+
+    def answered(self, peer: Peer) -> None:
+        """``peer`` answered a request of ours: its lease runs from now."""
+        peer.last_heard = self._clock()
 
     def heard(self, engine_id: str, epoch: str) -> bool:
         """A message came from ``engine_id``; False if we declared that peer lost."""
@@ -197,7 +205,7 @@ class Peers:
             return False
         peer = self.by_engine(engine_id)
         if peer is not None and (not peer.epoch or peer.epoch == epoch):
-            peer.last_heard = time.monotonic()
+            peer.last_heard = self._clock()
         return True
 
     # ---- heartbeats and leases -------------------------------------------------------------
@@ -206,7 +214,7 @@ class Peers:
         """One round: ping the peers in use, declare lost those silent past the lease, and
         drop idle peers that stopped answering."""
         wanted = set(in_use)
-        now = time.monotonic()
+        now = self._clock()
         for peer in list(self.table.values()):
             if peer.endpoint in wanted and not peer.in_use:
                 peer.last_heard = max(peer.last_heard, now)  # the lease starts with the use
@@ -229,9 +237,9 @@ class Peers:
                     peer, f"peer {peer.endpoint} restarted (epoch {peer.epoch} -> {reply.epoch})"
                 )
                 return
-            peer.last_heard = time.monotonic()
+            peer.last_heard = self._clock()
             return
-        silent = time.monotonic() - peer.last_heard
+        silent = self._clock() - peer.last_heard
         if silent <= s.lease_s:
             return
         if peer.in_use:
@@ -264,19 +272,3 @@ class Peers:
         for peer in list(self.table.values()):
             await peer.client.close()
         self.table.clear()
-
-
-async def refused(endpoint: str, timeout_s: float = 1.0) -> bool:
-    """Whether a TCP connection to ``endpoint`` is refused: nothing listens there, so the
-    sidecar that did is gone, and so are its transfer engine's writes. A stopped (SIGSTOP) or
-    unreachable one is not refused: its kernel still accepts, or nothing answers at all."""
-    host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
-    try:
-        async with asyncio.timeout(timeout_s):
-            _, writer = await asyncio.open_connection(host.strip("[]"), int(port))
-    except ConnectionRefusedError:
-        return True
-    except (OSError, TimeoutError, ValueError):
-        return False
-    writer.close()
-    return False

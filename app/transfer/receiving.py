@@ -16,11 +16,11 @@ import logging
 import time
 from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from app.config import SidecarSettings
 from app.errors import OutOfBoundsError
 from app.transfer.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
-from app.transfer.peers import Peer, Peers, refused
+from app.transfer.peers import Peer, Peers
 from app.transfer.planner import check_block_ids
 from app.transfer.protocol import (
     Abort,
@@ -38,19 +38,33 @@ from app.transfer.sending import Spawn
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RecvSettings:
+    """What the receive side reads of the sidecar's settings."""
+
+    engine_id: str
+    recv_timeout_s: float
+    quarantine_max_s: float
+    # how often a quarantine looks again for an overdue request or a vanished sender
+    heartbeat_interval_s: float
+
+
 class RecvSide:
     """Decode requests of every local rank."""
 
     def __init__(
         self,
-        settings: SidecarSettings,
+        settings: RecvSettings,
         agents: dict[int, Agent],
         peers: Peers,
+        *,
         spawn: Spawn,
         epoch: Callable[[], str],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``epoch()`` is this sidecar's current epoch (it changes with each generation)."""
         self._settings, self._agents, self._peers = settings, agents, peers
-        self._spawn, self._epoch = spawn, epoch
+        self._spawn, self._epoch, self._clock = spawn, epoch, clock
         self.admitting = True
         self.counters = {"duplicate_dones": 0, "quarantined": 0, "refused_claims": 0}
         # prefill engine id -> wakes its fence (``_hold``) when another request joins it
@@ -68,7 +82,7 @@ class RecvSide:
             rank=msg.rank,
             prompt_len=msg.prompt_len,
             blocks=blocks(msg.block_ids),
-            deadline=time.monotonic() + timeout,
+            deadline=self._clock() + timeout,
             peer=msg.prefill_engine,
             manifest=receive_manifest(agent.desc, msg.prefill_tp),
         )
@@ -202,7 +216,7 @@ class RecvSide:
             return False
         writers = self._writers(req)
         if writers:
-            req.quarantined_at = time.monotonic()
+            req.quarantined_at = self._clock()
             self.counters["quarantined"] += 1
             for engine_id in writers:
                 self._fence(engine_id)
@@ -258,7 +272,7 @@ class RecvSide:
                         asks[req.id] = asyncio.create_task(
                             client.request(abort, s.quarantine_max_s)
                         )
-                now = time.monotonic()
+                now = self._clock()
                 answered = [r for r in held if _acked(asks[r.id])]
                 self._stopped(answered, engine_id, "")
                 overdue = [
@@ -281,7 +295,7 @@ class RecvSide:
                     [*pending, woken], timeout=s.heartbeat_interval_s, return_when=FIRST_COMPLETED
                 )
                 woken.cancel()
-                if not done and await refused(endpoint):
+                if not done and await client.gone():
                     self._stopped(self._held(engine_id), engine_id, "its sidecar is gone")
         finally:
             for task in asks.values():
@@ -306,7 +320,7 @@ class RecvSide:
             log.info(
                 "request %s: out of quarantine after %.3f s",
                 req.id,
-                time.monotonic() - req.quarantined_at,
+                self._clock() - req.quarantined_at,
             )
             req.quarantined_at = None
 

@@ -13,8 +13,8 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from app.config import SidecarSettings
 from app.devices.events import SidecarRing
 from app.devices.memory import ImportedMemory, check_device_type, import_buffer
 from app.devices.spec import EventRingSpec
@@ -31,12 +31,24 @@ from app.transfer.protocol import Msg, NewEpoch, Reply, Status
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RegistrySettings:
+    """What the registry reads of the sidecar's settings."""
+
+    engine_id: str
+    ranks: tuple[int, ...]
+    tp_size: int
+    device_type: str
+    # how long a peer gets to confirm a new epoch
+    lease_s: float
+
+
 class Registry:
     """The ranks' registrations of one sidecar, and its epoch."""
 
     def __init__(
         self,
-        settings: SidecarSettings,
+        settings: RegistrySettings,
         agents: dict[int, Agent],
         peers: Peers,
         *,
@@ -121,7 +133,7 @@ class Registry:
     def _check_rank(self, rank: int) -> None:
         if rank not in self.settings.ranks:
             raise ConfigError(
-                f"rank {rank} registered, this sidecar hosts ranks {self.settings.ranks}; "
+                f"rank {rank} registered, this sidecar hosts ranks {list(self.settings.ranks)}; "
                 "set the sidecar's ranks to the engine ranks in its pod"
             )
 

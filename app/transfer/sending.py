@@ -14,9 +14,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from app.config import SidecarSettings
 from app.devices import CpuEvent, Event
 from app.devices.events import RefusedEvent, RingWait
 from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
@@ -50,12 +50,19 @@ from app.transfer.protocol import (
 log = logging.getLogger(__name__)
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
-# How often a drain looks at the in-flight count; writes take milliseconds.
-_DRAIN_POLL_S = 0.005
 # An event wait gives up this long (at most a tenth of the send deadline) before the earliest
 # deadline of the requests it holds up, so that they end FAILED with a sentence naming the
 # event instead of EXPIRED by the deadline watcher, which polls every 50 ms.
 _EVENT_MARGIN_S = 0.5
+
+
+@dataclass(frozen=True)
+class SendSettings:
+    """What the send side reads of the sidecar's settings."""
+
+    engine_id: str
+    send_timeout_s: float
+    ack_timeout_s: float
 
 
 class SendSide:
@@ -63,17 +70,23 @@ class SendSide:
 
     def __init__(
         self,
-        settings: SidecarSettings,
+        settings: SendSettings,
         agents: dict[int, Agent],
         peers: Peers,
+        *,
         spawn: Spawn,
         call_soon: Callable[..., None],
         on_layer_latency: Callable[[float], None],
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``call_soon(fn, *args)`` runs ``fn`` on the loop and may be called from any thread
+        (the stream threads pin, unpin and report through it)."""
         self._settings, self._agents, self._peers = settings, agents, peers
-        self._spawn, self._call_soon = spawn, call_soon
+        self._spawn, self._call_soon, self._clock = spawn, call_soon, clock
         self._on_layer_latency = on_layer_latency
         self.admitting = True
+        # Set (and replaced) each time writes leave the wire; drains wait on it.
+        self._unpinned: asyncio.Event | None = None
 
     def _agent(self, rank: int) -> Agent:
         return agent_of(self._agents, rank)
@@ -92,7 +105,7 @@ class SendSide:
             rank=msg.rank,
             prompt_len=msg.prompt_len,
             blocks=blocks(msg.block_ids),
-            deadline=time.monotonic() + self._settings.send_timeout_s,
+            deadline=self._clock() + self._settings.send_timeout_s,
             peer=f"tcp://{t.host}:{t.port}",
             d_blocks=blocks(t.block_ids),
             target_epoch=t.epoch,
@@ -136,7 +149,7 @@ class SendSide:
             ack = await peer.client.request(claim, self._settings.ack_timeout_s)
             if not isinstance(ack, Ack) or not ack.ok:
                 raise KVSidecarError(f"decode rank {d_rank} refused the request: {_why(ack)}")
-            peer.last_heard = time.monotonic()
+            self._peers.answered(peer)
 
     def begin_step(self, msg: BeginStep) -> Msg:
         agent = self._agent(msg.rank)
@@ -223,7 +236,7 @@ class SendSide:
             ring.check(msg.layer, msg.slot, msg.seq)
         except KVSidecarError as e:
             return RefusedEvent(f"{e}; nothing was written for it"), None
-        now = time.monotonic()
+        now = self._clock()
         deadline = now + self._settings.send_timeout_s
         ids = [s.request_id for steps in by_peer.values() for s in steps]
         deadlines = [r.deadline for rid in ids if (r := agent.sends.get(rid)) is not None]
@@ -248,11 +261,20 @@ class SendSide:
         return out
 
     def unpin(self, agent: Agent, ids: Sequence[str]) -> None:
+        """Stream thread: these writes left the wire."""
         for rid in ids:
             # Maybe reported already (its peer was lost): decode waits for this unpin.
             req = agent.recent(rid, SendRequest)
             if req is not None:
                 req.unpin()
+        self._call_soon(self._wake_drains)
+
+    def _wake_drains(self) -> None:
+        # A fresh event per wake-up: a waiter that looked at the count before this runs holds
+        # the old one and is woken; one that looks after sees the new count.
+        wake, self._unpinned = self._unpinned, None
+        if wake is not None:
+            wake.set()
 
     def _fail_stale(self, agent: Agent, endpoint: str, ids: list[str]) -> None:
         for rid in ids:
@@ -299,12 +321,15 @@ class SendSide:
 
     async def drained(self, req: SendRequest) -> bool:
         """Wait until none of ``req``'s writes is on the wire; False at the send deadline."""
-        limit = time.monotonic() + self._settings.send_timeout_s
-        while req.inflight > 0:
-            if time.monotonic() > limit:
-                log.error("request %s: %d write(s) still in flight", req.id, req.inflight)
-                return False
-            await asyncio.sleep(_DRAIN_POLL_S)
+        try:
+            async with asyncio.timeout(self._settings.send_timeout_s):
+                while req.inflight > 0:
+                    if self._unpinned is None:
+                        self._unpinned = asyncio.Event()
+                    await self._unpinned.wait()
+        except TimeoutError:
+            log.error("request %s: %d write(s) still in flight", req.id, req.inflight)
+            return False
         return True
 
     async def send_done(self, req: SendRequest) -> None:

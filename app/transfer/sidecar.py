@@ -27,8 +27,9 @@ from app.store.service import PoolService
 from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth
 from app.transfer.control import ControlServer
+from app.transfer.links import zmq_links
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
-from app.transfer.peers import Peer, Peers
+from app.transfer.peers import Peer, Peers, PeerSettings
 from app.transfer.planner import PairPlanner
 from app.transfer.protocol import (
     Abort,
@@ -62,9 +63,9 @@ from app.transfer.protocol import (
     Status,
     rank_metadata,
 )
-from app.transfer.receiving import RecvSide
-from app.transfer.registry import Registry
-from app.transfer.sending import SendSide
+from app.transfer.receiving import RecvSettings, RecvSide
+from app.transfer.registry import Registry, RegistrySettings
+from app.transfer.sending import SendSettings, SendSide
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +94,12 @@ class Sidecar:
         self._tasks: set[asyncio.Task[None]] = set()
         self._auth = load_auth(settings)
         self._peers = Peers(
-            self.ctx,
-            settings,
-            auth=self._auth,
+            PeerSettings(
+                lease_s=settings.lease_s,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+                handshake_timeout_s=settings.handshake_timeout_s,
+            ),
+            zmq_links(self.ctx, self._auth, settings.control_max_frame_bytes),
             on_drop=self._close_lane,
             hello=self._hello_msg,
             make_planners=self._planners,
@@ -103,16 +107,37 @@ class Sidecar:
             on_handshake=partial(self._observe, "handshake"),
         )
         self.send = SendSide(
-            settings,
+            SendSettings(
+                engine_id=settings.engine_id,
+                send_timeout_s=settings.send_timeout_s,
+                ack_timeout_s=settings.ack_timeout_s,
+            ),
             self.agents,
             self._peers,
-            self._spawn,
-            self._call_soon,
-            self._on_layer_latency,
+            spawn=self._spawn,
+            call_soon=self._call_soon,
+            on_layer_latency=self._on_layer_latency,
         )
-        self.recv = RecvSide(settings, self.agents, self._peers, self._spawn, lambda: self.epoch)
+        self.recv = RecvSide(
+            RecvSettings(
+                engine_id=settings.engine_id,
+                recv_timeout_s=settings.recv_timeout_s,
+                quarantine_max_s=settings.quarantine_max_s,
+                heartbeat_interval_s=settings.heartbeat_interval_s,
+            ),
+            self.agents,
+            self._peers,
+            spawn=self._spawn,
+            epoch=lambda: self.epoch,
+        )
         self.registry = Registry(
-            settings,
+            RegistrySettings(
+                engine_id=settings.engine_id,
+                ranks=tuple(settings.ranks),
+                tp_size=settings.tp_size,
+                device_type=settings.device_type,
+                lease_s=settings.lease_s,
+            ),
             self.agents,
             self._peers,
             stream_for=self._stream_for,
