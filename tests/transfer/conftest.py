@@ -18,9 +18,10 @@ import pytest
 import zmq.asyncio
 
 from app.errors import DeadlineExceeded, KVSidecarError
-from app.kvcache.desc import LayoutDesc, describe
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
+from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 from app.transfer.agent import Agent, RecvRequest, SendRequest
 from app.transfer.links import PeerLink
