@@ -147,15 +147,17 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def start_side(self, side: Side) -> None:
-        """Start (or restart) one instance's sidecar and engines."""
-        self.start_sidecar(side)
+    def start_side(self, side: Side, *, same_ports: bool = False) -> None:
+        """Start (or restart) one instance's sidecar and engines; ``same_ports`` restarts it
+        on the ports it had, as a pod with fixed ports comes back."""
+        self.start_sidecar(side, same_ports=same_ports)
         self.start_engines(side)
 
-    def start_sidecar(self, side: Side) -> None:
+    def start_sidecar(self, side: Side, *, same_ports: bool = False) -> None:
         """The sidecar's settings, and its process unless the engine hosts it in-process."""
         side.ipc = f"ipc://{self.tmp}/{side.role}-engine.sock"
         # Port 0: the OS picks free ports as the sidecar binds; it writes them to its port file.
+        ports = (side.control_port, side.admin_port) if same_ports else (0, 0)
         side.control_port = side.admin_port = 0
         clear_port_file(self.port_file(side))
         env = dict(os.environ)
@@ -166,8 +168,8 @@ class Cluster:
                 "KVSIDECAR_RANKS": ",".join(map(str, range(side.tp))),
                 "KVSIDECAR_TP_SIZE": str(side.tp),
                 "KVSIDECAR_MODEL": self.spec.model,
-                "KVSIDECAR_CONTROL_PORT": "0",
-                "KVSIDECAR_ADMIN_PORT": "0",
+                "KVSIDECAR_CONTROL_PORT": str(ports[0]),
+                "KVSIDECAR_ADMIN_PORT": str(ports[1]),
                 "KVSIDECAR_PORT_FILE": str(self.port_file(side)),
                 "KVSIDECAR_ENGINE_IPC": side.ipc,
                 "KVSIDECAR_LOG_LEVEL": "warning",

@@ -102,7 +102,7 @@ def test_decode_restart_rehandshakes_and_new_requests_succeed(
     old_epoch = d.info[0]["epoch"]
     stale = c.make_requests([200], prefix="stale")  # still aimed at the old epoch
     c.kill_side(d)
-    c.start_side(d)
+    c.start_side(d, same_ports=True)  # the address the stale target names, with a new epoch
     c.wait_ready(d)
     assert d.info[0]["epoch"] != old_epoch
     fresh = c.make_requests([256, 100], prefix="after")
