@@ -73,12 +73,6 @@ class CacheConfig:
     def bytes_per_block(self) -> int:
         return sum(s.page_bytes for s in self.slots)
 
-    def group_of(self, layer: int) -> KVGroup:
-        for g in self.groups:
-            if any(c.index == layer for c in g.layers):
-                return g
-        raise KeyError(layer)
-
     def slot_of(self, layer: int) -> Slot:
         for s in self.slots:
             if any(li == layer for _, li in s.members):

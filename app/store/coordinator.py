@@ -136,14 +136,6 @@ class CacheHit:
     store_masks: tuple[Mask, ...]
     iterations: int
 
-    def load_indices(self, group: int) -> tuple[int, ...]:
-        """Block indices of ``group`` to load from the pool."""
-        return tuple(i for i, m in enumerate(self.load_masks[group]) if m)
-
-    def store_indices(self, group: int) -> tuple[int, ...]:
-        """Block indices of ``group`` to store after prefill."""
-        return tuple(i for i, m in enumerate(self.store_masks[group]) if m)
-
 
 @dataclass(frozen=True)
 class _SpecGroup:
