@@ -162,7 +162,7 @@ class SchedulerSide:
             try:
                 remote = remote_target(p["remote"])
             except ProtocolError as e:
-                # Decode's deadline ends its side; computing here would be for nobody.
+                # As a missing target: no send; decode's deadline ends its side (it recomputes).
                 log.error("request %s: %s; not sent", rid, e)
                 return
             # The sidecar plans with the whole prompt (decode loads all but its last token);
