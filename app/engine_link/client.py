@@ -29,6 +29,7 @@ from app.devices import CpuEvent, Event
 from app.devices.events import DEFAULT_SLOTS, EngineRing
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
+from app.transfer.planner import MambaMode
 from app.transfer.protocol import (
     AbortRequest,
     AddSend,
@@ -147,7 +148,7 @@ class EngineLink:
         block_ids: Sequence[np.ndarray],
         remote: RemoteTarget,
         *,
-        mamba_mode: str = "none",
+        mamba_mode: MambaMode = MambaMode.NONE,
         num_spec: int = 0,
     ) -> None:
         self._call(

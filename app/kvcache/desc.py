@@ -1,38 +1,41 @@
 """What a peer needs to know about a rank's KV cache to write into it (no tensors, only numbers).
 
-It travels in ``AgentMetadata`` and is what the planner and the validation gate read, for the
-local side as well as the remote one.
+It travels in ``AgentMetadata`` as it is (a msgspec Struct, frozen so it hashes and compares by
+value) and is what the planner and the validation gate read, for the local side as well as the
+remote one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from functools import cached_property
 
+import msgspec
+
+from app.kvcache.bounds import Index, NonNegInt, Positive, TpSize
 from app.kvcache.layout import LayerPlacement, Region
 from app.kvcache.specs import SpecKind
 
 
-@dataclass(frozen=True)
-class GroupDesc:
-    index: int
+class GroupDesc(msgspec.Struct, frozen=True):
+    index: Index
     kind: SpecKind
-    block_size: int
-    kernel_block_size: int
-    layers: tuple[int, ...]
-    sliding_window: int | None = None
+    block_size: Positive
+    kernel_block_size: Positive
+    layers: tuple[Index, ...]
+    sliding_window: Positive | None = None
 
     @property
     def ratio(self) -> int:
         return self.block_size // self.kernel_block_size
 
 
-@dataclass(frozen=True)
-class LayoutDesc:
+# dict=True: room for the cached per-layer index (not a field, so never on the wire).
+class LayoutDesc(msgspec.Struct, frozen=True, dict=True):
     compat_hash: str
-    tp: int
-    rank: int
-    num_blocks: int
-    null_block: int
+    tp: TpSize
+    rank: Index
+    num_blocks: NonNegInt
+    null_block: Index
     kv_layout: str
     layout_mode: str
     groups: tuple[GroupDesc, ...]
@@ -40,11 +43,8 @@ class LayoutDesc:
     regions: tuple[Region, ...]
 
     def placement(self, layer: int) -> LayerPlacement:
-        return self._by_layer()[layer]
+        return self._by_layer[layer]
 
+    @cached_property
     def _by_layer(self) -> dict[int, LayerPlacement]:
-        cached: dict[int, LayerPlacement] | None = self.__dict__.get("_index")
-        if cached is None:
-            cached = {p.layer: p for p in self.placements}
-            object.__setattr__(self, "_index", cached)
-        return cached
+        return {p.layer: p for p in self.placements}

@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from math import prod
 
+import msgspec
 import torch
 
 from app.errors import ConfigError
+from app.kvcache.bounds import Index, NonNegInt, Positive
 from app.kvcache.groups import NULL_BLOCK, CacheConfig, KVGroup
 from app.kvcache.specs import (
     DTYPES,
@@ -50,53 +52,54 @@ class KVLayout(StrEnum):
     HNC = "HNC"
 
 
-@dataclass(frozen=True)
-class Piece:
+# The values below travel in ``AgentMetadata`` as they are (msgspec Structs, frozen so they
+# hash and compare by value). Pieces, placements and streams are many per rank: array_like
+# keeps their field names off the wire.
+
+
+class Piece(msgspec.Struct, frozen=True, array_like=True):
     """One TP-sharded stream of a layer inside a kernel block (offsets in bytes)."""
 
     name: str
-    offset: int
-    outer: int
-    outer_stride: int
-    units: int
-    unit_first: int
-    unit_count: int
-    unit_stride: int
-    unit_bytes: int
+    offset: NonNegInt
+    outer: NonNegInt
+    outer_stride: NonNegInt
+    units: NonNegInt
+    unit_first: NonNegInt
+    unit_count: NonNegInt
+    unit_stride: NonNegInt
+    unit_bytes: NonNegInt
 
     @property
     def contiguous(self) -> bool:
         return self.unit_stride == self.unit_bytes
 
 
-@dataclass(frozen=True)
-class LayerPlacement:
-    layer: int
-    group: int
-    base: int
-    block_stride: int
-    kernel_stride: int
-    ratio: int
+class LayerPlacement(msgspec.Struct, frozen=True, array_like=True):
+    layer: Index
+    group: Index
+    base: NonNegInt
+    block_stride: NonNegInt
+    kernel_stride: NonNegInt
+    ratio: Positive
     pieces: tuple[Piece, ...]
-    buffer: int  # index into RankLayout.buffers
+    buffer: Index  # index into RankLayout.buffers
 
 
-@dataclass(frozen=True)
-class Stream:
-    offset: int
-    length: int
+class Stream(msgspec.Struct, frozen=True, array_like=True):
+    offset: NonNegInt
+    length: NonNegInt
 
 
-@dataclass(frozen=True)
-class Region:
+class Region(msgspec.Struct, frozen=True):
     """A registered span as peers see it: one per (buffer, block stride, group)."""
 
-    base: int
-    length: int
-    block_stride: int
+    base: NonNegInt
+    length: NonNegInt
+    block_stride: NonNegInt
     kind: RegionKind
-    group: int
-    layers: tuple[int, ...]
+    group: Index
+    layers: tuple[Index, ...]
     streams: tuple[Stream, ...]
 
 

@@ -421,6 +421,7 @@ class Cluster:
                 n, decode=not full_decode_table, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
             )
             target = RemoteTarget(
+                rid,
                 "127.0.0.1",
                 d.control_port,
                 d.engine_id,

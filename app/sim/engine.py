@@ -50,6 +50,7 @@ from app.sim.kv_io import (
 )
 from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.agent import ALL_LAYERS
+from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget, Status
 
 
@@ -224,7 +225,7 @@ class SimEngine:
                     req.prompt_len,
                     _ids(req),
                     req.remote,
-                    mamba_mode=cmd.mamba_mode,
+                    mamba_mode=MambaMode(cmd.mamba_mode),
                     num_spec=cmd.num_spec,
                 )
             except Exception as e:  # reported to the driver; the sidecar ended it FAILED

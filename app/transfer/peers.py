@@ -27,7 +27,6 @@ from app.transfer.protocol import (
     Ping,
     Pong,
     Rejected,
-    layout_desc,
 )
 
 log = logging.getLogger(__name__)
@@ -164,7 +163,7 @@ class Peers:
             raise LayoutMismatchError(f"decode sidecar {peer.endpoint} rejected us: {reply.reason}")
         if not isinstance(reply, AgentMetadata):
             raise ProtocolError(f"expected AgentMetadata, got {type(reply).__name__}")
-        descs = {m.rank: layout_desc(m) for m in reply.ranks}
+        descs = {m.rank: m for m in reply.ranks}
         try:
             planners = self._make_planners(descs)
         except LayoutMismatchError as e:

@@ -16,27 +16,21 @@ import msgspec
 
 from app.devices.spec import MAX_RING_SLOTS
 from app.errors import ProtocolError
-from app.kvcache.desc import GroupDesc, LayoutDesc
+from app.kvcache.bounds import MAX_TP as MAX_TP
+from app.kvcache.bounds import Index, NonNegInt, TpSize
+from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
-from app.kvcache.layout import LayerPlacement, Piece, Region, Stream
-from app.kvcache.specs import RegionKind, SpecKind
+from app.transfer.planner import MambaMode
 
 PROTOCOL_VERSION = 1
 
 # Bounds a message must meet to decode at all (DESIGN §4): a peer or an engine that sends a rank
 # of -1, a TP size of 0 or a deadline of NaN gets a ProtocolError naming the field, instead of a
 # ZeroDivisionError deep in the planner or a request that never expires.
-MAX_TP = 1024  # the settings' tp_size bound
 MAX_DEADLINE_S = 3600.0  # the settings' deadline bound
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-"""Counts, offsets, strides, byte sizes, token positions, steps."""
-Index = Annotated[int, msgspec.Meta(ge=0)]
-"""Ranks, layers, groups, block ids, token ids."""
 # -1 is agent.ALL_LAYERS: every layer of the step is ready.
 LayerOrAll = Annotated[int, msgspec.Meta(ge=-1)]
-Positive = Annotated[int, msgspec.Meta(ge=1)]
-TpSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 # gt=0 also rejects NaN (every comparison with NaN is false) and le rejects inf and 1e300.
 Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
@@ -73,56 +67,6 @@ class Msg(msgspec.Struct, tag_field="type", kw_only=True):
     version: int = PROTOCOL_VERSION
 
 
-# ---- layout description on the wire --------------------------------------------------------
-
-
-class WirePiece(msgspec.Struct, array_like=True):
-    name: str
-    offset: NonNegInt
-    outer: NonNegInt
-    outer_stride: NonNegInt
-    units: NonNegInt
-    unit_first: NonNegInt
-    unit_count: NonNegInt
-    unit_stride: NonNegInt
-    unit_bytes: NonNegInt
-
-
-class WirePlacement(msgspec.Struct, array_like=True):
-    layer: Index
-    group: Index
-    base: NonNegInt
-    block_stride: NonNegInt
-    kernel_stride: NonNegInt
-    ratio: Positive
-    pieces: list[WirePiece]
-    buffer: Index
-
-
-class WireStream(msgspec.Struct, array_like=True):
-    offset: NonNegInt
-    length: NonNegInt
-
-
-class WireRegion(msgspec.Struct):
-    base: NonNegInt
-    length: NonNegInt
-    block_stride: NonNegInt
-    kind: str
-    group: Index
-    layers: list[Index]
-    streams: list[WireStream]
-
-
-class WireGroup(msgspec.Struct):
-    index: Index
-    kind: str
-    block_size: Positive
-    kernel_block_size: Positive
-    layers: list[Index]
-    sliding_window: Positive | None = None
-
-
 # ---- sidecar <-> sidecar -------------------------------------------------------------------
 
 
@@ -136,25 +80,13 @@ class Hello(Msg, tag="hello"):
     control: str = ""
 
 
-class RankMetadata(msgspec.Struct):
-    rank: Index
-    tp_size: TpSize
-    num_blocks: NonNegInt
-    null_block: Index
-    kv_layout: str
-    layout_mode: str
-    compat_hash: str
-    groups: list[WireGroup]
-    regions: list[WireRegion]
-    placements: list[WirePlacement]
-
-
 class AgentMetadata(Msg, tag="agent_metadata"):
     engine_id: str
     epoch: str
     tp_size: TpSize
     te_session: str
-    ranks: list[RankMetadata]
+    # Each rank's layout as the planner reads it (validated on decode by its field bounds).
+    ranks: list[LayoutDesc]
     state_tokens_convention: str = "prompt_len-1"
 
 
@@ -238,8 +170,14 @@ class RegisterEngine(Msg, tag="register_engine"):
 
 
 class RemoteTarget(msgspec.Struct):
-    """Where a request's KV goes: D's sidecar control address, epoch and block ids."""
+    """Where a request's KV goes: D's sidecar control address, epoch and block ids.
 
+    Decode's connector builds it and it reaches prefill's connector as JSON (through the proxy,
+    in ``kv_transfer_params["remote"]``): ``msgspec.to_builtins`` there, ``remote_target``
+    here, so both ends read one definition and a bad field is named before anything is sent.
+    """
+
+    request_id: str  # the id both sidecars know the transfer by (decode's vLLM request id)
     host: str
     port: Port
     engine_id: str
@@ -254,7 +192,7 @@ class AddSend(Msg, tag="add_send"):
     prompt_len: NonNegInt
     block_ids: BlockIds
     remote: RemoteTarget
-    mamba_mode: str = "none"
+    mamba_mode: MambaMode = MambaMode.NONE
     num_spec: NonNegInt = 0
 
 
@@ -453,112 +391,13 @@ def _unsupported(version: object) -> ProtocolError:
     )
 
 
-def rank_metadata(desc: LayoutDesc) -> RankMetadata:
-    return RankMetadata(
-        rank=desc.rank,
-        tp_size=desc.tp,
-        num_blocks=desc.num_blocks,
-        null_block=desc.null_block,
-        kv_layout=desc.kv_layout,
-        layout_mode=desc.layout_mode,
-        compat_hash=desc.compat_hash,
-        groups=[
-            WireGroup(
-                g.index,
-                g.kind.value,
-                g.block_size,
-                g.kernel_block_size,
-                list(g.layers),
-                g.sliding_window,
-            )
-            for g in desc.groups
-        ],
-        regions=[
-            WireRegion(
-                r.base,
-                r.length,
-                r.block_stride,
-                r.kind.value,
-                r.group,
-                list(r.layers),
-                [WireStream(s.offset, s.length) for s in r.streams],
-            )
-            for r in desc.regions
-        ],
-        placements=[
-            WirePlacement(
-                p.layer,
-                p.group,
-                p.base,
-                p.block_stride,
-                p.kernel_stride,
-                p.ratio,
-                [WirePiece(*_piece_fields(x)) for x in p.pieces],
-                p.buffer,
-            )
-            for p in desc.placements
-        ],
-    )
+def remote_target(obj: object) -> RemoteTarget:
+    """A target as it came over JSON (``kv_transfer_params["remote"]``), checked field by field.
 
-
-def _piece_fields(p: Piece | WirePiece) -> tuple[str, int, int, int, int, int, int, int, int]:
-    return (
-        p.name,
-        p.offset,
-        p.outer,
-        p.outer_stride,
-        p.units,
-        p.unit_first,
-        p.unit_count,
-        p.unit_stride,
-        p.unit_bytes,
-    )
-
-
-def layout_desc(m: RankMetadata) -> LayoutDesc:
-    """The planner's view of a remote rank, from its metadata."""
-    return LayoutDesc(
-        compat_hash=m.compat_hash,
-        tp=m.tp_size,
-        rank=m.rank,
-        num_blocks=m.num_blocks,
-        null_block=m.null_block,
-        kv_layout=m.kv_layout,
-        layout_mode=m.layout_mode,
-        groups=tuple(
-            GroupDesc(
-                g.index,
-                SpecKind(g.kind),
-                g.block_size,
-                g.kernel_block_size,
-                tuple(g.layers),
-                g.sliding_window,
-            )
-            for g in m.groups
-        ),
-        placements=tuple(
-            LayerPlacement(
-                p.layer,
-                p.group,
-                p.base,
-                p.block_stride,
-                p.kernel_stride,
-                p.ratio,
-                tuple(Piece(*_piece_fields(x)) for x in p.pieces),
-                p.buffer,
-            )
-            for p in m.placements
-        ),
-        regions=tuple(
-            Region(
-                r.base,
-                r.length,
-                r.block_stride,
-                RegionKind(r.kind),
-                r.group,
-                tuple(r.layers),
-                tuple(Stream(s.offset, s.length) for s in r.streams),
-            )
-            for r in m.regions
-        ),
-    )
+    Strict: a port sent as a string is refused, not coerced, so a target from something other
+    than our connector fails here rather than somewhere in the sidecar.
+    """
+    try:
+        return msgspec.convert(obj, RemoteTarget)
+    except msgspec.ValidationError as e:
+        raise ProtocolError(f"invalid remote target: {e}") from None

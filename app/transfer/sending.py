@@ -33,7 +33,7 @@ from app.transfer.agent import (
     blocks,
 )
 from app.transfer.peers import Peer, Peers
-from app.transfer.planner import MambaMode, StepRequest, check_block_ids
+from app.transfer.planner import StepRequest, check_block_ids
 from app.transfer.protocol import (
     Abort,
     Ack,
@@ -109,7 +109,7 @@ class SendSide:
             peer=f"tcp://{t.host}:{t.port}",
             d_blocks=blocks(t.block_ids),
             target_epoch=t.epoch,
-            mamba_mode=MambaMode(msg.mamba_mode),
+            mamba_mode=msg.mamba_mode,
             num_spec=msg.num_spec,
         )
         agent.sends[req.id] = req

@@ -61,7 +61,6 @@ from app.transfer.protocol import (
     Role,
     SidecarInfo,
     Status,
-    rank_metadata,
 )
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.registry import Registry, RegistrySettings
@@ -482,7 +481,7 @@ class Sidecar:
             epoch=self.epoch,
             tp_size=self.tp_size,
             te_session=self.engine.session_id,
-            ranks=[rank_metadata(a.desc) for a in self.agents.values()],
+            ranks=[a.desc for a in self.agents.values()],
         )
 
     async def _close_lane(self, peer: Peer) -> None:

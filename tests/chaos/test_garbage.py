@@ -44,7 +44,7 @@ from app.transfer.protocol import (
 from tests.chaos.harness import LENS, Chaos, Outcome, metric_sum
 
 FRAMES = 10_000
-_TARGET = RemoteTarget("127.0.0.1", 5600, "d", "e", 1, [[1, 2], [3]])
+_TARGET = RemoteTarget("r", "127.0.0.1", 5600, "d", "e", 1, [[1, 2], [3]])
 VALID = [
     encode(Hello(compat_hash="x" * 16, engine_id="p", role=Role.PREFILL, epoch="e")),
     encode(

@@ -112,8 +112,9 @@ class Pair:
         assert self.decode.kv is not None
         return self.decode.kv.layout
 
-    def target(self, d_blocks: Sequence[np.ndarray]) -> RemoteTarget:
+    def target(self, d_blocks: Sequence[np.ndarray], rid: str) -> RemoteTarget:
         return RemoteTarget(
+            request_id=rid,
             host="127.0.0.1",
             port=self.decode.control_port,
             engine_id=self.decode.engine_id,

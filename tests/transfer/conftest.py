@@ -43,7 +43,6 @@ from app.transfer.protocol import (
     RemoteTarget,
     Role,
     Status,
-    rank_metadata,
 )
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.sending import SendSettings, SendSide
@@ -360,7 +359,7 @@ class DecodeStub:
                 epoch=self.epoch,
                 tp_size=1,
                 te_session="decode.test:7000",
-                ranks=[rank_metadata(self.layout)],
+                ranks=[self.layout],
             )
         if isinstance(msg, Claim):
             return self.claim(msg)
@@ -397,6 +396,7 @@ class Prefill:
                 prompt_len=40,
                 block_ids=ids([7, 8, 9]),
                 remote=RemoteTarget(
+                    request_id=rid,
                     host=host,
                     port=int(port),
                     engine_id=D_ENGINE,

@@ -58,7 +58,7 @@ VALID: list[Msg] = [
         request="r",
         prompt_len=64,
         block_ids=[[1, 2]],
-        remote=RemoteTarget("127.0.0.1", 5600, "d", "ep", 1, [[3, 4]]),
+        remote=RemoteTarget("r", "127.0.0.1", 5600, "d", "ep", 1, [[3, 4]]),
     ),
     LayerReady(rank=0, step=3, layer=-1),
     GetFinished(rank=0),

@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
+from app.kvcache.desc import GroupDesc, LayoutDesc
 from app.kvcache.engine_spec import (
     Axis,
     EngineGroup,
@@ -22,10 +23,12 @@ from app.kvcache.engine_spec import (
     StateTensor,
 )
 from app.kvcache.groups import build_cache_config
-from app.kvcache.layout import LayoutMode, allocate
+from app.kvcache.layout import LayerPlacement, LayoutMode, Piece, Region, Stream, allocate
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
+from app.kvcache.specs import RegionKind, SpecKind
 from app.transfer.control import ControlServer
+from app.transfer.planner import MambaMode
 from app.transfer.protocol import (
     MAX_DEADLINE_S,
     MAX_TP,
@@ -41,15 +44,14 @@ from app.transfer.protocol import (
     Msg,
     PoolLoaded,
     PoolSave,
-    RankMetadata,
     RegisterEngine,
     RemoteTarget,
     Role,
     Status,
     StepSlice,
-    WireGroup,
     decode,
     encode,
+    remote_target,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -57,7 +59,7 @@ pytestmark = pytest.mark.timeout(30)
 EXPECT = ExpectRecv(
     rank=0, request="r", prompt_len=64, block_ids=[[1, 2]], prefill_tp=2, timeout_s=5.0
 )
-TARGET = RemoteTarget("127.0.0.1", 5600, "d", "ep", 1, [[3, 4]])
+TARGET = RemoteTarget("r", "127.0.0.1", 5600, "d", "ep", 1, [[3, 4]])
 ADD = AddSend(rank=0, request="r", prompt_len=64, block_ids=[[1, 2]], remote=TARGET)
 DONE = Done(
     request="r",
@@ -68,8 +70,11 @@ DONE = Done(
     status=Status.DONE,
     groups=[0],
 )
-GROUP = WireGroup(0, "full_attention", 16, 16, [0, 1])
-RANK = RankMetadata(0, 1, 8, 0, "HND", "per_layer", "c", [GROUP], [], [])
+GROUP = GroupDesc(0, SpecKind.FULL, 16, 16, (0, 1))
+PIECE = Piece("k", 0, 1, 0, 8, 0, 8, 512, 512)
+PLACEMENT = LayerPlacement(0, 0, 4096, 8192, 8192, 1, (PIECE,), 0)
+REGION = Region(4096, 65536, 8192, RegionKind.SPLIT, 0, (0, 1), (Stream(0, 4096),))
+RANK = LayoutDesc("c", 1, 0, 8, 0, "HND", "per_layer", (GROUP,), (PLACEMENT,), (REGION,))
 META = AgentMetadata(engine_id="d", epoch="ep", tp_size=1, te_session="h:1", ranks=[RANK])
 # What the simulated engine sends: a preset rank (heads-major, so with a kernel axis).
 SIM = RegisterEngine(
@@ -120,7 +125,7 @@ SAVE = PoolSave(rank=0, request="r", token_ids=[1, 2], block_ids=[[1]], num_comp
 
 def with_field(msg: Msg, path: str, value: Any) -> bytes:
     """``msg`` encoded with the field at ``path`` (dots and list indexes) set to ``value``."""
-    raw = msgspec.to_builtins(msg)
+    raw = msgspec.msgpack.decode(encode(msg))  # plain dicts and lists (tuples read back as lists)
     *parents, last = path.split(".")
     node: Any = raw
     for key in parents:
@@ -160,9 +165,12 @@ BAD = [
     (DONE, "bytes", -1, "$.bytes"),
     (Hello(compat_hash="c", engine_id="e", role=Role.DECODE), "rank", -1, "$.rank"),
     (META, "tp_size", 0, "$.tp_size"),
-    (META, "ranks.0.tp_size", 0, "$.ranks[0].tp_size"),
+    (META, "ranks.0.tp", 0, "$.ranks[0].tp"),
     (META, "ranks.0.num_blocks", -8, "$.ranks[0].num_blocks"),
     (META, "ranks.0.groups.0.block_size", 0, "$.ranks[0].groups[0].block_size"),
+    (META, "ranks.0.placements.0.5", 0, "$.ranks[0].placements[0][5]"),  # ratio
+    (META, "ranks.0.placements.0.6.0.1", -1, "$.ranks[0].placements[0][6][0][1]"),
+    (META, "ranks.0.regions.0.streams.0.1", -1, "$.ranks[0].regions[0].streams[0][1]"),
     (SIM, "registration.tp_size", 0, "$.registration.tp_size"),
     (
         SIM,
@@ -249,6 +257,70 @@ GOOD = [
 @pytest.mark.parametrize("msg", GOOD, ids=[type(m).__name__ for m in GOOD])
 def test_in_bounds_round_trips_unchanged(msg: Msg) -> None:
     assert decode(encode(msg)) == msg
+
+
+# Enums travel by value and decode typed: an unknown value is refused like a number out of range.
+BAD_ENUM = [
+    (ADD, "mamba_mode", "sideways", "$.mamba_mode"),
+    (META, "ranks.0.groups.0.kind", "full", "$.ranks[0].groups[0].kind"),
+    (META, "ranks.0.regions.0.kind", "SHARDED", "$.ranks[0].regions[0].kind"),
+]
+
+
+@pytest.mark.parametrize(
+    ("msg", "path", "value", "where"),
+    BAD_ENUM,
+    ids=[f"{m.__class__.__name__}.{p}={v}" for m, p, v, _ in BAD_ENUM],
+)
+def test_unknown_enum_value_is_refused_naming_it(
+    msg: Msg, path: str, value: str, where: str
+) -> None:
+    with pytest.raises(ProtocolError) as info:
+        decode(with_field(msg, path, value))
+    text = str(info.value)
+    assert "Invalid enum value" in text and repr(value) in text and where in text
+
+
+def test_enums_decode_typed() -> None:
+    add = decode(encode(msgspec.structs.replace(ADD, mamba_mode=MambaMode.ALIGN)))
+    assert isinstance(add, AddSend) and add.mamba_mode is MambaMode.ALIGN
+    meta = decode(encode(META))
+    assert isinstance(meta, AgentMetadata)
+    (rank,) = meta.ranks
+    assert rank.groups[0].kind is SpecKind.FULL and rank.regions[0].kind is RegionKind.SPLIT
+    assert rank.placement(0) == PLACEMENT and hash(rank) == hash(RANK)
+
+
+def test_remote_target_round_trips_through_json() -> None:
+    # The HTTP hop: decode's connector sends to_builtins, prefill's connector converts back.
+    assert remote_target(msgspec.json.decode(msgspec.json.encode(TARGET))) == TARGET
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    [
+        ("port", "5600", "$.port"),  # strict: no coercion from a string
+        ("port", 0, "$.port"),
+        ("tp_size", 0, "$.tp_size"),
+        ("block_ids", [[1, -1]], "$.block_ids[0][1]"),
+        ("request_id", None, "$.request_id"),
+    ],
+)
+def test_bad_remote_target_names_the_field(field: str, value: Any, where: str) -> None:
+    raw = msgspec.to_builtins(TARGET)
+    raw[field] = value
+    with pytest.raises(ProtocolError, match="invalid remote target") as info:
+        remote_target(raw)
+    assert where in str(info.value)
+
+
+def test_remote_target_missing_field_or_not_an_object() -> None:
+    raw = msgspec.to_builtins(TARGET)
+    del raw["epoch"]
+    with pytest.raises(ProtocolError, match="epoch"):
+        remote_target(raw)
+    with pytest.raises(ProtocolError, match="invalid remote target"):
+        remote_target("tcp://d:5600")
 
 
 class Recorder:

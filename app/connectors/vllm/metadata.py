@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from app.transfer.protocol import RemoteTarget
 
 BlockIds = list[list[int]]
 
@@ -18,7 +19,7 @@ class Admit:
     sid: str
     prompt_len: int
     block_ids: BlockIds
-    remote: dict[str, Any]
+    remote: RemoteTarget
     mamba_mode: str = "none"
     num_spec: int = 0
 
@@ -39,7 +40,7 @@ class Target:
 
     router_url: str
     transfer_id: str
-    target: dict[str, Any]
+    target: RemoteTarget
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ from app.connectors.vllm.metadata import (
     Target,
 )
 from app.engine_link.client import EngineLink
-from app.errors import KVSidecarError
+from app.errors import KVSidecarError, ProtocolError
+from app.transfer.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Send:
     sid: str
-    remote: dict[str, Any]
+    remote: RemoteTarget
     prompt_len: int  # the whole prompt, as decode has it
     block_ids: BlockIds
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
@@ -155,15 +156,20 @@ class SchedulerSide:
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             self._expect(request, p, ids)
         elif p.get("do_remote_decode") and rid not in self.state.sends:
-            remote = p.get("remote")
-            if not isinstance(remote, dict) or "request_id" not in remote:
+            if p.get("remote") is None:
                 log.error("request %s: do_remote_decode without a remote target; not sent", rid)
+                return
+            try:
+                remote = remote_target(p["remote"])
+            except ProtocolError as e:
+                # As a missing target: no send; decode's deadline ends its side (it recomputes).
+                log.error("request %s: %s; not sent", rid, e)
                 return
             # The sidecar plans with the whole prompt (decode loads all but its last token);
             # a truncated prefill computes exactly those, and its last slice ends the prompt.
             computes = len(request.prompt_token_ids)
             whole = computes + 1 if p.get("_kvs_truncated") else computes
-            self.state.sends[rid] = _Send(str(remote["request_id"]), remote, whole, ids, computes)
+            self.state.sends[rid] = _Send(remote.request_id, remote, whole, ids, computes)
 
     def _expect(self, request: Any, p: dict[str, Any], ids: BlockIds) -> None:
         rid = request.request_id
@@ -187,15 +193,15 @@ class SchedulerSide:
         if not router:
             log.warning("request %s: no router_url in kv_transfer_params; nobody will send", rid)
             return
-        target = {
-            "request_id": rid,
-            "host": info["host"],
-            "port": info["port"],
-            "engine_id": info["engine_id"],
-            "epoch": info["epoch"],
-            "tp_size": self.config.tp_size,
-            "block_ids": ids,
-        }
+        target = RemoteTarget(
+            request_id=rid,
+            host=str(info["host"]),
+            port=int(info["port"] or 0),  # none (0) is refused by prefill's remote_target
+            engine_id=str(info["engine_id"]),
+            epoch=str(info["epoch"]),
+            tp_size=self.config.tp_size,
+            block_ids=ids,
+        )
         self.state.targets.append(Target(str(router), str(p.get("transfer_id", rid)), target))
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import msgspec
 import numpy as np
 
 from app.config import SidecarSettings
@@ -28,7 +29,7 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.service import InProcessAgent
-from app.transfer.protocol import RemoteTarget
+from app.transfer.planner import MambaMode
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ def post_target(target: Target, timeout_s: float = 5.0) -> None:
     try:
         r = httpx.post(
             target.router_url,
-            json={"transfer_id": target.transfer_id, "target": target.target},
+            # JSON-able builtins; prefill's connector reads them back with ``remote_target``.
+            json={"transfer_id": target.transfer_id, "target": msgspec.to_builtins(target.target)},
             timeout=timeout_s,
         )
         if r.status_code != 200:
@@ -138,25 +140,17 @@ class WorkerSide:
 
     def start_load_kv(self, meta: KVSidecarMetadata) -> None:
         for a in meta.admits:
-            r = a.remote
             self._vllm_ids[a.sid] = a.req_id
             try:
                 self.link.add_send_request(
                     a.sid,
                     a.prompt_len,
                     [np.asarray(g, np.int64) for g in a.block_ids],
-                    RemoteTarget(
-                        host=str(r["host"]),
-                        port=int(r["port"]),
-                        engine_id=str(r["engine_id"]),
-                        epoch=str(r["epoch"]),
-                        tp_size=int(r["tp_size"]),
-                        block_ids=[list(map(int, g)) for g in r["block_ids"]],
-                    ),
-                    mamba_mode=a.mamba_mode,
+                    a.remote,
+                    mamba_mode=MambaMode(a.mamba_mode),
                     num_spec=a.num_spec,
                 )
-            except (KVSidecarError, KeyError, ValueError) as e:
+            except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
                 # A refusal also reaches decode (the sidecar tells it, or decode's deadline
                 # passes); the blocks go back to vLLM once the request finishes here.
                 log.error("request %s: the sidecar did not take the send: %s", a.req_id, e)
