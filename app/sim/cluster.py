@@ -85,6 +85,9 @@ class ClusterSpec:
     pool: bool = False  # start a mooncake_master and enable the KV pool on both sidecars
     pool_segment_bytes: int = 64 << 20  # what the prefill sidecar contributes (decode: 0)
     sidecar_env: dict[str, str] = field(default_factory=dict)
+    # Per role, the command that starts its sidecar process instead of ``python -m app serve``
+    # (tests: a launcher that hooks faults into the sidecar).
+    sidecar_cmd: dict[str, list[str]] = field(default_factory=dict)
     prefill_env: dict[str, str] = field(default_factory=dict)
     decode_env: dict[str, str] = field(default_factory=dict)
     # Decode engines fill their whole cache with this sentinel seed at start, and ``untouched``
@@ -197,7 +200,10 @@ class Cluster:
             return
         log = open(self.log_dir / f"{side.role}-sidecar.log", "ab")  # noqa: SIM115
         side.sidecar = subprocess.Popen(
-            [sys.executable, "-m", "app", "serve"], env=env, stdout=log, stderr=subprocess.STDOUT
+            self.spec.sidecar_cmd.get(side.role, [sys.executable, "-m", "app", "serve"]),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
 
     def start_engines(self, side: Side) -> None:
