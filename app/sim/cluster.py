@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from app.engine_link.shm import attach_allocator
+from app.devices.shm import attach_allocator
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import RankLayout

@@ -13,6 +13,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from app.engine_link.sync_client import SyncClient
 from app.errors import DeadlineExceeded
 from app.transfer.control import ONE_WAY, ClientClosed, ControlServer, PeerClient
 from app.transfer.protocol import (
@@ -29,7 +30,6 @@ from app.transfer.protocol import (
     decode,
     encode,
 )
-from app.transfer.sync_client import SyncClient
 
 pytestmark = pytest.mark.timeout(30)
 
