@@ -320,7 +320,7 @@ class PoolClient:
 
     @property
     def started(self) -> bool:
-        """Whether ``start`` succeeded and ``close`` has not been called."""
+        """Whether ``start_async`` succeeded and ``close_async`` has not been called."""
         return self._store is not None
 
     def _setup_job(self) -> Callable[[], StoreLike]:
@@ -386,27 +386,8 @@ class PoolClient:
             f"within {self.config.setup_timeout_s:.1f}s; is mooncake_master running there?"
         )
 
-    def start(self) -> None:
-        """Join the pool (blocking, at most ``setup_timeout_s``)."""
-        if self.started:
-            return
-        self._probe_master()
-        executor, fut = self._prepare_start()
-        try:
-            store = fut.result(timeout=self.config.setup_timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise self._setup_timed_out(executor) from None
-        except PoolError:
-            executor.shutdown()
-            raise
-        except Exception as exc:
-            executor.shutdown()
-            raise PoolError(f"Mooncake Store setup failed: {exc}") from exc
-        self._finish_start(executor, store)
-
     async def start_async(self) -> None:
-        """``start`` without blocking the event loop."""
+        """Join the pool (at most ``setup_timeout_s``)."""
         if self.started:
             return
         await asyncio.to_thread(self._probe_master)
@@ -462,18 +443,8 @@ class PoolClient:
         threading.Thread(target=run, name="kv-pool-close", daemon=True).start()
         return done
 
-    def close(self) -> None:
-        """Leave the pool; waits at most ``close_timeout_s`` (a dead master makes close slow)."""
-        detached = self._detach()
-        if detached is None:
-            return
-        done = self._closed = self._reap(detached)
-        del detached  # the reaper holds the last reference: the store dies on its thread
-        if not done.wait(self.config.close_timeout_s):
-            self._counters.add(timeouts=1)
-
     async def close_async(self) -> None:
-        """``close`` without blocking the event loop."""
+        """Leave the pool; waits at most ``close_timeout_s`` (a dead master makes close slow)."""
         detached = self._detach()
         if detached is None:
             return
@@ -485,13 +456,6 @@ class PoolClient:
                 self._counters.add(timeouts=1)
                 return
             await asyncio.sleep(0.01)
-
-    def __enter__(self) -> PoolClient:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def counters(self) -> PoolCounters:
         """A snapshot of the counters."""
@@ -515,7 +479,9 @@ class PoolClient:
     def _live(self) -> StoreLike:
         store = self._store
         if store is None:
-            raise PoolError("the pool client is not started (call start() first) or was closed")
+            raise PoolError(
+                "the pool client is not started (call start_async() first) or was closed"
+            )
         return store
 
     def _submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -524,14 +490,6 @@ class PoolClient:
             if self._executor is None:
                 raise PoolError("the pool client was closed")
             return self._executor.submit(job)
-
-    def _call(self, job: Callable[[], T], timeout_s: float) -> T:
-        fut = self._submit(job)
-        try:
-            return fut.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise _CallTimeout from None
 
     async def _call_async(self, job: Callable[[], T], timeout_s: float) -> T:
         fut = self._submit(job)
@@ -550,22 +508,8 @@ class PoolClient:
         if rc != OK:
             raise PoolError(f"register_buffer({ptr:#x}, {length}) failed (rc={rc})")
 
-    def register(self, ptr: int, length: int) -> None:
-        """Register a buffer that puts read from and gets write into."""
-        if ptr <= 0 or length <= 0:
-            raise ValueError("ptr and length must be positive")
-        store = self._live()
-        try:
-            rc = self._call(self._register_job(store, ptr, length), self.config.timeout_s)
-        except _CallTimeout:
-            self._counters.add(timeouts=1, failures=1)
-            raise PoolError(
-                f"register_buffer timed out after {self.config.timeout_s:.1f}s"
-            ) from None
-        self._register_done(rc, ptr, length)
-
     async def register_async(self, ptr: int, length: int) -> None:
-        """``register`` without blocking the event loop."""
+        """Register a buffer that puts read from and gets write into."""
         if ptr <= 0 or length <= 0:
             raise ValueError("ptr and length must be positive")
         store = self._live()
@@ -592,23 +536,8 @@ class PoolClient:
         self._counters.add(hits=hits, misses=n - hits - errors, failures=errors)
         return present
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Which keys the pool holds, in one batched call; errors and timeouts read as absent."""
-        if not keys:
-            return []
-        store = self._live()
-        key_list = list(keys)
-        try:
-            codes = self._call(lambda: store.batch_is_exist(key_list), self.config.timeout_s)
-        except _CallTimeout:
-            self._counters.add(timeouts=1)
-            codes = None
-        except Exception:
-            codes = None
-        return self._exists_done(codes, len(key_list))
-
     async def exists_async(self, keys: Sequence[str]) -> list[bool]:
-        """``exists`` without blocking the event loop."""
+        """Which keys the pool holds, in one batched call; errors and timeouts read as absent."""
         if not keys:
             return []
         store = self._live()
@@ -688,25 +617,10 @@ class PoolClient:
         )
         return result
 
-    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> PutResult:
-        """Store blocks from memory; keys already pooled are skipped, a full pool is reported."""
-        _check_batch(keys, ptrs, sizes)
-        if not keys:
-            return PutResult()
-        store = self._live()
-        timeout = self.config.timeout_s
-        job = self._put_job(store, list(keys), list(ptrs), list(sizes), time.monotonic() + timeout)
-        try:
-            return self._put_done(self._call(job, timeout), len(keys), False)
-        except _CallTimeout:
-            return self._put_done(None, len(keys), True)
-        except Exception:
-            return self._put_done(None, len(keys), False)
-
     async def put_from_async(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> PutResult:
-        """``put_from`` without blocking the event loop."""
+        """Store blocks from memory; keys already pooled are skipped, a full pool is reported."""
         _check_batch(keys, ptrs, sizes)
         if not keys:
             return PutResult()
@@ -760,25 +674,10 @@ class PoolClient:
         )
         return GetResult(loaded=loaded, failed=failed, codes=tuple(codes), bytes_got=got)
 
-    def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> GetResult:
-        """Load blocks into memory; failed ones are reported by index for recompute."""
-        _check_batch(keys, ptrs, sizes)
-        if not keys:
-            return GetResult()
-        store = self._live()
-        job = self._get_job(store, list(keys), list(ptrs), list(sizes))
-        try:
-            codes = self._call(job, self.config.timeout_s)
-        except _CallTimeout:
-            return self._get_done(None, sizes, True)
-        except Exception:
-            return self._get_done(None, sizes, False)
-        return self._get_done(codes, sizes, False)
-
     async def get_into_async(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> GetResult:
-        """``get_into`` without blocking the event loop."""
+        """Load blocks into memory; failed ones are reported by index for recompute."""
         _check_batch(keys, ptrs, sizes)
         if not keys:
             return GetResult()
