@@ -25,7 +25,7 @@ from app.store.pool import PoolConfig
 from app.store.service import PoolService
 from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth
-from app.transfer.control import ControlServer
+from app.transfer.control_server import ControlServer
 from app.transfer.links import zmq_links
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 from app.transfer.peers import Peer, Peers, PeerSettings

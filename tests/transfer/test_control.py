@@ -15,7 +15,9 @@ import zmq.asyncio
 
 from app.engine_link.sync_client import SyncClient
 from app.errors import DeadlineExceeded
-from app.transfer.control import ONE_WAY, ClientClosed, ControlServer, PeerClient
+from app.transfer.control import ONE_WAY, ClientClosed
+from app.transfer.control_client import PeerClient
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
     Abort,
     Ack,

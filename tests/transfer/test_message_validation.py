@@ -25,7 +25,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import LayoutMode, allocate
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
-from app.transfer.control import ControlServer
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
     MAX_DEADLINE_S,
     MAX_TP,
