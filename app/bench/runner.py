@@ -40,7 +40,7 @@ from app.bench.raw import WAITS, RawCeiling
 from app.kvcache.groups import NULL_BLOCK
 from app.kvcache.presets import load_preset
 from app.sim.cluster import Cluster, ClusterSpec
-from app.sim.engine import SimRequest
+from app.sim.commands import SimRequest
 from app.sim.reference import blocks_needed
 
 MiB = 1 << 20

@@ -13,7 +13,7 @@ from app.bench.plans import PlanModel
 from app.devices import CpuEvent
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
-from app.sim.engine import SimRequest
+from app.sim.commands import SimRequest
 from app.sim.executor import execute
 from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request

@@ -11,8 +11,9 @@ import msgspec
 import zmq
 
 from app.config import load_settings
-from app.sim.cluster import Cluster, summarize
-from app.sim.engine import Command
+from app.sim.cluster import Cluster
+from app.sim.commands import Command
+from app.sim.rounds import summarize
 from app.store.master import free_port
 from app.transfer.auth import load_auth
 from app.transfer.protocol import Ack, Done, Error, Hello, Rejected, Role, Status, decode, encode
