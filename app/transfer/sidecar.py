@@ -21,7 +21,7 @@ import zmq.asyncio
 from app.config import SidecarSettings
 from app.errors import KVSidecarError
 from app.kvcache.desc import LayoutDesc
-from app.store.pool import PoolConfig
+from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
 from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth

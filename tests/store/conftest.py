@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from app.store.master import MasterProcess, start_master, stop_master
-from app.store.pool import PoolClient, PoolConfig
+from app.store.pool import PoolClient
+from app.store.pool_api import PoolConfig
 
 MiB = 1 << 20
 

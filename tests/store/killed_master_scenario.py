@@ -18,7 +18,8 @@ from collections.abc import Awaitable, Callable
 import numpy as np
 
 from app.store.master import start_master, stop_master
-from app.store.pool import PoolClient, PoolConfig
+from app.store.pool import PoolClient
+from app.store.pool_api import PoolConfig
 
 BLOCK = 64 * 1024
 

@@ -17,12 +17,12 @@ from app.errors import PoolError
 from app.store.hashing import hash_blocks
 from app.store.keys import KeyPrefix, block_keys
 from app.store.master import MasterProcess, free_port
-from app.store.pool import (
+from app.store.pool import PoolClient
+from app.store.pool_api import (
     LEASE_EXPIRED,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     GetResult,
-    PoolClient,
     PoolConfig,
     PutResult,
 )
