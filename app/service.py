@@ -16,21 +16,27 @@ from typing import Any
 from app.config import SidecarSettings
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.ports import clear_port_file, write_port_file
+from app.transfer.mooncake import MooncakeEngine
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
 
 
 async def run_until(
-    settings: SidecarSettings, stop: asyncio.Event, ready: Callable[[], None] | None = None
+    settings: SidecarSettings,
+    stop: asyncio.Event,
+    ready: Callable[[], None] | None = None,
+    *,
+    engine_hook: Callable[[MooncakeEngine], None] | None = None,
 ) -> dict[str, Any]:
     """Start the sidecar and its admin API, call ``ready``, serve until ``stop`` is set, then
-    shut down (in-flight requests get the grace period, then are aborted); the shutdown report."""
+    shut down (in-flight requests get the grace period, then are aborted); the shutdown report.
+    ``engine_hook`` (tests only) goes to the ``Sidecar``."""
     for note in settings.warnings():
         log.warning(note)
     if settings.port_file is not None:
         clear_port_file(settings.port_file)  # an earlier run's ports are not ours
-    sidecar = Sidecar(settings)
+    sidecar = Sidecar(settings, engine_hook=engine_hook)
     await sidecar.start()
     admin = None
     try:
@@ -58,8 +64,10 @@ async def run_until(
     return report
 
 
-async def serve(settings: SidecarSettings) -> int:
-    """Run until a stop signal."""
+async def serve(
+    settings: SidecarSettings, *, engine_hook: Callable[[MooncakeEngine], None] | None = None
+) -> int:
+    """Run until a stop signal; ``engine_hook`` (tests only) goes to the ``Sidecar``."""
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -67,7 +75,7 @@ async def serve(settings: SidecarSettings) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    report = await run_until(settings, stop)
+    report = await run_until(settings, stop, engine_hook=engine_hook)
     print(json.dumps({"shutdown": report}), file=sys.stderr, flush=True)
     return 0
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from app.kvcache.preset_registration import describe
-from app.sim.engine import SimRequest
+from app.sim.commands import SimRequest
 from app.sim.ranks import CacheParams, allocate_rank, preset_config
 from app.sim.reference import BlockAllocator, Instance, empty_allocator
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest

@@ -26,14 +26,9 @@ from rich.table import Table
 from app.cli.demo_vllm import print_summary, run_vllm_demo, succeeded
 from app.errors import ConfigError, DeadlineExceeded
 from app.kvcache.layout import KVLayout, LayoutMode
-from app.sim.cluster import (
-    Cluster,
-    ClusterSpec,
-    pool_prompt_tokens,
-    pool_round,
-    summarize,
-)
-from app.sim.engine import SimRequest
+from app.sim.cluster import Cluster, ClusterSpec
+from app.sim.commands import SimRequest
+from app.sim.rounds import pool_prompt_tokens, pool_round, summarize
 
 _READY_TIMEOUT_S = 60.0
 

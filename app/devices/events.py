@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from app.devices.base import CpuEvent, Event, available, backend
+from app.devices.shm import create_file, open_file, unlink_file
 from app.devices.spec import EventRingSpec
-from app.engine_link.shm import create_file, open_file, unlink_file
 from app.errors import ConfigError, DeadlineExceeded, ProtocolError
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """Device KV memory shared between an engine and its sidecar (DESIGN §7).
 
-- CPU: POSIX shared memory (``app.engine_link.shm``); nothing here.
+- CPU: POSIX shared memory (``app.devices.shm``); nothing here.
 - CUDA, ``cudaMalloc`` memory (PyTorch's default caching allocator): torch's IPC handles,
   ``storage._share_cuda_()`` in the engine and ``UntypedStorage._new_shared_cuda`` in the
   sidecar (``cudaIpcOpenMemHandle`` underneath), as ``torch.multiprocessing`` does, but with

@@ -27,6 +27,7 @@ import numpy as np
 
 from app.devices import CpuEvent, Event
 from app.devices.events import DEFAULT_SLOTS, EngineRing
+from app.engine_link.sync_client import SyncClient
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
 from app.transfer.planner import MambaMode
@@ -51,7 +52,6 @@ from app.transfer.protocol import (
     SidecarInfo,
     StepSlice,
 )
-from app.transfer.sync_client import SyncClient
 
 log = logging.getLogger(__name__)
 

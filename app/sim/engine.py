@@ -20,306 +20,28 @@ import argparse
 import signal
 import sys
 import time
-from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from app.config import SidecarSettings
-from app.engine_link.client import EngineLink, FinishedRequests
-from app.errors import KVSidecarError
-from app.kvcache.layout import RankLayout
-from app.kvcache.specs import SpecKind
+from app.engine_link.client import EngineLink
 from app.service import InProcessAgent
-from app.sim.fill import request_salt
+from app.sim.commands import Command, request_block_ids, request_seed
 from app.sim.kv_io import (
     changed_outside,
     outside_read_set,
-    restore_sentinel,
     sentinel_fill,
-    state_block_index,
     untouched,
     verify_prefix,
     verify_request,
-    write_state,
-    write_tokens,
 )
+from app.sim.rank_engine import DEFAULT_SENTINEL, SimEngine
 from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.agent import ALL_LAYERS
-from app.transfer.planner import MambaMode
-from app.transfer.protocol import RemoteTarget, Status
-
-
-class SimRequest(msgspec.Struct):
-    id: str
-    prompt_len: int
-    blocks: list[list[int]]
-    remote: RemoteTarget | None = None
-    tokens: list[int] = []  # token ids, for pool hashing
-
-
-class Command(msgspec.Struct):
-    cmd: str
-    requests: list[SimRequest] = []
-    chunk: int | None = None
-    compute_ms: float = 0.0
-    prefill_tp: int = 1
-    timeout_s: float = 30.0
-    mamba_mode: str = "none"
-    num_spec: int = 0
-    bulk: bool = False
-    fill: bool = True  # False: skip writing the fill (benchmarks time the transfer, not numpy)
-    verify: bool = True  # False: D skips the byte-exact check (benchmarks without the fill)
-    poll_ms: float = 5.0  # D's get_finished polling interval in ``wait``: its timing resolution
-    bulk_one_signal: bool = False  # bulk: one all-layers signal instead of one per layer
-    # prefill: before each chunk, ask the sidecar what ended and stop computing requests that
-    # ended on every rank (as a scheduler drops a request whose KV send failed or was aborted)
-    drop_ended: bool = False
-    # prefill: abort these requests (AbortRequest on every rank) right after the
-    # ``abort_after_layers``-th layer signal, and leave them out of later chunks.
-    abort: list[str] = []
-    abort_after_layers: int = 1
-    # untouched: the requests that ended DONE (they may have written their read sets only;
-    # the others anything in their blocks); None: all of them.
-    done: list[str] | None = None
-    seed: int | None = None  # sentinel: the pattern's seed (default: the engine's own)
-
-
-T = TypeVar("T")
-DEFAULT_SENTINEL = 0x5E471E1
-
-
-def _salt(req: SimRequest) -> int:
-    """Push requests fill per request; pool requests by position (their tokens are the key)."""
-    return 0 if req.tokens else request_salt(req.id)
-
-
-def _ids(req: SimRequest) -> tuple[np.ndarray, ...]:
-    return tuple(np.asarray(b, np.int64) for b in req.blocks)
-
-
-class SimEngine:
-    def __init__(
-        self,
-        link: EngineLink,
-        layout: RankLayout,
-        params: CacheParams,
-        *,
-        link_lease_s: float | None = None,
-        sentinel: int | None = None,
-    ) -> None:
-        self.link, self.layout, self.params = link, layout, params
-        self.step = 0
-        self.layers = [c.index for c in layout.config.model.layers]
-        # When the last get_finished answered (before the poll sleep): timing for benchmarks.
-        self.seen_at = 0.0
-        # Every terminal state the sidecar reported (or the engine decided, once it gave up on
-        # its sidecar): {"id", "status", "error", "at" (monotonic), "by"}.
-        self.reports: list[dict[str, Any]] = []
-        self.refused: dict[str, str] = {}  # admission refusals (the call raised)
-        self.link_lease_s = link_lease_s
-        self.last_heard = time.monotonic()
-        self.lost = ""  # why the engine gave up on its sidecar; empty while it has not
-        self.sentinel = sentinel
-        if sentinel is not None:
-            sentinel_fill(layout, sentinel)
-        # Decode: blocks of expected requests; once one ends other than DONE the engine frees
-        # them, and (with a sentinel) puts the sentinel back, so a write that comes later
-        # still shows (``kv_io.changed_in_blocks``).
-        self.expected: dict[str, tuple[np.ndarray, ...]] = {}
-        self.released: list[str] = []
-
-    def guarded(self, what: str, fn: Callable[[], T], *, heard: bool = True) -> T | None:
-        """Call the sidecar; with a link lease, a failure returns None (and gives up on the
-        sidecar once nothing was heard from it for the lease) instead of raising."""
-        if self.lost:
-            return None
-        try:
-            out = fn()
-        except KVSidecarError as e:
-            if self.link_lease_s is None:
-                raise
-            silent = time.monotonic() - self.last_heard
-            if silent >= self.link_lease_s:
-                self.lost = f"sidecar silent for {silent:.1f}s ({what}: {e})"
-            return None
-        if heard:
-            self.last_heard = time.monotonic()
-        return out
-
-    def signal(self, layer: int) -> None:
-        """``layer_ready`` for the current step (one-way: queued, not an answer)."""
-        self.guarded("layer_ready", partial(self.link.layer_ready, self.step, layer), heard=False)
-
-    def poll(self) -> FinishedRequests | None:
-        """``get_finished``, every entry of it written into the ledger."""
-        fin = self.guarded("get_finished", self.link.get_finished)
-        if fin is None:
-            return None
-        now = time.monotonic()
-        for rid in [*fin.sending, *fin.recving]:
-            self.reports.append(
-                {"id": rid, "status": "DONE", "error": "", "at": now, "by": "sidecar"}
-            )
-        for f in fin.failed:
-            self.reports.append(
-                {
-                    "id": f.request,
-                    "status": Status(f.status).name,
-                    "error": f.error,
-                    "at": now,
-                    "by": "sidecar",
-                }
-            )
-        self.release([f.request for f in fin.failed])
-        return fin
-
-    def release(self, ids: list[str]) -> None:
-        """Free the blocks of requests that ended other than DONE (sentinel back in them)."""
-        ids = [r for r in ids if r in self.expected and r not in self.released]
-        if ids and self.sentinel is not None:
-            restore_sentinel(self.layout, self.sentinel, [self.expected[r] for r in ids])
-            self.released += ids
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "epoch": self.link.epoch,
-            "control_port": self.link.control_port,
-            "num_blocks": self.layout.num_blocks,
-            "rank": self.layout.rank,
-        }
-
-    def forward_layer(
-        self, layer: int, slices: list[tuple[SimRequest, int, int]], cmd: Command
-    ) -> None:
-        """What attention / the state update writes for ``layer`` in this step.
-
-        In ``align`` mode a state layer also checkpoints the state after every whole block it
-        passes (vLLM keeps one per block there), which is what the KV pool stores and loads.
-        """
-        g = self.layout.group(self.layout.placements[layer].group)
-        for req, start, end in slices:
-            ids = _ids(req)[g.index]
-            if g.kind is SpecKind.MAMBA:
-                if cmd.mamba_mode == "align":
-                    bs = g.block_size
-                    for b in range(start // bs, min(end, req.prompt_len - 1) // bs):
-                        write_state(self.layout, layer, int(ids[b]), (b + 1) * bs, _salt(req))
-                if end >= req.prompt_len:
-                    idx = state_block_index(ids.size, cmd.mamba_mode, cmd.num_spec)
-                    write_state(self.layout, layer, int(ids[idx]), req.prompt_len - 1, _salt(req))
-            else:
-                write_tokens(self.layout, layer, ids, start, end, _salt(req))
-
-    def admit(self, cmd: Command) -> dict[str, str]:
-        refused = {}
-        for req in cmd.requests:
-            assert req.remote is not None
-            try:
-                self.link.add_send_request(
-                    req.id,
-                    req.prompt_len,
-                    _ids(req),
-                    req.remote,
-                    mamba_mode=MambaMode(cmd.mamba_mode),
-                    num_spec=cmd.num_spec,
-                )
-            except Exception as e:  # reported to the driver; the sidecar ended it FAILED
-                refused[req.id] = str(e)
-        self.refused.update(refused)
-        return refused
-
-    def begin(self, slices: list[tuple[SimRequest, int, int]]) -> None:
-        self.step += 1
-        self.link.begin_step(self.step, [(r.id, s, e) for r, s, e in slices])
-
-    @staticmethod
-    def absorb(
-        fin: FinishedRequests,
-        ids: set[str],
-        sending: bool,
-        done: list[str],
-        failed: dict[str, Any],
-    ) -> None:
-        """Add what one ``get_finished`` reported of ``ids`` to ``done`` / ``failed``."""
-        done += [r for r in (fin.sending if sending else fin.recving) if r in ids]
-        for f in fin.failed:
-            if f.request in ids:
-                failed[f.request] = {
-                    "status": Status(f.status).name,
-                    "error": f.error,
-                    "blocks": f.block_ids,
-                }
-
-    def wait_ids(
-        self,
-        ids: set[str],
-        timeout_s: float,
-        *,
-        sending: bool,
-        poll_s: float = 0.005,
-        seen: tuple[list[str], dict[str, Any]] | None = None,
-    ) -> tuple[list[str], dict[str, Any]]:
-        """Poll ``get_finished`` until every id ended (or the driver's deadline); ``seen``:
-        what earlier polls of this command already reported."""
-        done: list[str] = list(seen[0]) if seen else []
-        failed: dict[str, Any] = dict(seen[1]) if seen else {}
-        deadline = time.monotonic() + timeout_s
-        while ids - set(done) - set(failed) and time.monotonic() < deadline:
-            fin = self.poll()
-            if fin is None:
-                if self.lost:
-                    break
-                time.sleep(poll_s)
-                continue
-            self.seen_at = time.monotonic()
-            self.absorb(fin, ids, sending, done, failed)
-            time.sleep(poll_s)
-        for rid in sorted(ids - set(done) - set(failed)):
-            if self.lost:
-                # The worker's own decision: its sidecar is gone, so the request failed.
-                error = f"engine gave up on its sidecar: {self.lost}"
-                failed[rid] = {"status": "FAILED", "error": error, "blocks": []}
-                self.reports.append(
-                    {
-                        "id": rid,
-                        "status": "FAILED",
-                        "error": error,
-                        "at": time.monotonic(),
-                        "by": "engine",
-                    }
-                )
-                self.release([rid])
-                continue
-            failed[rid] = {
-                "status": "HUNG",
-                "error": "no terminal state before the driver's deadline",
-                "blocks": [],
-            }
-        return done, failed
-
-    def expect(self, cmd: Command) -> dict[str, Any]:
-        refused = {}
-        # By when the sidecar had admitted each (the call's return): timing for benchmarks.
-        expect_at = {}
-        for req in cmd.requests:
-            if self.lost:
-                refused[req.id] = f"engine gave up on its sidecar: {self.lost}"
-                continue
-            try:
-                self.link.expect_receive(
-                    req.id, req.prompt_len, _ids(req), cmd.prefill_tp, timeout_s=cmd.timeout_s
-                )
-                self.expected[req.id] = _ids(req)
-            except Exception as e:
-                refused[req.id] = str(e)
-            expect_at[req.id] = time.monotonic()
-        self.refused.update(refused)
-        return {"refused": refused, "expect_at": expect_at}
 
 
 class SimInstance:
@@ -436,11 +158,11 @@ class SimInstance:
             problems = {
                 rid: verify_request(
                     e.layout,
-                    _ids(by_id[rid]),
+                    request_block_ids(by_id[rid]),
                     by_id[rid].prompt_len,
                     cmd.mamba_mode,
                     cmd.num_spec,
-                    _salt(by_id[rid]),
+                    request_seed(by_id[rid]),
                 )
                 for rid in (done if cmd.verify else [])
             }
@@ -462,7 +184,7 @@ class SimInstance:
         return {
             "ranks": [
                 {
-                    r.id: e.link.pool_save(r.id, r.tokens, _ids(r), r.prompt_len - 1)
+                    r.id: e.link.pool_save(r.id, r.tokens, request_block_ids(r), r.prompt_len - 1)
                     for r in cmd.requests
                 }
                 for e in self.engines
@@ -476,9 +198,9 @@ class SimInstance:
             out = {}
             for r in cmd.requests:
                 hit = e.link.pool_lookup(r.id, r.tokens)
-                loaded = e.link.pool_load(r.id, r.tokens, _ids(r), hit)
+                loaded = e.link.pool_load(r.id, r.tokens, request_block_ids(r), hit)
                 failed = [b for ids in loaded.failed_blocks for b in ids]
-                problems = [] if failed else verify_prefix(e.layout, _ids(r), hit)
+                problems = [] if failed else verify_prefix(e.layout, request_block_ids(r), hit)
                 out[r.id] = {
                     "hit_tokens": hit,
                     "loaded": loaded.loaded,
@@ -506,7 +228,7 @@ class SimInstance:
                 n, found = changed_outside(
                     e.layout,
                     e.sentinel,
-                    [(_ids(r), r.prompt_len, r.id in done) for r in cmd.requests],
+                    [(request_block_ids(r), r.prompt_len, r.id in done) for r in cmd.requests],
                     cmd.mamba_mode,
                     cmd.num_spec,
                 )
@@ -518,7 +240,7 @@ class SimInstance:
         for e in self.engines:
             for r in cmd.requests:
                 found = outside_read_set(
-                    e.layout, _ids(r), r.prompt_len, cmd.mamba_mode, cmd.num_spec
+                    e.layout, request_block_ids(r), r.prompt_len, cmd.mamba_mode, cmd.num_spec
                 )
                 problems += [f"{r.id}: {p}" for p in found]
         return {"problems": problems}

@@ -14,8 +14,8 @@ import torch
 
 from app.devices.events import DEFAULT_SLOTS
 from app.devices.memory import DeviceArena
+from app.devices.shm import ShmArena
 from app.engine_link.client import EngineLink
-from app.engine_link.shm import ShmArena
 from app.kvcache.engine_spec import EngineRegistration, MemorySpan
 from app.kvcache.groups import CacheConfig, build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate, zeros_allocator

@@ -24,9 +24,9 @@ from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate, zeros
 from app.kvcache.preset_registration import describe
 from app.kvcache.presets import ModelSpec
 from app.kvcache.specs import SpecKind
+from app.sim.executor import execute
 from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request, write_state, write_tokens
-from app.transfer.executor import execute
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
 

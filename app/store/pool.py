@@ -51,164 +51,28 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from app.errors import PoolError
+from app.store.pool_api import (
+    INVALID_PARAMS,
+    LEASE_EXPIRED,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    OK,
+    GetResult,
+    PoolConfig,
+    PoolCounters,
+    PutResult,
+    StoreLike,
+    mooncake_store_factory,
+)
 
 T = TypeVar("T")
 
-OK = 0
-MIN_GLOBAL_SEGMENT = 16 << 20
-"""Smallest global segment Mooncake accepts (setup answers -600 below it)."""
-NO_AVAILABLE_HANDLE = -200
-"""Put: the pool has no room for the object (nothing written): back-pressure."""
-INVALID_PARAMS = -600
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-LEASE_EXPIRED = -707
-"""Get: the lease ran out after the bytes were written; a second get succeeds."""
-RPC_FAIL = -900
-"""Any call: the master did not answer (killed, unreachable)."""
-
 _CLOSE_LOCK = threading.Lock()
 """One Mooncake store closes at a time in a process (see ``PoolClient._reap``)."""
-
-
-class StoreLike(Protocol):
-    """The part of ``MooncakeDistributedStore`` the client uses."""
-
-    def setup(
-        self,
-        local_hostname: str,
-        metadata_server: str,
-        global_segment_size: int,
-        local_buffer_size: int,
-        protocol: str,
-        rdma_devices: str,
-        master_server_addr: str,
-    ) -> int: ...
-
-    def batch_is_exist(self, keys: list[str]) -> list[int]: ...
-
-    def register_buffer(self, buffer_ptr: int, size: int) -> int: ...
-
-    def batch_put_from(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]: ...
-
-    def batch_get_into(
-        self, keys: list[str], buffer_ptrs: list[int], sizes: list[int]
-    ) -> list[int]: ...
-
-    def close(self) -> int: ...
-
-
-def mooncake_store_factory() -> StoreLike:
-    """A new ``MooncakeDistributedStore``; the Mooncake wheel is imported only here."""
-    try:
-        from mooncake.store import MooncakeDistributedStore
-    except ImportError as exc:
-        raise PoolError(
-            "the KV pool needs Mooncake Store: pip install mooncake-transfer-engine-non-cuda "
-            "(CPU) or mooncake-transfer-engine (CUDA); on Debian it also needs "
-            f"libibverbs1 librdmacm1 libnuma1 ({exc})"
-        ) from exc
-    store: StoreLike = MooncakeDistributedStore()
-    return store
-
-
-@dataclass(frozen=True)
-class PoolConfig:
-    """Where the pool's master is and how this client joins it."""
-
-    master_address: str
-    local_hostname: str = "127.0.0.1"
-    metadata_server: str = "P2PHANDSHAKE"
-    global_segment_size: int = 64 << 20
-    local_buffer_size: int = 16 << 20
-    protocol: str = "tcp"
-    rdma_devices: str = ""
-    timeout_s: float = 5.0
-    setup_timeout_s: float = 15.0
-    close_timeout_s: float = 5.0
-    max_workers: int = 2
-    max_batch_keys: int = 512
-
-    def __post_init__(self) -> None:
-        host, sep, port = self.master_address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise PoolError(f"master_address must be host:port, got {self.master_address!r}")
-        if self.protocol not in ("tcp", "rdma"):
-            raise PoolError(f"protocol must be tcp or rdma, got {self.protocol!r}")
-        if self.local_buffer_size < 0 or not (
-            self.global_segment_size == 0 or self.global_segment_size >= MIN_GLOBAL_SEGMENT
-        ):
-            raise PoolError(
-                "global_segment_size must be 0 (contribute nothing) or at least 16 MiB "
-                f"(Mooncake's minimum), and local_buffer_size non-negative; got "
-                f"{self.global_segment_size} and {self.local_buffer_size}"
-            )
-        for name in ("timeout_s", "setup_timeout_s", "close_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise PoolError(f"{name} must be positive")
-        if self.max_workers < 1 or self.max_batch_keys < 1:
-            raise PoolError("max_workers and max_batch_keys must be at least 1")
-
-
-@dataclass(frozen=True)
-class PoolCounters:
-    """A snapshot of the client's counters (keys unless named bytes / calls)."""
-
-    hits: int = 0
-    misses: int = 0
-    keys_put: int = 0
-    keys_skipped: int = 0
-    keys_got: int = 0
-    bytes_put: int = 0
-    bytes_got: int = 0
-    backpressure: int = 0
-    failures: int = 0
-    timeouts: int = 0
-
-
-@dataclass(frozen=True)
-class PutResult:
-    """What a put did, by index into the request's keys.
-
-    After a timeout every key is reported failed, though some may still land in the pool.
-    """
-
-    stored: tuple[int, ...] = ()
-    skipped: tuple[int, ...] = ()
-    backpressure: tuple[int, ...] = ()
-    failed: tuple[int, ...] = ()
-    bytes_put: int = 0
-    timed_out: bool = False
-
-    @property
-    def complete(self) -> bool:
-        """Every key is in the pool now (stored or already there)."""
-        return not self.backpressure and not self.failed
-
-
-@dataclass(frozen=True)
-class GetResult:
-    """What a get loaded, by index; ``failed`` blocks must be recomputed by the caller.
-
-    After a timeout the transfer may still land in the buffers later: do not reuse them for
-    other data until ``PoolClient.quiesce`` returns True.
-    """
-
-    loaded: tuple[int, ...] = ()
-    failed: tuple[int, ...] = ()
-    codes: tuple[int, ...] = ()
-    bytes_got: int = 0
-    timed_out: bool = False
-
-    @property
-    def ok(self) -> bool:
-        """Every requested block was loaded."""
-        return not self.failed
 
 
 @dataclass
@@ -320,7 +184,7 @@ class PoolClient:
 
     @property
     def started(self) -> bool:
-        """Whether ``start`` succeeded and ``close`` has not been called."""
+        """Whether ``start_async`` succeeded and ``close_async`` has not been called."""
         return self._store is not None
 
     def _setup_job(self) -> Callable[[], StoreLike]:
@@ -386,27 +250,8 @@ class PoolClient:
             f"within {self.config.setup_timeout_s:.1f}s; is mooncake_master running there?"
         )
 
-    def start(self) -> None:
-        """Join the pool (blocking, at most ``setup_timeout_s``)."""
-        if self.started:
-            return
-        self._probe_master()
-        executor, fut = self._prepare_start()
-        try:
-            store = fut.result(timeout=self.config.setup_timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise self._setup_timed_out(executor) from None
-        except PoolError:
-            executor.shutdown()
-            raise
-        except Exception as exc:
-            executor.shutdown()
-            raise PoolError(f"Mooncake Store setup failed: {exc}") from exc
-        self._finish_start(executor, store)
-
     async def start_async(self) -> None:
-        """``start`` without blocking the event loop."""
+        """Join the pool (at most ``setup_timeout_s``)."""
         if self.started:
             return
         await asyncio.to_thread(self._probe_master)
@@ -462,18 +307,8 @@ class PoolClient:
         threading.Thread(target=run, name="kv-pool-close", daemon=True).start()
         return done
 
-    def close(self) -> None:
-        """Leave the pool; waits at most ``close_timeout_s`` (a dead master makes close slow)."""
-        detached = self._detach()
-        if detached is None:
-            return
-        done = self._closed = self._reap(detached)
-        del detached  # the reaper holds the last reference: the store dies on its thread
-        if not done.wait(self.config.close_timeout_s):
-            self._counters.add(timeouts=1)
-
     async def close_async(self) -> None:
-        """``close`` without blocking the event loop."""
+        """Leave the pool; waits at most ``close_timeout_s`` (a dead master makes close slow)."""
         detached = self._detach()
         if detached is None:
             return
@@ -485,13 +320,6 @@ class PoolClient:
                 self._counters.add(timeouts=1)
                 return
             await asyncio.sleep(0.01)
-
-    def __enter__(self) -> PoolClient:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def counters(self) -> PoolCounters:
         """A snapshot of the counters."""
@@ -515,7 +343,9 @@ class PoolClient:
     def _live(self) -> StoreLike:
         store = self._store
         if store is None:
-            raise PoolError("the pool client is not started (call start() first) or was closed")
+            raise PoolError(
+                "the pool client is not started (call start_async() first) or was closed"
+            )
         return store
 
     def _submit(self, job: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -524,14 +354,6 @@ class PoolClient:
             if self._executor is None:
                 raise PoolError("the pool client was closed")
             return self._executor.submit(job)
-
-    def _call(self, job: Callable[[], T], timeout_s: float) -> T:
-        fut = self._submit(job)
-        try:
-            return fut.result(timeout=timeout_s)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise _CallTimeout from None
 
     async def _call_async(self, job: Callable[[], T], timeout_s: float) -> T:
         fut = self._submit(job)
@@ -550,22 +372,8 @@ class PoolClient:
         if rc != OK:
             raise PoolError(f"register_buffer({ptr:#x}, {length}) failed (rc={rc})")
 
-    def register(self, ptr: int, length: int) -> None:
-        """Register a buffer that puts read from and gets write into."""
-        if ptr <= 0 or length <= 0:
-            raise ValueError("ptr and length must be positive")
-        store = self._live()
-        try:
-            rc = self._call(self._register_job(store, ptr, length), self.config.timeout_s)
-        except _CallTimeout:
-            self._counters.add(timeouts=1, failures=1)
-            raise PoolError(
-                f"register_buffer timed out after {self.config.timeout_s:.1f}s"
-            ) from None
-        self._register_done(rc, ptr, length)
-
     async def register_async(self, ptr: int, length: int) -> None:
-        """``register`` without blocking the event loop."""
+        """Register a buffer that puts read from and gets write into."""
         if ptr <= 0 or length <= 0:
             raise ValueError("ptr and length must be positive")
         store = self._live()
@@ -592,23 +400,8 @@ class PoolClient:
         self._counters.add(hits=hits, misses=n - hits - errors, failures=errors)
         return present
 
-    def exists(self, keys: Sequence[str]) -> list[bool]:
-        """Which keys the pool holds, in one batched call; errors and timeouts read as absent."""
-        if not keys:
-            return []
-        store = self._live()
-        key_list = list(keys)
-        try:
-            codes = self._call(lambda: store.batch_is_exist(key_list), self.config.timeout_s)
-        except _CallTimeout:
-            self._counters.add(timeouts=1)
-            codes = None
-        except Exception:
-            codes = None
-        return self._exists_done(codes, len(key_list))
-
     async def exists_async(self, keys: Sequence[str]) -> list[bool]:
-        """``exists`` without blocking the event loop."""
+        """Which keys the pool holds, in one batched call; errors and timeouts read as absent."""
         if not keys:
             return []
         store = self._live()
@@ -688,25 +481,10 @@ class PoolClient:
         )
         return result
 
-    def put_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> PutResult:
-        """Store blocks from memory; keys already pooled are skipped, a full pool is reported."""
-        _check_batch(keys, ptrs, sizes)
-        if not keys:
-            return PutResult()
-        store = self._live()
-        timeout = self.config.timeout_s
-        job = self._put_job(store, list(keys), list(ptrs), list(sizes), time.monotonic() + timeout)
-        try:
-            return self._put_done(self._call(job, timeout), len(keys), False)
-        except _CallTimeout:
-            return self._put_done(None, len(keys), True)
-        except Exception:
-            return self._put_done(None, len(keys), False)
-
     async def put_from_async(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> PutResult:
-        """``put_from`` without blocking the event loop."""
+        """Store blocks from memory; keys already pooled are skipped, a full pool is reported."""
         _check_batch(keys, ptrs, sizes)
         if not keys:
             return PutResult()
@@ -760,25 +538,10 @@ class PoolClient:
         )
         return GetResult(loaded=loaded, failed=failed, codes=tuple(codes), bytes_got=got)
 
-    def get_into(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> GetResult:
-        """Load blocks into memory; failed ones are reported by index for recompute."""
-        _check_batch(keys, ptrs, sizes)
-        if not keys:
-            return GetResult()
-        store = self._live()
-        job = self._get_job(store, list(keys), list(ptrs), list(sizes))
-        try:
-            codes = self._call(job, self.config.timeout_s)
-        except _CallTimeout:
-            return self._get_done(None, sizes, True)
-        except Exception:
-            return self._get_done(None, sizes, False)
-        return self._get_done(codes, sizes, False)
-
     async def get_into_async(
         self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]
     ) -> GetResult:
-        """``get_into`` without blocking the event loop."""
+        """Load blocks into memory; failed ones are reported by index for recompute."""
         _check_batch(keys, ptrs, sizes)
         if not keys:
             return GetResult()

@@ -26,7 +26,8 @@ from app.kvcache.specs import RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
 from app.store.hashing import group_block_hashes, hash_blocks
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
-from app.store.pool import PoolClient, PoolConfig
+from app.store.pool import PoolClient
+from app.store.pool_api import PoolConfig
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from app.config import _is_loopback, env_var_for
+from app.config.values import _is_loopback, env_var_for
 from app.errors import AuthError, ConfigError
 
 if TYPE_CHECKING:

@@ -15,7 +15,7 @@ from typing import Protocol
 import zmq.asyncio
 
 from app.transfer.auth import FrameAuth
-from app.transfer.control import PeerClient
+from app.transfer.control_client import PeerClient
 from app.transfer.protocol import AnyMsg, Msg
 
 

@@ -10,17 +10,17 @@ Two ways to wait for a write (``EngineConfig.wait``):
   half the CPU, and 4-16 KiB ones at the same rate for half the CPU.
 - ``spin``: ``batch_transfer_sync_write`` chunks of at most ``max_descriptors_per_submit``.
 
-Writes go through per-peer lanes (``mooncake_lane.py``). The engine built at construction only
-receives: its ``session_id`` is the address peers write to, and no failed write replaces it.
-Writes to peer X go through X's lane, a ``TransferEngine`` of its own opened on the first write
-to X, with every span registered on it as well. A failed write to X replaces only that engine
-(a new one with every span registered, X's other writers drained, the new one swapped in, the
-old one's spans unregistered) and bumps ``lane_generation(X)``; writes to other peers stay on
-their own engines, connections and in-flight budgets and never wait for it. The one stall lanes
-cannot isolate is the old engine's destructor, which holds the GIL (below). At most
-``_MAX_LANES`` lanes are open: opening one more closes the least recently used idle one, and
-``close_lane`` drops the lane of a peer that is gone. (Mooncake's own "TCP lane", below, is its
-per-peer queue inside one engine.)
+Writes go through per-peer lanes (``mooncake_lane.py``, managed by ``lane_pool.py``). The engine
+built at construction only receives: its ``session_id`` is the address peers write to, and no
+failed write replaces it. Writes to peer X go through X's lane, a ``TransferEngine`` of its own
+opened on the first write to X, with every span registered on it as well. A failed write to X
+replaces only that engine (a new one with every span registered, X's other writers drained, the
+new one swapped in, the old one's spans unregistered) and bumps ``lane_generation(X)``; writes
+to other peers stay on their own engines, connections and in-flight budgets and never wait for
+it. The one stall lanes cannot isolate is the old engine's destructor, which holds the GIL
+(below). At most ``lane_pool._MAX_LANES`` lanes are open: opening one more closes the least
+recently used idle one, and ``close_lane`` drops the lane of a peer that is gone. (Mooncake's
+own "TCP lane", below, is its per-peer queue inside one engine.)
 
 Measured with wheel 0.3.13.post1 over loopback TCP on a 2-core machine:
 
@@ -68,10 +68,9 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import ConfigError, TransferError
+from app.transfer.lane_pool import LanePool
 from app.transfer.mooncake_lane import (
-    DRAIN_TIMEOUT_S,
     LANE_QUEUE_LIMIT,
-    OK,
     Counters,
     Lane,
     LaneStats,
@@ -79,12 +78,6 @@ from app.transfer.mooncake_lane import (
 )
 
 __all__ = ["EngineConfig", "LaneStats", "MooncakeEngine"]
-
-# Lanes open at once. Peers are named by remote messages, so without a bound a stream of fresh
-# names (an attacker's or a churning fleet's) would open an engine each: 3 threads, 6 fds, an RPC
-# port and a registration of every span (under RDMA, memory regions the NIC tracks). 64 is well
-# above the decode peers one prefill sidecar writes to at once, and costs ~200 threads at most.
-_MAX_LANES = 64
 
 Wait = Literal["poll", "spin"]
 
@@ -143,7 +136,7 @@ def _as_u64(name: str, arr: Any) -> npt.NDArray[np.uint64]:
     return a.astype(np.uint64, copy=False)
 
 
-class MooncakeEngine:
+class MooncakeEngine(LanePool):
     """A receiving Mooncake ``TransferEngine``, a lane per peer written to, and the
     registrations and recovery around them.
 
@@ -198,26 +191,6 @@ class MooncakeEngine:
     def generation(self) -> int:
         """Replacements of the receiving engine: always 0, failed writes replace only lanes."""
         return 0
-
-    def lane_generation(self, peer: str) -> int:
-        """How many times the open lane to ``peer`` has been replaced since it was opened."""
-        with self._guard:
-            lane = self._lanes.get(peer)
-        if lane is None:
-            raise TransferError(f"no lane to {peer} is open; open lanes: {self.lane_peers()}")
-        with lane.cond:
-            return lane.generation
-
-    def lane_peers(self) -> list[str]:
-        """Peers with an open lane, least recently used first."""
-        with self._guard:
-            return list(self._lanes)
-
-    def lane_stats(self) -> dict[str, LaneStats]:
-        """Every open lane's generation and counters, least recently used first."""
-        with self._guard:
-            lanes = list(self._lanes.values())
-        return {lane.peer: lane.stats() for lane in lanes}
 
     @property
     def spans(self) -> list[tuple[int, int]]:
@@ -427,167 +400,6 @@ class MooncakeEngine:
                 f"{bad.size} of {s.size} source range(s) are not within any locally registered "
                 f"span; first is descriptor {i}: {int(s[i]):#x}+{int(n[i])}"
             )
-
-    # ------------------------------------------------------------- engines and lanes
-
-    def _start_engine(self) -> tuple[Any, str]:
-        cfg = self._config
-        engine = self._engine_cls()
-        rc = engine.initialize(cfg.host, "P2PHANDSHAKE", cfg.protocol, cfg.device_name)
-        if rc != OK:
-            raise TransferError(
-                f"TransferEngine.initialize({cfg.host!r}, 'P2PHANDSHAKE', {cfg.protocol!r}, "
-                f"{cfg.device_name!r}) returned {rc}, expected 0"
-            )
-        return engine, f"{cfg.host}:{engine.get_rpc_port()}"
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TransferError("MooncakeEngine is closed")
-
-    def _pin_open_lane(self, peer: str) -> Lane | None:
-        """Under ``_guard``: the open lane to ``peer``, pinned and most recently used."""
-        self._check_open()
-        lane = self._lanes.get(peer)
-        if lane is not None:
-            self._lanes.move_to_end(peer)
-            lane.pin()
-        return lane
-
-    def _acquire_lane(self, peer: str) -> Lane:
-        """The lane to ``peer``, opened if need be, pinned against eviction until unpinned."""
-        with self._guard:
-            lane = self._pin_open_lane(peer)
-            if lane is not None:
-                return lane
-        evicted: Lane | None = None
-        try:
-            with self._admin_lock:
-                with self._guard:
-                    # Checked again: another writer may have opened it, or close() begun.
-                    lane = self._pin_open_lane(peer)
-                    if lane is not None:
-                        return lane
-                    if len(self._lanes) >= _MAX_LANES:
-                        evicted = self._evict_idle(peer)
-                rec = Registered(*self._start_engine())
-                try:
-                    rec.register(sorted(self._spans.items()))
-                except BaseException:
-                    with contextlib.suppress(TransferError):
-                        rec.discard()
-                    raise
-                cfg = self._config
-                lane = Lane(
-                    peer,
-                    rec,
-                    self._counters,
-                    window=cfg.max_descriptors_per_submit,
-                    poll=cfg.wait == "poll",
-                )
-                lane.pin()
-                with self._guard:
-                    self._lanes[peer] = lane
-                return lane
-        finally:
-            if evicted is not None:  # out of the locks: its destructor holds the GIL ~1 s
-                evicted.rec.discard()
-
-    def _evict_idle(self, peer: str) -> Lane:
-        """Close the least recently used lane nothing is using; caller holds ``_admin_lock``
-        and ``_guard``."""
-        for lane in self._lanes.values():
-            with lane.cond:
-                if lane.users == 0 and not lane.reopening:
-                    lane.closed = True
-                    break
-        else:
-            raise TransferError(
-                f"all {_MAX_LANES} lanes are in use; write to {peer} not sent (expected a lane "
-                "with no write in progress to close)"
-            )
-        del self._lanes[lane.peer]
-        return lane
-
-    def _reopen_lane(self, lane: Lane, failed_generation: int) -> str:
-        """Replace the lane's engine unless another writer already did or the lane was closed;
-        says which happened."""
-        with lane.admin:
-            with lane.cond:
-                if lane.closed:
-                    return f"lane to {lane.peer} was closed meanwhile"
-                if lane.generation != failed_generation:
-                    return (
-                        f"lane to {lane.peer} already replaced by another write "
-                        f"(lane generation {lane.generation})"
-                    )
-                lane.reopening = True
-            try:
-                new = Registered(*self._start_engine())
-                try:
-                    with self._admin_lock:
-                        self._check_open()
-                        # Registered before draining so the swap itself is quick; as pending,
-                        # registrations made while draining reach it too.
-                        new.register(sorted(self._spans.items()))
-                        lane.pending = new
-                    with lane.cond:
-                        if not lane.cond.wait_for(
-                            lambda: lane.writers == 0, timeout=DRAIN_TIMEOUT_S
-                        ):
-                            raise TransferError(
-                                f"{lane.writers} write(s) to {lane.peer} still running on the "
-                                f"old engine after {DRAIN_TIMEOUT_S:.0f} s; old engine kept"
-                            )
-                    with self._admin_lock, lane.cond:
-                        old, lane.rec, lane.pending = lane.rec, new, None
-                        lane.generation += 1
-                        generation = lane.generation
-                except BaseException:
-                    with self._admin_lock:
-                        lane.pending = None
-                    # Keep the original error; the spans may not all be registered there.
-                    with contextlib.suppress(TransferError):
-                        new.discard()
-                    raise
-            finally:
-                with lane.cond:
-                    lane.reopening = False
-                    lane.cond.notify_all()
-        lane.count(reopens=1)
-        old.discard()
-        return f"lane to {lane.peer} replaced, now {new.session} (lane generation {generation})"
-
-    def close_lane(self, peer: str) -> bool:
-        """Close the lane to a peer that is gone; False if none was open.
-
-        Waits for a reopen of that lane and for the writes on it (a write to a stopped peer
-        fails after 30 s); writes still waiting to start fail. Blocking: call it off the loop.
-        """
-        with self._guard:
-            lane = self._lanes.get(peer)
-        return lane is not None and self._close_lane(lane)
-
-    def _close_lane(self, lane: Lane) -> bool:
-        with lane.admin:
-            with self._admin_lock:
-                with self._guard:
-                    if self._lanes.get(lane.peer) is lane:
-                        del self._lanes[lane.peer]
-                with lane.cond:
-                    if lane.closed:
-                        return False
-                    lane.closed = True
-                    lane.cond.notify_all()
-            with lane.cond:
-                if not lane.cond.wait_for(lambda: lane.writers == 0, timeout=DRAIN_TIMEOUT_S):
-                    # Writers hold the engine; it goes, registrations and all, after the last.
-                    raise TransferError(
-                        f"{lane.writers} write(s) to {lane.peer} still running "
-                        f"{DRAIN_TIMEOUT_S:.0f} s after its lane was closed; expected none"
-                    )
-            lane.rec.discard()
-        return True
 
     def close(self) -> None:
         """Stop the pool, close every lane, unregister every span and drop the receiving engine;

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from app.devices.events import SidecarRing
 from app.devices.memory import ImportedMemory, check_device_type, import_buffer
+from app.devices.shm import map_engine_file
 from app.devices.spec import EventRingSpec
-from app.engine_link.shm import map_engine_file
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration

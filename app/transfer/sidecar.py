@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -22,11 +21,11 @@ import zmq.asyncio
 from app.config import SidecarSettings
 from app.errors import KVSidecarError
 from app.kvcache.desc import LayoutDesc
-from app.store.pool import PoolConfig
+from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
 from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth
-from app.transfer.control import ControlServer
+from app.transfer.control_server import ControlServer
 from app.transfer.links import zmq_links
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 from app.transfer.peers import Peer, Peers, PeerSettings
@@ -68,8 +67,6 @@ from app.transfer.sending import SendSettings, SendSide
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "KV_SIDECAR_FAULT_FAIL_WRITES"  # test hook: fail the next N Mooncake writes
-
 Observer = Callable[[float], None]
 ObserverKind = Literal["layer", "handshake"]
 
@@ -77,8 +74,15 @@ ObserverKind = Literal["layer", "handshake"]
 class Sidecar:
     """Hosts the agents of the ranks in its pod."""
 
-    def __init__(self, settings: SidecarSettings) -> None:
+    def __init__(
+        self,
+        settings: SidecarSettings,
+        *,
+        engine_hook: Callable[[MooncakeEngine], None] | None = None,
+    ) -> None:
+        """``engine_hook`` (tests only) is called with the Mooncake engine once it is made."""
         self.settings = settings
+        self._engine_hook = engine_hook
         self.started = time.time()
         self.ctx = zmq.asyncio.Context()
         self.agents: dict[int, Agent] = {}
@@ -231,9 +235,8 @@ class Sidecar:
                 )
             )
             await pool.start()
-        faults = int(os.environ.get(FAULT_ENV, "0") or 0)
-        if faults:
-            engine.inject_failures(faults)
+        if self._engine_hook is not None:
+            self._engine_hook(engine)
         self.control = ControlServer(
             self.ctx,
             f"tcp://{s.control_host}:{s.control_port}",

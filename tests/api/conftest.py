@@ -18,7 +18,7 @@ import pytest
 from app.api.server import AdminServer
 from app.config import SidecarSettings
 from app.sim.cluster import Cluster, ClusterSpec
-from app.sim.engine import Command, SimRequest
+from app.sim.commands import Command, SimRequest
 from app.transfer.sidecar import Sidecar
 from tests.conftest import wait_for
 

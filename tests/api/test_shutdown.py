@@ -15,7 +15,7 @@ import pytest
 
 from app.engine_link.client import EngineLink, EngineLinkError
 from app.sim.cluster import Cluster
-from app.sim.engine import Command
+from app.sim.commands import Command
 from tests.api.conftest import Batch, sidecar_log, statuses, wait_for
 
 GRACE_S = 2.0  # KVSIDECAR_SHUTDOWN_GRACE_S of the suite's cluster

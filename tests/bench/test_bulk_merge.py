@@ -13,13 +13,13 @@ from app.bench.plans import PlanModel
 from app.devices import CpuEvent
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
-from app.sim.engine import SimRequest
+from app.sim.commands import SimRequest
+from app.sim.executor import execute
 from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request
 from app.sim.ranks import CacheParams
 from app.sim.reference import _prefill, blocks_needed, build_instance
 from app.transfer.agent import ALL_LAYERS, Batch, LayerResult, LayerTask, StreamThread
-from app.transfer.executor import execute
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
 CASES = [  # model, layers, P TP, D TP, block size

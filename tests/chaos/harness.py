@@ -36,7 +36,7 @@ import httpx
 import numpy as np
 
 from app.sim.cluster import Cluster, Side
-from app.sim.engine import Command, SimRequest
+from app.sim.commands import Command, SimRequest
 from app.sim.fill import request_salt
 from app.sim.kv_io import changed_in_blocks, changed_outside, verify_request
 

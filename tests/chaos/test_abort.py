@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import httpx
 
-from app.sim.engine import Command
+from app.sim.commands import Command
 from tests.chaos.harness import LENS, Chaos, Outcome
 
 ENV = {"KVSIDECAR_SEND_TIMEOUT_S": "30", "KVSIDECAR_RECV_TIMEOUT_S": "30"}

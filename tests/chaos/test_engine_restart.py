@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from app.sim.cluster import summarize
+from app.sim.rounds import summarize
 from tests.chaos.harness import LENS, Chaos, Outcome, mapped_by
 
 ENV = {"KVSIDECAR_SEND_TIMEOUT_S": "45", "KVSIDECAR_RECV_TIMEOUT_S": "45"}

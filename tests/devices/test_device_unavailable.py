@@ -12,6 +12,7 @@ from app.devices import Device
 from app.devices.events import EngineRing, SidecarRing
 from app.devices.memory import check_device_type, export_buffer, import_buffer
 from app.devices.spec import EventRingSpec, TorchIpcBuffer
+from app.engine_link.sync_client import SyncClient
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
     Axis,
@@ -22,7 +23,6 @@ from app.kvcache.engine_spec import (
 )
 from app.kvcache.preset_registration import preset_registration
 from app.transfer.protocol import RegisterEngine, Reply
-from app.transfer.sync_client import SyncClient
 from tests.devices.harness import Pair
 
 pytestmark = pytest.mark.skipif(

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.sim.cluster import Cluster, summarize
+from app.sim.cluster import Cluster
 from app.sim.fill import mix, request_salt
+from app.sim.rounds import summarize
 
 # Llama 3.1 8B (shared/models): 8 KV heads of 128 channels, bf16; vLLM's default block of 16.
 HEADS, HEAD_SIZE, BLOCK, LAYERS = 8, 128, 16, 2

@@ -11,11 +11,13 @@ import msgspec
 import zmq
 
 from app.config import load_settings
-from app.sim.cluster import Cluster, summarize
-from app.sim.engine import Command
+from app.sim.cluster import Cluster
+from app.sim.commands import Command
+from app.sim.rounds import summarize
 from app.store.master import free_port
 from app.transfer.auth import load_auth
 from app.transfer.protocol import Ack, Done, Error, Hello, Rejected, Role, Status, decode, encode
+from tests.e2e import fault_sidecar
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
 
@@ -124,7 +126,7 @@ def test_injected_transfer_error_fails_never_done(make_cluster: Callable[..., Cl
         layers=4,
         max_requests=2,
         max_prompt=256,
-        prefill_env={"KV_SIDECAR_FAULT_FAIL_WRITES": "1"},
+        sidecar_cmd={"prefill": fault_sidecar.command(fail_writes=1)},
         sidecar_env=FAST,
     )
     pairs = c.make_requests([256, 256])

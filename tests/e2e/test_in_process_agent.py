@@ -11,7 +11,8 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from app.sim.cluster import Cluster, summarize
+from app.sim.cluster import Cluster
+from app.sim.rounds import summarize
 from tests.e2e.test_layerwise_push import MODELS, PAIRS, arrive_byte_exact
 
 

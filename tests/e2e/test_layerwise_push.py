@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from app.sim.cluster import Cluster, summarize
+from app.sim.cluster import Cluster
+from app.sim.rounds import summarize
 
 MODELS = {  # scaled-down presets covering every group kind
     "gpt-oss-20b": (4, None),  # sliding + full

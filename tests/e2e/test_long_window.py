@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from app.sim.cluster import Cluster, summarize
+from app.sim.cluster import Cluster
+from app.sim.rounds import summarize
 
 SENTINEL = 0x6E111A
 

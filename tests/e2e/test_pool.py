@@ -8,8 +8,9 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from app.sim.cluster import Cluster, summarize
-from app.sim.engine import Command
+from app.sim.cluster import Cluster
+from app.sim.commands import Command
+from app.sim.rounds import summarize
 from app.transfer.planner import MambaMode
 
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import httpx
 
-from app.sim.cluster import Cluster, ClusterSpec, summarize
+from app.sim.cluster import Cluster, ClusterSpec
+from app.sim.rounds import summarize
 
 
 def test_sidecars_bind_port_zero_and_report_their_ports(tmp_path: Path) -> None:

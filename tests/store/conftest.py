@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import mooncake.store  # noqa: F401  (a dev dependency: missing means failing, never skipping)
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from app.store.master import MasterProcess, start_master, stop_master
-from app.store.pool import PoolClient, PoolConfig
+from app.store.pool import PoolClient
+from app.store.pool_api import PoolConfig
 
 MiB = 1 << 20
 
@@ -36,25 +38,26 @@ def fresh_master(tmp_path: Path) -> Iterator[MasterProcess]:
 def client(master: MasterProcess) -> Iterator[PoolClient]:
     """A started client on the module's master (64 MiB contributed, 5 s call timeout)."""
     c = PoolClient(PoolConfig(master_address=master.rpc_address, global_segment_size=64 * MiB))
-    c.start()
+    asyncio.run(c.start_async())
     yield c
-    c.close()
+    asyncio.run(c.close_async())
 
 
 @pytest.fixture
-def make_client() -> Iterator[Callable[..., PoolClient]]:
-    """Build started clients from PoolConfig keyword arguments; all are closed afterwards."""
+def make_client() -> Iterator[Callable[..., Awaitable[PoolClient]]]:
+    """Build started clients (awaited) from PoolConfig keyword arguments; all are closed
+    afterwards."""
     made: list[PoolClient] = []
 
-    def make(**kwargs: object) -> PoolClient:
+    async def make(**kwargs: object) -> PoolClient:
         c = PoolClient(PoolConfig(**kwargs))  # type: ignore[arg-type]
-        c.start()
+        await c.start_async()
         made.append(c)
         return c
 
     yield make
     for c in made:
-        c.close()
+        asyncio.run(c.close_async())
 
 
 @pytest.fixture

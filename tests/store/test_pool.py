@@ -7,7 +7,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +17,12 @@ from app.errors import PoolError
 from app.store.hashing import hash_blocks
 from app.store.keys import KeyPrefix, block_keys
 from app.store.master import MasterProcess, free_port
-from app.store.pool import (
+from app.store.pool import PoolClient
+from app.store.pool_api import (
     LEASE_EXPIRED,
     NO_AVAILABLE_HANDLE,
     OBJECT_NOT_FOUND,
     GetResult,
-    PoolClient,
     PoolConfig,
     PutResult,
 )
@@ -47,23 +47,23 @@ def ptrs_of(arr: np.ndarray) -> list[int]:
 # ------------------------------------------------------------------ real master
 
 
-def test_put_exists_get_round_trip_is_byte_exact(
+async def test_put_exists_get_round_trip_is_byte_exact(
     client: PoolClient, blocks: Callable[[int, int], np.ndarray]
 ) -> None:
     src = blocks(8, BLOCK)
     dst = np.zeros_like(src)
-    client.register(src.ctypes.data, src.nbytes)
-    client.register(dst.ctypes.data, dst.nbytes)
+    await client.register_async(src.ctypes.data, src.nbytes)
+    await client.register_async(dst.ctypes.data, dst.nbytes)
     keys = keys_for("round-trip", 8)
     before = client.counters()
 
-    assert client.exists(keys) == [False] * 8
-    put = client.put_from(keys, ptrs_of(src), [BLOCK] * 8)
+    assert await client.exists_async(keys) == [False] * 8
+    put = await client.put_from_async(keys, ptrs_of(src), [BLOCK] * 8)
     assert put.stored == tuple(range(8)) and put.complete
     assert put.bytes_put == 8 * BLOCK
-    assert client.exists(keys) == [True] * 8
+    assert await client.exists_async(keys) == [True] * 8
 
-    got = client.get_into(keys, ptrs_of(dst), [BLOCK] * 8)
+    got = await client.get_into_async(keys, ptrs_of(dst), [BLOCK] * 8)
     assert got.ok and got.loaded == tuple(range(8))
     assert np.array_equal(src, dst)
 
@@ -74,40 +74,45 @@ def test_put_exists_get_round_trip_is_byte_exact(
     assert after.hits - before.hits == 8 and after.misses - before.misses == 8
 
 
-def test_existing_keys_are_skipped(
+async def test_existing_keys_are_skipped(
     client: PoolClient, blocks: Callable[[int, int], np.ndarray]
 ) -> None:
     first = blocks(4, BLOCK)
     second = blocks(8, BLOCK)
     keys = keys_for("skip", 8)
-    assert client.put_from(keys[:4], ptrs_of(first), [BLOCK] * 4).stored == (0, 1, 2, 3)
+    assert (await client.put_from_async(keys[:4], ptrs_of(first), [BLOCK] * 4)).stored == (
+        0,
+        1,
+        2,
+        3,
+    )
     before = client.counters()
-    put = client.put_from(keys, ptrs_of(second), [BLOCK] * 8)
+    put = await client.put_from_async(keys, ptrs_of(second), [BLOCK] * 8)
     assert put.skipped == (0, 1, 2, 3)
     assert put.stored == (4, 5, 6, 7)
     assert client.counters().keys_skipped - before.keys_skipped == 4
     # The pool kept the first bytes for the skipped keys.
     dst = np.zeros((1, BLOCK), dtype=np.uint8)
-    assert client.get_into(keys[:1], ptrs_of(dst), [BLOCK]).ok
+    assert (await client.get_into_async(keys[:1], ptrs_of(dst), [BLOCK])).ok
     assert np.array_equal(dst[0], first[0])
 
 
-def test_missing_keys_are_reported_by_index_and_empty_calls_finish_at_once(
+async def test_missing_keys_are_reported_by_index_and_empty_calls_finish_at_once(
     client: PoolClient, blocks: Callable[[int, int], np.ndarray]
 ) -> None:
     src = blocks(2, BLOCK)
     keys = keys_for("missing", 3)
-    client.put_from([keys[0], keys[2]], ptrs_of(src), [BLOCK] * 2)
+    await client.put_from_async([keys[0], keys[2]], ptrs_of(src), [BLOCK] * 2)
     dst = np.zeros((3, BLOCK), dtype=np.uint8)
-    got = client.get_into(keys, ptrs_of(dst), [BLOCK] * 3)
+    got = await client.get_into_async(keys, ptrs_of(dst), [BLOCK] * 3)
     assert got.loaded == (0, 2) and got.failed == (1,)
     assert got.codes[1] == OBJECT_NOT_FOUND
     assert np.array_equal(dst[2], src[1])
 
     t0 = time.monotonic()
-    assert client.get_into([], [], []) == GetResult()
-    assert client.put_from([], [], []) == PutResult()
-    assert client.exists([]) == []
+    assert await client.get_into_async([], [], []) == GetResult()
+    assert await client.put_from_async([], [], []) == PutResult()
+    assert await client.exists_async([]) == []
     assert time.monotonic() - t0 < 0.5  # no store call at all; generous for a loaded box
 
 
@@ -123,14 +128,14 @@ async def test_async_wrappers(client: PoolClient, blocks: Callable[[int, int], n
     assert await client.get_into_async([], [], []) == GetResult()
 
 
-def test_full_pool_is_backpressure_not_an_error(
+async def test_full_pool_is_backpressure_not_an_error(
     fresh_master: MasterProcess,
-    make_client: Callable[..., PoolClient],
+    make_client: Callable[..., Awaitable[PoolClient]],
     blocks: Callable[[int, int], np.ndarray],
 ) -> None:
     # The only segment is this client's 16 MiB (Mooncake's minimum); offer 32 MiB in 1 MiB
     # objects, 4 keys per put call.
-    pool = make_client(
+    pool = await make_client(
         master_address=fresh_master.rpc_address,
         global_segment_size=16 * MiB,
         max_batch_keys=4,
@@ -139,7 +144,7 @@ def test_full_pool_is_backpressure_not_an_error(
     src = blocks(32, MiB)
     keys = keys_for("full", 32)
     t0 = time.monotonic()
-    put = pool.put_from(keys, ptrs_of(src), [MiB] * 32)
+    put = await pool.put_from_async(keys, ptrs_of(src), [MiB] * 32)
     assert time.monotonic() - t0 < 5.0
     assert put.backpressure, put
     assert not put.failed and not put.timed_out
@@ -149,7 +154,7 @@ def test_full_pool_is_backpressure_not_an_error(
     first_full = min(put.backpressure)
     assert put.backpressure == tuple(range(first_full, 32))
     assert pool.counters().backpressure == len(put.backpressure)
-    assert not any(pool.exists([keys[i] for i in put.backpressure]))
+    assert not any(await pool.exists_async([keys[i] for i in put.backpressure]))
 
 
 def test_killed_master_ends_in_counted_failures_within_the_timeout(tmp_path: Path) -> None:
@@ -186,16 +191,16 @@ def test_killed_master_ends_in_counted_failures_within_the_timeout(tmp_path: Pat
     assert report["timeouts"] >= 1
 
 
-def test_start_without_a_master_fails_fast_with_pool_error() -> None:
+async def test_start_without_a_master_fails_fast_with_pool_error() -> None:
     dead = f"127.0.0.1:{free_port()}"
     client = PoolClient(PoolConfig(master_address=dead, setup_timeout_s=2.0))
     t0 = time.monotonic()
     with pytest.raises(PoolError, match="no Mooncake master reachable"):
-        client.start()
+        await client.start_async()
     assert time.monotonic() - t0 < 2.0
     assert not client.started
     with pytest.raises(PoolError, match="not started"):
-        client.exists(["k"])
+        await client.exists_async(["k"])
 
 
 @pytest.mark.parametrize(
@@ -257,53 +262,55 @@ class ScriptedStore:
         return 0
 
 
-def scripted_client(store: ScriptedStore, **kwargs: object) -> PoolClient:
+async def scripted_client(store: ScriptedStore, **kwargs: object) -> PoolClient:
     client = PoolClient(
         PoolConfig(master_address="127.0.0.1:1", **kwargs),  # type: ignore[arg-type]
         store_factory=lambda: store,
     )
     client._probe_master = lambda: None  # type: ignore[method-assign]
-    client.start()
+    await client.start_async()
     return client
 
 
-def test_after_no_space_the_rest_of_the_request_is_not_sent() -> None:
+async def test_after_no_space_the_rest_of_the_request_is_not_sent() -> None:
     store = ScriptedStore()
     store.capacity = 5
-    client = scripted_client(store, max_batch_keys=2)
+    client = await scripted_client(store, max_batch_keys=2)
     keys = [f"k{i}" for i in range(10)]
-    put = client.put_from(keys, [1] * 10, [8] * 10)
+    put = await client.put_from_async(keys, [1] * 10, [8] * 10)
     assert put.stored == (0, 1, 2, 3, 4)
     assert put.backpressure == (5, 6, 7, 8, 9)
     # Chunks [0,1] [2,3] [4,5] were sent; [6,7] and [8,9] were not.
     assert store.put_calls == [["k0", "k1"], ["k2", "k3"], ["k4", "k5"]]
     assert client.counters().backpressure == 5
-    client.close()
+    await client.close_async()
 
 
-def test_lease_expired_is_asked_again_and_short_reads_fail() -> None:
+async def test_lease_expired_is_asked_again_and_short_reads_fail() -> None:
     store = ScriptedStore()
-    client = scripted_client(store)
+    client = await scripted_client(store)
     store.get_script = [[8, LEASE_EXPIRED, 4], [8]]
-    got = client.get_into(["a", "b", "c"], [1, 2, 3], [8, 8, 8])
+    got = await client.get_into_async(["a", "b", "c"], [1, 2, 3], [8, 8, 8])
     assert got.loaded == (0, 1)
     assert got.failed == (2,)  # 4 of 8 bytes is no block
-    client.close()
+    await client.close_async()
 
 
-def test_a_hung_call_times_out_and_quiesce_waits_for_it() -> None:
+async def test_a_hung_call_times_out_and_quiesce_waits_for_it() -> None:
     store = ScriptedStore()
-    client = scripted_client(store, timeout_s=0.3, max_workers=1)
+    client = await scripted_client(store, timeout_s=0.3, max_workers=1)
     store.data["a"] = b"x" * 8
     store.block.clear()
     t0 = time.monotonic()
-    got = client.get_into(["a"], [1], [8])
+    got = await client.get_into_async(["a"], [1], [8])
     assert got.timed_out and got.failed == (0,)
-    assert client.exists(["a"]) == [False]  # queued behind the hung call, gives up in time
+    assert await client.exists_async(["a"]) == [
+        False
+    ]  # queued behind the hung call, gives up in time
     assert time.monotonic() - t0 < 2.0
     assert client.counters().timeouts == 2
     assert not client.quiesce(0.05)
     store.block.set()
     assert client.quiesce(2.0)
-    assert client.exists(["a"]) == [True]
-    client.close()
+    assert await client.exists_async(["a"]) == [True]
+    await client.close_async()

@@ -23,7 +23,9 @@ from app.transfer.auth import (
     UNAUTHENTICATED_REASON,
     FrameAuth,
 )
-from app.transfer.control import ONE_WAY, ControlServer, PeerClient
+from app.transfer.control import ONE_WAY
+from app.transfer.control_client import PeerClient
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
     Abort,
     Ack,

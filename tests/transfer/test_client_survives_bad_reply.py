@@ -10,8 +10,8 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
-from app.transfer import control
-from app.transfer.control import PeerClient
+from app.transfer import control_client
+from app.transfer.control_client import PeerClient
 from app.transfer.protocol import Ack, AnyMsg, Hello, Role, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
@@ -104,14 +104,14 @@ async def test_unexpected_decode_failure_fails_only_its_request(
     peer: tuple[zmq.asyncio.Context, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ctx, endpoint = peer
-    real = control.decode
+    real = control_client.decode
 
     def flaky(frame: bytes) -> AnyMsg:
         if b"boom" in frame:
             raise RuntimeError("a bug, not a ProtocolError")
         return real(frame)
 
-    monkeypatch.setattr(control, "decode", flaky)
+    monkeypatch.setattr(control_client, "decode", flaky)
     client = PeerClient(ctx, endpoint)
     try:
         with pytest.raises(ProtocolError, match="a bug"):

@@ -13,8 +13,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from app.engine_link.sync_client import SyncClient
 from app.errors import DeadlineExceeded
-from app.transfer.control import ONE_WAY, ClientClosed, ControlServer, PeerClient
+from app.transfer.control import ONE_WAY, ClientClosed
+from app.transfer.control_client import PeerClient
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
     Abort,
     Ack,
@@ -29,7 +32,6 @@ from app.transfer.protocol import (
     decode,
     encode,
 )
-from app.transfer.sync_client import SyncClient
 
 pytestmark = pytest.mark.timeout(30)
 

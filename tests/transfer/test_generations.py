@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from app.engine_link.shm import SHM_DIR
+from app.devices.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import Axis, EngineGroup, EngineLayer, EngineRegistration, MemorySpan

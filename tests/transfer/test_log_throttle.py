@@ -11,7 +11,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from app.transfer.control import ONE_WAY, ControlServer
+from app.transfer.control import ONE_WAY
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import AnyMsg, GetFinished, Msg, encode
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,7 +13,9 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
-from app.transfer.control import ONE_WAY, ControlServer, PeerClient
+from app.transfer.control import ONE_WAY
+from app.transfer.control_client import PeerClient
+from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
     Abort,
     Ack,

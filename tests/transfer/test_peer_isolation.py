@@ -26,7 +26,7 @@ import numpy.typing as npt
 import pytest
 
 from app.errors import TransferError
-from app.transfer import mooncake
+from app.transfer import lane_pool
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 
 pytestmark = pytest.mark.timeout(90)
@@ -279,7 +279,7 @@ def test_close_lane_leaves_no_lane_behind(
 def test_lane_bound_closes_the_least_recently_used_idle_lane(
     engine: MooncakeEngine, local: U8, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(mooncake, "_MAX_LANES", 2)
+    monkeypatch.setattr(lane_pool, "_MAX_LANES", 2)
     with spawn_peers(3, tmp_path) as (a, b, c):
         write_checked(engine, a, local, 0)
         write_checked(engine, b, local, 1)

@@ -26,8 +26,8 @@ from vllm.v1.kv_cache_interface import (
 
 from app.devices import Device
 from app.devices.memory import Exported, export_buffer
+from app.devices.shm import SHM_DIR
 from app.devices.spec import DeviceBuffer
-from app.engine_link.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.engine_spec import (
     Axis,

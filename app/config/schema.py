@@ -1,130 +1,47 @@
-"""Typed settings of `kv-sidecar serve`: one object built from flags, env, a file and defaults.
-
-Precedence, highest first:
-
-1. CLI flags: the ``cli_overrides`` mapping given to :func:`load_settings` (``None`` values are
-   dropped, so an option the user did not pass never hides the layers below it);
-2. ``KVSIDECAR_*`` environment variables (nested pool settings use ``__``:
-   ``KVSIDECAR_POOL__MASTER_ADDRESS``; lists take ``0,1`` or JSON ``[0, 1]``);
-3. the config file: the explicit ``config_path`` or else ``KVSIDECAR_CONFIG``, TOML (``.toml``)
-   or JSON (``.json``), keys named as the settings, the pool as a ``[pool]`` table;
-4. the defaults below.
-
-Every problem is reported at start as one sentence naming the setting, its environment variable
-and what is allowed (:class:`app.errors.ConfigError`); :func:`settings_table` feeds the README's
-configuration table (``python -m app.config`` prints it as Markdown).
-"""
+"""The settings schema: ``SidecarSettings`` and its ``[pool]`` table, with their checks."""
 
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import json
 import os
-import re
 import socket
-import tomllib
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
-from contextvars import ContextVar
-from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     SecretStr,
-    ValidationError,
     field_validator,
     model_validator,
 )
-from pydantic.fields import FieldInfo
 from pydantic_settings import (
     BaseSettings,
-    InitSettingsSource,
     NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
 )
-from pydantic_settings.exceptions import SettingsError
 
-from app.errors import ConfigError
-
-ENV_PREFIX = "KVSIDECAR_"
-ENV_NESTED_DELIMITER = "__"
-CONFIG_ENV_VAR = f"{ENV_PREFIX}CONFIG"
-
-# DESIGN §6: 4096 descriptors in one batch were rejected ("TCP lane queue-full") and poisoned the
-# engine's session to that peer; 2048 passed. 1024 leaves headroom below the last size seen to work.
-MAX_DESCRIPTORS_HARD_LIMIT = 2048
-DEFAULT_DESCRIPTORS_PER_SUBMIT = 1024
-
-# Deadlines are in seconds; an hour catches a value meant as milliseconds.
-_MAX_DEADLINE_S = 3600.0
-
-_HOSTNAME_RE = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
-    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
+from app.config.sources import _ConfigFileSource
+from app.config.values import (
+    _ENGINE_ID_RE,
+    _MAX_DEADLINE_S,
+    _PRESET_RE,
+    CONFIG_ENV_VAR,
+    DEFAULT_DESCRIPTORS_PER_SUBMIT,
+    ENV_NESTED_DELIMITER,
+    ENV_PREFIX,
+    MAX_DESCRIPTORS_HARD_LIMIT,
+    _check_host,
+    _default_engine_id,
+    _is_loopback,
+    _is_wildcard,
+    _parse_size,
+    available_presets,
+    env_var_for,
 )
-_ENGINE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-_PRESET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_SIZE_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-
-# Sentinel for "no explicit path given": fall back to KVSIDECAR_CONFIG.
-_FROM_ENV = Path("\0from-env")
-_config_path: ContextVar[Path | None] = ContextVar("kvsidecar_config_path", default=_FROM_ENV)
-
-# Defaults that are computed at start; the table shows what they mean, not this host's value.
-_TABLE_DEFAULTS = {"engine_id": "host name"}
-
-
-def _default_engine_id() -> str:
-    # In a pod the host name is the pod name: unique per instance and readable in /v1/peers.
-    return socket.gethostname() or "kv-sidecar"
-
-
-def _check_host(value: str) -> str:
-    value = value.strip()
-    if value.startswith("[") and value.endswith("]"):
-        value = value[1:-1]
-    try:
-        ipaddress.ip_address(value)
-    except ValueError:
-        if not _HOSTNAME_RE.match(value):
-            raise ValueError(
-                "must be an IP address or a host name without scheme or port, "
-                "e.g. 127.0.0.1 (this host only) or 0.0.0.0 (every interface)"
-            ) from None
-    return value
-
-
-def _parse_size(value: object) -> object:
-    """Accept byte counts as integers or as strings like ``512MiB`` / ``4GB`` / ``1.5G``."""
-    if not isinstance(value, str):
-        return value
-    match = _SIZE_RE.match(value)
-    if match is None:
-        raise ValueError("must be a byte count such as 1073741824, 1GiB or 512MB")
-    unit = (match.group(2) or "").upper().removesuffix("B")
-    binary = unit.endswith("I")
-    power = _SIZE_POWERS[unit.removesuffix("I")]
-    return int(float(match.group(1)) * (1024 if binary else 1000) ** power)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _is_wildcard(host: str) -> bool:
-    return host in ("0.0.0.0", "::", "")
 
 
 class PoolSettings(BaseModel):
@@ -174,50 +91,6 @@ class PoolSettings(BaseModel):
             raise ValueError("must be host:port, e.g. 127.0.0.1:50051 or mooncake-master:50051")
         _check_host(host)
         return value.strip()
-
-
-class _ConfigFileSource(PydanticBaseSettingsSource):
-    """Settings from a TOML or JSON file: the explicit path, else ``KVSIDECAR_CONFIG``."""
-
-    def __init__(self, settings_cls: type[BaseSettings]) -> None:
-        super().__init__(settings_cls)
-        path = _config_path.get()
-        if path == _FROM_ENV:
-            env = os.environ.get(CONFIG_ENV_VAR, "").strip()
-            path = Path(env) if env else None
-        self.path = path
-        self.data = read_config_file(path) if path is not None else {}
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return self.data.get(field_name), field_name, False
-
-    def __call__(self) -> dict[str, Any]:
-        # Reuse the init source so that the file's keys are matched exactly like flags are.
-        return InitSettingsSource(self.settings_cls, init_kwargs=self.data)()
-
-
-def read_config_file(path: Path) -> dict[str, Any]:
-    """Read a settings file (TOML or JSON by suffix) into a dict, or raise ConfigError."""
-    suffix = path.suffix.lower()
-    if suffix not in (".toml", ".json"):
-        raise ConfigError(
-            f"Config file {path} has suffix {suffix or '(none)'!r}: use a .toml or .json file "
-            f"(given by --config or {CONFIG_ENV_VAR})."
-        )
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(
-            f"Config file {path} cannot be read ({exc.strerror or exc}); fix the path given "
-            f"by --config or {CONFIG_ENV_VAR}, or unset it."
-        ) from None
-    try:
-        data = tomllib.loads(raw.decode()) if suffix == ".toml" else json.loads(raw)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"Config file {path} is not valid {suffix[1:].upper()}: {exc}.") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config file {path} must hold a table of settings at the top level.")
-    return data
 
 
 class SidecarSettings(BaseSettings):
@@ -673,177 +546,7 @@ class SidecarSettings(BaseSettings):
         return notes
 
 
-def env_var_for(setting: str) -> str:
-    """Environment variable of a setting; ``pool.enabled`` -> ``KVSIDECAR_POOL__ENABLED``."""
-    return ENV_PREFIX + ENV_NESTED_DELIMITER.join(part.upper() for part in setting.split("."))
-
-
-def available_presets() -> list[str]:
-    """Names of the model presets shipped as package data (empty until they ship)."""
-    try:
-        folder = resources.files("app.kvcache").joinpath("presets")
-        if not folder.is_dir():
-            return []
-        return sorted(
-            entry.name.removesuffix(".json")
-            for entry in folder.iterdir()
-            if entry.name.endswith(".json")
-        )
-    except (ModuleNotFoundError, OSError):
-        return []
-
-
 def _known_settings() -> list[str]:
     names = [name for name in SidecarSettings.model_fields if name != "pool"]
     names += [f"pool.{name}" for name in PoolSettings.model_fields]
     return names
-
-
-def _setting_name(loc: tuple[int | str, ...]) -> tuple[str, str]:
-    """Split a pydantic error location into (setting, rest): ('ranks', 1) -> ('ranks', '[1]')."""
-    parts = [str(p) for p in loc]
-    if parts and parts[0] == "pool" and len(parts) > 1:
-        setting, rest = f"pool.{parts[1]}", parts[2:]
-    else:
-        setting, rest = (parts[0] if parts else ""), parts[1:]
-    return setting, "".join(f"[{p}]" for p in rest)
-
-
-def _sentence(text: str) -> str:
-    text = text.strip()
-    return text if text.endswith((".", "?", "!")) else text + "."
-
-
-def _shown(setting: str, value: object) -> str:
-    if setting in ("admin_token", "auth_key"):
-        return "(hidden)"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def format_settings_error(exc: ValidationError) -> str:
-    """One sentence per problem, each naming the setting, its env var and what is allowed."""
-    sentences: list[str] = []
-    known = _known_settings()
-    for err in exc.errors(include_url=False):
-        setting, item = _setting_name(err["loc"])
-        message = str(err["msg"]).removeprefix("Value error, ")
-        if not setting:
-            sentences.extend(_sentence(line) for line in message.splitlines() if line.strip())
-            continue
-        if err["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(setting, known, n=1)
-            hint = f"; did you mean {close[0]!r} ({env_var_for(close[0])})?" if close else ""
-            sentences.append(
-                _sentence(
-                    f"{setting!r} (from a CLI flag or the config file) is not a kv-sidecar "
-                    f"setting{hint}"
-                )
-            )
-            continue
-        allowed = message[0].lower() + message[1:] if message else "is not allowed"
-        sentences.append(
-            _sentence(
-                f"Setting {setting}{item} ({env_var_for(setting)}) = "
-                f"{_shown(setting, err.get('input'))} is not allowed: {allowed}"
-            )
-        )
-    count = len(sentences)
-    header = f"Invalid kv-sidecar settings ({count} problem{'s' if count != 1 else ''}):"
-    return "\n".join([header, *(f"  - {s}" for s in sentences)])
-
-
-def _nest(overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Drop unset (None) flags and turn ``pool.x`` / ``pool__x`` keys into nested dicts."""
-    nested: dict[str, Any] = {}
-    for key, value in overrides.items():
-        if value is None:
-            continue
-        parts = key.replace(ENV_NESTED_DELIMITER, ".").replace("-", "_").split(".")
-        target = nested
-        for part in parts[:-1]:
-            target = target.setdefault(part, {})
-        if isinstance(value, Mapping) and isinstance(target.get(parts[-1]), dict):
-            target[parts[-1]].update(value)
-        else:
-            target[parts[-1]] = dict(value) if isinstance(value, Mapping) else value
-    return nested
-
-
-@contextmanager
-def _using_config_file(path: Path | None) -> Iterator[None]:
-    token = _config_path.set(_FROM_ENV if path is None else path)
-    try:
-        yield
-    finally:
-        _config_path.reset(token)
-
-
-def load_settings(
-    cli_overrides: Mapping[str, Any] | None = None, config_path: Path | str | None = None
-) -> SidecarSettings:
-    """Build the settings: CLI flags > KVSIDECAR_* env > config file > defaults.
-
-    ``config_path`` wins over ``KVSIDECAR_CONFIG``. Every problem becomes a ConfigError whose
-    message has one sentence per problem.
-    """
-    path = Path(config_path) if config_path is not None else None
-    with _using_config_file(path):
-        try:
-            return SidecarSettings(**_nest(cli_overrides or {}))
-        except ValidationError as exc:
-            raise ConfigError(format_settings_error(exc)) from None
-        except SettingsError as exc:
-            # Raised for an env value that is not valid JSON for a structured setting.
-            match = re.search(r'field "([^"]+)"', str(exc))
-            field = match.group(1) if match else "?"
-            raise ConfigError(
-                f"Invalid kv-sidecar settings (1 problem):\n  - {env_var_for(field)} is not valid "
-                f"JSON for the setting {field}; set its parts one variable each instead, e.g. "
-                f"{env_var_for('pool.enabled')}=true."
-            ) from None
-
-
-def _table_default(name: str, info: FieldInfo) -> str:
-    if name in _TABLE_DEFAULTS:
-        return _TABLE_DEFAULTS[name]
-    value = info.get_default(call_default_factory=True)
-    if value is None:
-        return "(unset)"
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, list):
-        return ",".join(str(v) for v in value)
-    return str(value) if value != "" else "(empty)"
-
-
-def settings_table() -> list[tuple[str, str, str, str]]:
-    """(setting, env var, default, description) for every setting, pool settings as pool.x."""
-    rows: list[tuple[str, str, str, str]] = []
-    for name, info in SidecarSettings.model_fields.items():
-        if name == "pool":
-            for sub, sub_info in PoolSettings.model_fields.items():
-                key = f"pool.{sub}"
-                rows.append(
-                    (
-                        key,
-                        env_var_for(key),
-                        _table_default(sub, sub_info),
-                        sub_info.description or "",
-                    )
-                )
-            continue
-        rows.append((name, env_var_for(name), _table_default(name, info), info.description or ""))
-    return rows
-
-
-def render_settings_table() -> str:
-    """The settings table as Markdown, for the README."""
-    lines = ["| setting | env var | default | description |", "|---|---|---|---|"]
-    for setting, env, default, description in settings_table():
-        lines.append(f"| `{setting}` | `{env}` | `{default}` | {description} |")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(render_settings_table())
