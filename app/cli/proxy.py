@@ -13,7 +13,7 @@ import uvicorn
 
 from app.errors import ConfigError
 from app.ports import clear_port_file, write_port_file
-from app.proxy import Policy, ProxyConfig, create_proxy
+from app.proxy import Flow, Policy, ProxyConfig, create_proxy
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ def proxy_command(
     policy: Annotated[
         Policy, typer.Option(help="How an instance is picked among the healthy ones.")
     ] = Policy.ROUND_ROBIN,
+    flow: Annotated[
+        Flow,
+        typer.Option(
+            help="concurrent: the prompt goes to prefill and decode at once; decode_first: to "
+            "prefill once decode posted its target."
+        ),
+    ] = Flow.CONCURRENT,
     public_url: Annotated[
         str | None,
         typer.Option(
@@ -74,7 +81,10 @@ def proxy_command(
         ),
     ] = None,
     target_timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for decode's target before giving up on P.")
+        float,
+        typer.Option(
+            help="Seconds prefill (or, decode first, the proxy) waits for decode's target."
+        ),
     ] = 30.0,
     request_timeout: Annotated[
         float,
@@ -85,7 +95,7 @@ def proxy_command(
     ] = 5.0,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
-    """Serve /v1/completions and /v1/chat/completions over P and D instances, decode first."""
+    """Serve /v1/completions and /v1/chat/completions over P and D instances."""
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level {log_level!r}: expected debug, info, warning or error")
     if port_file is not None:
@@ -99,6 +109,7 @@ def proxy_command(
             decode=tuple(decode),
             public_url=public_url or f"http://{shown}:{port}",
             policy=policy,
+            flow=flow,
             target_timeout_s=target_timeout,
             request_timeout_s=request_timeout,
             health_interval_s=health_interval,

@@ -424,3 +424,36 @@ class RefusedEvent:
 
     def query(self) -> bool:
         return False
+
+
+class Gate:
+    """A layer's completion as seen by the stream thread, for writes planned later.
+
+    A send admitted before its target (concurrent dispatch) keeps the layers the engine
+    signalled; the stream thread waits for each such layer's event in order and opens (or
+    fails) its gate, and the replay written once the target arrives waits on the gate. So
+    a replayed layer is never written before its event completed, and the ring slot goes
+    back to the engine without waiting for decode.
+    """
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error = ""
+
+    def open(self, error: str = "") -> None:
+        self._error = error
+        self._done.set()
+
+    def record(self) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        # Queued after the task that opens it on the same FIFO thread: set by now, unless that
+        # task crashed; the bound only keeps a bug from hanging the thread.
+        if not self._done.wait(5.0):
+            raise DeadlineExceeded("the layer's event was never waited on; nothing written")
+        if self._error:
+            raise ProtocolError(self._error)
+
+    def query(self) -> bool:
+        return self._done.is_set() and not self._error

@@ -49,6 +49,7 @@ from app.transfer.protocol import (
     RegisterEngine,
     RemoteTarget,
     Reply,
+    SetTarget,
     SidecarInfo,
     StepSlice,
 )
@@ -146,11 +147,12 @@ class EngineLink:
         request: str,
         prompt_len: int,
         block_ids: Sequence[np.ndarray],
-        remote: RemoteTarget,
+        remote: RemoteTarget | None,
         *,
         mamba_mode: MambaMode = MambaMode.NONE,
         num_spec: int = 0,
     ) -> None:
+        """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``."""
         self._call(
             AddSend(
                 rank=self.rank,
@@ -162,6 +164,10 @@ class EngineLink:
                 num_spec=num_spec,
             )
         )
+
+    def set_target(self, request: str, remote: RemoteTarget) -> None:
+        """Where a send admitted without a target goes; returns once decode took the claim."""
+        self._call(SetTarget(rank=self.rank, request=request, remote=remote))
 
     def expect_receive(
         self,
@@ -285,8 +291,13 @@ class EngineLink:
         assert isinstance(reply, PoolLoaded)
         return reply
 
-    def abort(self, request: str, reason: str = "aborted by engine") -> None:
-        self._call(AbortRequest(rank=self.rank, request=request, reason=reason))
+    def abort(self, request: str, reason: str = "aborted by engine", *, wait: bool = True) -> None:
+        """End a request as ABORTED; ``wait=False`` sends it one-way (vLLM's scheduler loop)."""
+        msg = AbortRequest(rank=self.rank, request=request, reason=reason)
+        if wait:
+            self._call(msg)
+        else:
+            self._notify(msg)
 
     def close(self, unlink: bool = True) -> None:
         self._signals.close()

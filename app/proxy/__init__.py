@@ -1,10 +1,11 @@
-"""The P/D router in front of vLLM instances (``kv-sidecar proxy``): decode first, DESIGN §2."""
+"""The P/D router in front of vLLM instances (``kv-sidecar proxy``): concurrent or decode first."""
 
 from app.proxy.app import create_proxy
-from app.proxy.config import Policy, ProxyConfig
+from app.proxy.config import Flow, Policy, ProxyConfig
 from app.proxy.errors import NoHealthyInstance, ProxyError, TargetError
 
 __all__ = [
+    "Flow",
     "NoHealthyInstance",
     "Policy",
     "ProxyConfig",

@@ -16,9 +16,9 @@ from fastapi.responses import JSONResponse, Response
 from app.proxy.balancer import HealthChecker, Pool, is_connection_failure
 from app.proxy.config import ProxyConfig
 from app.proxy.errors import NoHealthyInstance, error_response
-from app.proxy.flow import DecodeFirstFlow, describe, forwarded_headers, read_json_object
+from app.proxy.flow import PDFlow, describe, forwarded_headers, read_json_object
 from app.proxy.records import TransferLog
-from app.proxy.targets import TargetRendezvous
+from app.proxy.targets import Delivery, TargetRendezvous
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         # Engines are reached directly; an HTTP(S)_PROXY meant for the outside must not apply.
         trust_env=False,
     )
-    flow = DecodeFirstFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client)
+    flow = PDFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client)
     checker = HealthChecker(
         list(pools.values()), client, cfg.health_interval_s, cfg.health_timeout_s
     )
@@ -102,7 +102,20 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
             log.warning("target post refused: %s", delivery.message)
             kind = _REFUSED_KIND.get(delivery.status, "invalid_request_error")
             return error_response(delivery.status, delivery.message, kind)
+        flow.target_arrived(tid)
         return JSONResponse({"ok": True})
+
+    @app.get("/v1/kv_targets/{transfer_id}")
+    async def kv_target(transfer_id: str, timeout_s: float = Query(30.0, gt=0, le=600)) -> Response:
+        """Prefill's connector (concurrent flow): decode's target, once it was posted.
+
+        Waits up to ``timeout_s``; 409 when the transfer stopped waiting (decode ended), with
+        the reason, so prefill frees its blocks at once instead of at its deadline."""
+        got = await targets.fetch(transfer_id, timeout_s)
+        if isinstance(got, Delivery):
+            kind = _REFUSED_KIND.get(got.status, "gateway_timeout")
+            return error_response(got.status, got.message, kind)
+        return JSONResponse({"transfer_id": transfer_id, "target": got})
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -20,19 +20,29 @@ def decode_body(body: dict[str, Any], transfer_id: str, router_url: str) -> dict
     }
 
 
-def prefill_body(body: dict[str, Any], transfer_id: str, target: dict[str, Any]) -> dict[str, Any]:
-    """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``target``."""
+def prefill_body(
+    body: dict[str, Any],
+    transfer_id: str,
+    *,
+    target: dict[str, Any] | None = None,
+    router_url: str | None = None,
+    target_timeout_s: float | None = None,
+) -> dict[str, Any]:
+    """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``target``
+    (decode first), or to the target its connector fetches from ``router_url`` (concurrent)."""
     # min_tokens above 1 would make vLLM refuse max_tokens=1; stream_options needs a stream.
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
-    out["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "transfer_id": transfer_id,
-        "remote": target,
-    }
+    params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    if target is not None:
+        params["remote"] = target
+    if router_url is not None:
+        params["router_url"] = router_url
+        params["target_timeout_s"] = target_timeout_s
+    out["kv_transfer_params"] = params
     return out
 
 

@@ -15,6 +15,15 @@ class Policy(StrEnum):
     LEAST_OUTSTANDING = "least_outstanding"
 
 
+class Flow(StrEnum):
+    """When the prompt goes to prefill (README, "Request flows")."""
+
+    # Prefill and decode at once; prefill's connector fetches decode's target from the proxy.
+    CONCURRENT = "concurrent"
+    # Prefill only once decode posted its target.
+    DECODE_FIRST = "decode_first"
+
+
 @dataclass(frozen=True)
 class ProxyConfig:
     """Instances, public callback address, policy and every timeout the proxy uses."""
@@ -23,6 +32,7 @@ class ProxyConfig:
     decode: tuple[str, ...]
     public_url: str
     policy: Policy = Policy.ROUND_ROBIN
+    flow: Flow = Flow.CONCURRENT
     target_timeout_s: float = 30.0
     # Longest wait for any one read from an upstream (a whole non-streamed answer, or the
     # gap between two streamed chunks); decode waits for the KV before its first token.
@@ -42,6 +52,11 @@ class ProxyConfig:
         except ValueError:
             choices = ", ".join(p.value for p in Policy)
             raise ConfigError(f"--policy {self.policy!r}: expected one of {choices}") from None
+        try:
+            object.__setattr__(self, "flow", Flow(self.flow))
+        except ValueError:
+            choices = ", ".join(f.value for f in Flow)
+            raise ConfigError(f"--flow {self.flow!r}: expected one of {choices}") from None
         for role, urls in (("prefill", self.prefill), ("decode", self.decode)):
             if not urls:
                 raise ConfigError(f"no {role} instance: give at least one --{role} URL")

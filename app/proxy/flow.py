@@ -1,13 +1,18 @@
-"""The decode-first flow for one client request (DESIGN §2).
+"""The P/D flows for one client request (DESIGN §2, README "Request flows").
 
 1. The client's body goes to a decode instance with ``kv_transfer_params = {do_remote_prefill,
    transfer_id, router_url}``; decode's answer is the client's answer, relayed as it comes.
-2. Decode's connector posts its target to ``router_url`` once its blocks are allocated; only
-   then does the prompt go to a prefill instance (``max_tokens=1``, not streamed,
-   ``kv_transfer_params = {do_remote_decode, transfer_id, remote: target}``).
-3. No target in time, or decode ended first (it failed, or had the prompt cached): no prefill.
-   A failed prefill is only logged: decode's sidecar times out and decode recomputes.
-4. A client that goes away closes both upstream connections, which vLLM turns into aborts.
+   Decode's connector posts its target to ``router_url`` once its blocks are allocated.
+2. Concurrent (the default): the prompt goes to a prefill instance at the same time
+   (``max_tokens=1``, not streamed, ``{do_remote_decode, transfer_id, router_url}``). Prefill
+   computes at once; its connector fetches the target from ``router_url/<transfer_id>`` and
+   its sidecar writes the layers computed so far, then the rest as they come. When decode's
+   request ends the transfer id closes: a prefill still waiting for it is told so and frees
+   its blocks, and one decode never gave a target to is cancelled.
+3. Decode first: the prompt goes to prefill only once the target came, with it
+   (``remote: target``). No target in time, or decode ended first: no prefill.
+4. A failed prefill is only logged: decode's sidecar times out and decode recomputes. A
+   client that goes away closes both upstream connections, which vLLM turns into aborts.
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 import anyio
@@ -29,7 +35,7 @@ from starlette.types import Receive
 
 from app.proxy.balancer import Lease, Pool, is_connection_failure
 from app.proxy.bodies import decode_body, is_streamed, prefill_body
-from app.proxy.config import ProxyConfig
+from app.proxy.config import Flow, ProxyConfig
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
 from app.proxy.targets import TargetRendezvous
@@ -87,11 +93,18 @@ async def first_or_none(aw: Awaitable[T], disconnected: asyncio.Task[None]) -> T
 class _Exchange:
     """One client request: decode's lease and response, the prefill side task, the record."""
 
-    def __init__(self, tracker: TransferTracker, decode: Lease, prefill: asyncio.Task[None]):
+    def __init__(
+        self,
+        tracker: TransferTracker,
+        decode: Lease,
+        prefill: asyncio.Task[None],
+        on_end: Callable[[DecodeOutcome], None],
+    ):
         self.tracker = tracker
         self.decode = decode
         self.prefill = prefill
         self.upstream: httpx.Response | None = None
+        self._on_end = on_end
         self._ended = False
 
     async def end(self, outcome: DecodeOutcome, error: str | None = None) -> None:
@@ -105,16 +118,18 @@ class _Exchange:
         if error is not None:
             t.note_error(error)
         self.decode.release()
-        # A prefill still waiting for its target is pointless now. One already sent is left
-        # to finish when decode answered (it is about done), and cut off if the client left.
+        self._on_end(outcome)
+        # A prefill for a decode that never gave a target is pointless now. One that had it
+        # is left to finish when decode answered (it is about done), and cut off if the
+        # client left.
         if outcome == "client_gone" or t.target_s is None:
             self.prefill.cancel()
         if self.upstream is not None:
             await self.upstream.aclose()
 
 
-class DecodeFirstFlow:
-    """Routes completions requests decode first; owns the prefill side tasks."""
+class PDFlow:
+    """Routes completions requests to decode and prefill; owns the prefill side tasks."""
 
     def __init__(
         self,
@@ -132,6 +147,13 @@ class DecodeFirstFlow:
         self.transfers = transfers
         self.client = client
         self._tasks: set[asyncio.Task[None]] = set()
+        self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
+
+    def target_arrived(self, transfer_id: str) -> None:
+        """Decode posted its target (the rendezvous took it): note when."""
+        t = self._live.get(transfer_id)
+        if t is not None and t.target_s is None:
+            t.target_s = t.since_start()
 
     async def handle(self, request: Request, path: str) -> Response:
         body = await read_json_object(request)
@@ -151,7 +173,10 @@ class DecodeFirstFlow:
         headers = forwarded_headers(request)
         # Open before decode hears of the id: its target may come back at once.
         self.targets.open(tid)
-        x = _Exchange(t, d, self._spawn_prefill(t, p, body, path, headers))
+        self._live[tid] = t
+        x = _Exchange(
+            t, d, self._spawn_prefill(t, p, body, path, headers), partial(self._decode_ended, t)
+        )
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             return await self._answer(x, body, path, headers, disconnected)
@@ -256,6 +281,14 @@ class DecodeFirstFlow:
         await x.end(outcome, msg)
         return error_response(status, msg, kind)
 
+    def _decode_ended(self, t: TransferTracker, outcome: DecodeOutcome) -> None:
+        self._live.pop(t.transfer_id, None)
+        if self.cfg.flow is Flow.CONCURRENT:
+            # Prefill's connector may still wait for the target: it hears why it will not come.
+            self.targets.close(t.transfer_id, f"decode's request ended ({outcome})")
+            if t.target_s is None and t.prefill_outcome == "ok":
+                t.prefill_outcome = "no_target"  # it computed, but nothing was sent
+
     def _spawn_prefill(
         self,
         t: TransferTracker,
@@ -264,14 +297,17 @@ class DecodeFirstFlow:
         path: str,
         headers: dict[str, str],
     ) -> asyncio.Task[None]:
-        task = asyncio.create_task(self._prefill(t, p, body, path, headers))
+        concurrent = self.cfg.flow is Flow.CONCURRENT
+        run = self._prefill_now if concurrent else self._prefill
+        task = asyncio.create_task(run(t, p, body, path, headers))
         self._tasks.add(task)
 
         def done(task: asyncio.Task[None]) -> None:
             # Here, not in _prefill: a task cancelled before it ran never enters its body.
             self._tasks.discard(task)
             p.release()
-            self.targets.close(t.transfer_id, "its request already ended")
+            if not concurrent:  # concurrent: prefill may end before decode's target came
+                self.targets.close(t.transfer_id, "its request already ended")
             if t.prefill_outcome is None:
                 t.prefill_outcome = "no_target" if t.target_s is None else "cancelled"
             if not task.cancelled() and task.exception() is not None:
@@ -307,11 +343,38 @@ class DecodeFirstFlow:
             return
         t.target_s = t.since_start()
         self.targets.close(tid, "its target already arrived")
+        await self._post_prefill(t, p, prefill_body(body, tid, target=target), path, headers)
+
+    async def _prefill_now(
+        self,
+        t: TransferTracker,
+        p: Lease,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+    ) -> None:
+        """Concurrent: the prompt goes to prefill at once; its connector fetches the target."""
+        tid = t.transfer_id
+        out = prefill_body(
+            body,
+            tid,
+            router_url=self.cfg.router_url,
+            target_timeout_s=self.cfg.target_timeout_s,
+        )
+        await self._post_prefill(t, p, out, path, headers)
+
+    async def _post_prefill(
+        self,
+        t: TransferTracker,
+        p: Lease,
+        out: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+    ) -> None:
+        tid = t.transfer_id
         t0 = time.monotonic()
         try:
-            r = await self.client.post(
-                f"{p.url}{path}", json=prefill_body(body, tid, target), headers=headers
-            )
+            r = await self.client.post(f"{p.url}{path}", json=out, headers=headers)
         except httpx.HTTPError as e:
             if is_connection_failure(e):
                 p.instance.mark(False, f"connection failed: {describe(e)}")

@@ -2,7 +2,8 @@
 
 The flow opens a transfer id before it sends the request to decode; decode's connector POSTs
 ``{"transfer_id", "target"}`` (or ``{"transfer_id", "error"}``) to ``/v1/kv_targets`` once its
-blocks are allocated; the flow, waiting on that id, then sends the prompt to prefill.
+blocks are allocated. Decode first, the flow waits on that id and then sends the prompt to
+prefill; concurrent, prefill's connector (every rank) GETs ``/v1/kv_targets/<id>`` and waits.
 """
 
 from __future__ import annotations
@@ -50,14 +51,7 @@ class TargetRendezvous:
     ) -> Delivery:
         fut = self._waiting.get(transfer_id)
         if fut is None:
-            why = self._closed.get(transfer_id)
-            if why is not None:
-                return Delivery(409, f"transfer {transfer_id!r} is no longer waiting: {why}")
-            return Delivery(
-                404,
-                f"unknown transfer {transfer_id!r}: this proxy did not issue it "
-                f"(or it is older than the last {self._remember})",
-            )
+            return self._gone(transfer_id)
         if fut.done():
             return Delivery(409, f"transfer {transfer_id!r} already has a target")
         if error is not None:
@@ -67,12 +61,42 @@ class TargetRendezvous:
             fut.set_result(target)
         return Delivery(200, "ok")
 
+    def _gone(self, transfer_id: str) -> Delivery:
+        why = self._closed.get(transfer_id)
+        if why is not None:
+            return Delivery(409, f"transfer {transfer_id!r} is no longer waiting: {why}")
+        return Delivery(
+            404,
+            f"unknown transfer {transfer_id!r}: this proxy did not issue it "
+            f"(or it is older than the last {self._remember})",
+        )
+
     async def wait(self, transfer_id: str, timeout_s: float) -> dict[str, Any]:
         """The target, or ``TimeoutError`` / ``TargetError``."""
         fut = self._waiting[transfer_id]
         async with asyncio.timeout(timeout_s):
             # Shielded: a timeout must not cancel the future a concurrent post resolves.
             return await asyncio.shield(fut)
+
+    async def fetch(self, transfer_id: str, timeout_s: float) -> dict[str, Any] | Delivery:
+        """For prefill's connector: the target once posted, or why none will come (409 the
+        id stopped waiting or decode posted an error, 404 unknown, 504 not within
+        ``timeout_s``). Any number of callers may wait on one id."""
+        fut = self._waiting.get(transfer_id)
+        if fut is None:
+            return self._gone(transfer_id)
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await asyncio.shield(fut)
+        except TargetError as e:
+            return Delivery(409, str(e))
+        except TimeoutError:
+            return Delivery(504, f"no target for transfer {transfer_id!r} within {timeout_s:g} s")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if fut.cancelled() and (task is None or not task.cancelling()):
+                return self._gone(transfer_id)  # closed while we waited
+            raise
 
     def close(self, transfer_id: str, reason: str) -> None:
         """Stop waiting for ``transfer_id``; later posts for it are told ``reason``."""

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from app.devices import Event
-from app.devices.events import SidecarRing
+from app.devices.events import Gate, SidecarRing
 from app.devices.memory import ImportedMemory
 from app.errors import DeadlineExceeded, KVSidecarError, ProtocolError, TransferError
 from app.kvcache.desc import LayoutDesc
@@ -109,6 +109,11 @@ class SendRequest(Request):
     inflight: int = 0  # writes of this request on the wire right now (the pin)
     d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
     peer_lost: bool = False  # decode is gone or forgot us: no Done to send
+    skip: int = 0  # prompt tokens decode already holds: never written
+    # Admitted without a target (concurrent dispatch): until it is claimed at decode, nothing
+    # is written and the signalled layers are kept in ``backlog``.
+    waiting: bool = False
+    backlog: list[Held] = field(default_factory=list)
 
     def pin(self) -> bool:
         """Before a write: count it, unless the request already ended. Atomic with ``finish``,
@@ -153,6 +158,17 @@ class StepState:
 
 
 @dataclass(frozen=True)
+class Held:
+    """A layer signalled for a send that had no target yet: written once it has one."""
+
+    step: int
+    layer: int
+    start: int
+    end: int
+    gate: Gate
+
+
+@dataclass(frozen=True)
 class Batch:
     """One peer's share of a layer task."""
 
@@ -173,6 +189,7 @@ class LayerTask:
     batches: list[Batch]
     enqueued: float = field(default_factory=time.monotonic)
     release: Callable[[], None] | None = None
+    gate: Gate | None = None  # opened once ``event`` completed: a backlog waits on it
 
 
 @dataclass
@@ -240,15 +257,19 @@ class StreamThread:
                         )
 
     def _run_task(self, task: LayerTask) -> None:
-        if not task.batches:
+        if not task.batches and task.gate is None:
             return  # nothing to write: no need to wait for the event
         try:
             task.event.synchronize()
         except Exception as e:  # a deadline, a refused slot, or the device's own error
             # Never write before the event completed: the layer's requests fail instead.
             why = str(e) if isinstance(e, KVSidecarError) else f"layer {task.layer}'s event: {e}"
+            if task.gate is not None:
+                task.gate.open(why)
             self._fail(task, why)
             return
+        if task.gate is not None:
+            task.gate.open()
         for batch in task.batches:
             self._submit(task, batch)
 

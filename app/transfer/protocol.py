@@ -22,7 +22,7 @@ from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.transfer.planner import MambaMode
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 # Bounds a message must meet to decode at all (DESIGN §4): a peer or an engine that sends a rank
 # of -1, a TP size of 0 or a deadline of NaN gets a ProtocolError naming the field, instead of a
@@ -177,23 +177,36 @@ class RemoteTarget(msgspec.Struct):
     here, so both ends read one definition and a bad field is named before anything is sent.
     """
 
-    request_id: str  # the id both sidecars know the transfer by (decode's vLLM request id)
+    request_id: str  # the id both sidecars know the transfer by (the proxy's transfer id)
     host: str
     port: Port
     engine_id: str
     epoch: str
     tp_size: TpSize
     block_ids: BlockIds
+    # Prompt tokens decode already holds (its own prefix cache): prefill sends from here on.
+    computed: NonNegInt = 0
 
 
 class AddSend(Msg, tag="add_send"):
+    """Admit a send. Without ``remote`` (concurrent dispatch) the sidecar keeps the layers the
+    engine signals until ``SetTarget`` says where they go, or the send deadline passes."""
+
     rank: Index
     request: str
     prompt_len: NonNegInt
     block_ids: BlockIds
-    remote: RemoteTarget
+    remote: RemoteTarget | None = None
     mamba_mode: MambaMode = MambaMode.NONE
     num_spec: NonNegInt = 0
+
+
+class SetTarget(Msg, tag="set_target"):
+    """Where an admitted send's KV goes, once decode allocated it (concurrent dispatch)."""
+
+    rank: Index
+    request: str
+    remote: RemoteTarget
 
 
 class ExpectRecv(Msg, tag="expect_recv"):
@@ -315,6 +328,7 @@ AnyMsg = (
     | Error
     | RegisterEngine
     | AddSend
+    | SetTarget
     | ExpectRecv
     | BeginStep
     | LayerReady

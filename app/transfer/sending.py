@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.devices import CpuEvent, Event
-from app.devices.events import RefusedEvent, RingWait
+from app.devices.events import Gate, RefusedEvent, RingWait
 from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
 from app.transfer.agent import (
     ALL_LAYERS,
     Agent,
     Batch,
     GroupProgress,
+    Held,
     LayerResult,
     LayerTask,
     SendRequest,
@@ -43,7 +44,9 @@ from app.transfer.protocol import (
     Done,
     LayerReady,
     Msg,
+    RemoteTarget,
     Reply,
+    SetTarget,
     Status,
 )
 
@@ -99,24 +102,57 @@ class SendSide:
             return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
         if msg.request in agent.sends:
             return Reply(ok=False, error=f"request {msg.request} is already in flight")
-        t = msg.remote
         req = SendRequest(
             id=msg.request,
             rank=msg.rank,
             prompt_len=msg.prompt_len,
             blocks=blocks(msg.block_ids),
             deadline=self._clock() + self._settings.send_timeout_s,
-            peer=f"tcp://{t.host}:{t.port}",
-            d_blocks=blocks(t.block_ids),
-            target_epoch=t.epoch,
+            peer="",
             mamba_mode=msg.mamba_mode,
             num_spec=msg.num_spec,
         )
         agent.sends[req.id] = req
         try:
             check_block_ids(agent.desc, req.blocks, "prefill")
+        except KVSidecarError as e:
+            return self._refuse(req, str(e))
+        if msg.remote is None:
+            req.waiting = True  # concurrent dispatch: the target comes with SetTarget
+            return Reply()
+        return await self._target(agent, req, msg.remote)
+
+    def set_target(self, msg: SetTarget) -> Msg:
+        """Decode's target for a send admitted without one. Answers at once; the claim at
+        decode and the backlog's writes follow, and a refusal there ends the send FAILED (the
+        engine hears of it in ``get_finished``), so the engine link never waits on decode."""
+        agent = self._agent(msg.rank)
+        req = agent.sends.get(msg.request)
+        if req is None:
+            return Reply(ok=False, error=f"no send {msg.request} in flight on rank {msg.rank}")
+        if req.state.terminal:
+            return Reply(ok=False, error=f"send {msg.request} already ended {req.state.name}")
+        if not req.waiting or req.peer:
+            return Reply(ok=False, error=f"send {msg.request} already has a target ({req.peer})")
+        self._spawn(self._claim_and_replay(agent, req, msg.remote))
+        return Reply()
+
+    async def _claim_and_replay(self, agent: Agent, req: SendRequest, t: RemoteTarget) -> None:
+        reply = await self._target(agent, req, t)
+        if isinstance(reply, Reply) and reply.ok:
+            await self._replay(agent, req)
+        else:
+            log.warning("send %s: target refused: %s", req.id, getattr(reply, "error", reply))
+
+    async def _target(self, agent: Agent, req: SendRequest, t: RemoteTarget) -> Msg:
+        """Point ``req`` at decode's blocks and claim them there."""
+        req.peer = f"tcp://{t.host}:{t.port}"
+        req.d_blocks = blocks(t.block_ids)
+        req.target_epoch = t.epoch
+        req.skip = t.computed
+        try:
             peer = await self._peers.target(t.host, t.port, t.epoch)
-            planner = peer.planners[msg.rank]
+            planner = peer.planners[req.rank]
             # Known before the id check, so that D hears of a refusal instead of expiring.
             groups = {
                 d: frozenset(
@@ -130,10 +166,30 @@ class SendSide:
             check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
             await self._claim(peer, req, t.block_ids)
         except (KVSidecarError, ValueError) as e:
-            req.finish(Status.FAILED, str(e))
-            self._spawn(self.send_done(req))
-            return Reply(ok=False, error=str(e))
+            return self._refuse(req, str(e))
         return Reply()
+
+    def _refuse(self, req: SendRequest, error: str) -> Reply:
+        req.finish(Status.FAILED, error)
+        self._spawn(self.send_done(req))
+        return Reply(ok=False, error=error)
+
+    async def _replay(self, agent: Agent, req: SendRequest) -> None:
+        """Write the layers signalled before the target came, in the order they were, then
+        let later signals write as they come. Each waits on the gate its first task opens:
+        queued behind that task on the same thread, it never writes an incomplete layer."""
+        peer = self._peers.table.get(req.peer)
+        # Layers signalled while a replay waits on a full queue join the backlog: drain it
+        # until it stays empty, then let signals write directly.
+        while req.backlog and peer is not None and not req.state.terminal:
+            held, req.backlog = req.backlog, []
+            for h in held:
+                step = self._step_request(req, h.start, h.end)
+                if step is not None:
+                    batch = Batch(req.peer, peer.te_session, peer.planners[req.rank], [step])
+                    await self._queue(agent, LayerTask(h.step, h.layer, h.gate, [batch]))
+        req.backlog = []
+        req.waiting = False
 
     async def _claim(self, peer: Peer, req: SendRequest, d_ids: list[list[int]]) -> None:
         """Decode must know the writer before the first byte lands (DESIGN §4)."""
@@ -174,26 +230,21 @@ class SendSide:
         step = agent.steps.get(msg.step)
         slices = step.slices if step else []
         by_peer: dict[str, list[StepRequest]] = {}
+        held: list[tuple[SendRequest, int, int]] = []
         for rid, start, end in slices:
             req = agent.sends.get(rid)
             if req is None or req.state.terminal:
                 continue
-            req.state = Status.TRANSFERRING
             if end >= req.prompt_len and req.final_layers_left < 0:
                 req.final_layers_left = len(agent.desc.placements)
                 req.final_step = msg.step
-            by_peer.setdefault(req.peer, []).append(
-                StepRequest(
-                    rid,
-                    req.prompt_len,
-                    start,
-                    min(end, req.prompt_len),
-                    req.blocks,
-                    req.d_blocks,
-                    req.mamba_mode,
-                    req.num_spec,
-                )
-            )
+            if req.waiting:
+                held.append((req, start, end))
+                continue
+            req.state = Status.TRANSFERRING
+            step_req = self._step_request(req, start, end)
+            if step_req is not None:
+                by_peer.setdefault(req.peer, []).append(step_req)
         batches = []
         for endpoint, steps in by_peer.items():
             peer = self._peers.table.get(endpoint)
@@ -201,7 +252,37 @@ class SendSide:
                 continue
             batches.append(Batch(endpoint, peer.te_session, peer.planners[msg.rank], steps))
         event, release = self._event(agent, msg, by_peer)
-        task = LayerTask(msg.step, msg.layer, event, batches, release=release)
+        gate: Gate | None = None
+        if held:
+            gate = Gate()
+            for req, start, end in held:
+                req.backlog.append(Held(msg.step, msg.layer, start, end, gate))
+        task = LayerTask(msg.step, msg.layer, event, batches, release=release, gate=gate)
+        await self._queue(agent, task)
+        if step is not None:
+            step.seen.add(msg.layer)
+            # Engines signal layers in their own order (state layers only after the forward
+            # pass), so the step ends when every layer was signalled, not at the last index.
+            if ALL_LAYERS in step.seen or len(step.seen) >= len(agent.desc.placements):
+                agent.steps.pop(msg.step, None)
+
+    def _step_request(self, req: SendRequest, start: int, end: int) -> StepRequest | None:
+        """``req``'s slice ``[start, end)`` to plan, without the tokens decode already holds;
+        None when nothing of it is left (the slice carrying the prompt's end always is)."""
+        if end < req.prompt_len and end <= req.skip:
+            return None
+        return StepRequest(
+            req.id,
+            req.prompt_len,
+            max(start, req.skip),
+            min(end, req.prompt_len),
+            req.blocks,
+            req.d_blocks,
+            req.mamba_mode,
+            req.num_spec,
+        )
+
+    async def _queue(self, agent: Agent, task: LayerTask) -> None:
         assert agent.stream is not None
         try:
             try:
@@ -209,15 +290,9 @@ class SendSide:
             except Exception:  # full: back-pressure the engine link without blocking the loop
                 await asyncio.to_thread(agent.stream.put, task, self._settings.send_timeout_s)
         except BaseException:
-            if release is not None:
-                release()  # never queued: the engine must get its slot back
+            if task.release is not None:
+                task.release()  # never queued: the engine must get its slot back
             raise
-        if step is not None:
-            step.seen.add(msg.layer)
-            # Engines signal layers in their own order (state layers only after the forward
-            # pass), so the step ends when every layer was signalled, not at the last index.
-            if ALL_LAYERS in step.seen or len(step.seen) >= len(agent.desc.placements):
-                agent.steps.pop(msg.step, None)
 
     def _event(
         self, agent: Agent, msg: LayerReady, by_peer: dict[str, list[StepRequest]]
@@ -435,7 +510,7 @@ class SendSide:
             await self.drained(req)
 
     def live_peers(self) -> set[str]:
-        return {r.peer for a in self._agents.values() for r in a.sends.values()}
+        return {r.peer for a in self._agents.values() for r in a.sends.values() if r.peer}
 
 
 def _why(reply: Msg) -> str:

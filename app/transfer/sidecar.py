@@ -58,6 +58,7 @@ from app.transfer.protocol import (
     Rejected,
     Reply,
     Role,
+    SetTarget,
     SidecarInfo,
     Status,
 )
@@ -361,6 +362,8 @@ class Sidecar:
                 return await self.registry.register_engine(msg.registration)
             if isinstance(msg, AddSend):
                 return await self.send.add(msg)
+            if isinstance(msg, SetTarget):
+                return self.send.set_target(msg)
             if isinstance(msg, ExpectRecv):
                 return self.recv.expect(msg)
             if isinstance(msg, BeginStep):

@@ -27,6 +27,7 @@ import zmq
 from app.transfer.auth import FrameAuth, user_key
 from app.transfer.control import ONE_WAY
 from app.transfer.protocol import (
+    PROTOCOL_VERSION,
     AddSend,
     BeginStep,
     Done,
@@ -142,7 +143,7 @@ def _payload(rng: random.Random, kind: int) -> bytes:
             return head + rng.randbytes(rng.randrange(16))
         return b"\x82\xa4type\xaaadd_send\xa9block_ids" + head + rng.randbytes(8)
     if kind == 3:  # real tags, wrong field types
-        msg = {"type": rng.choice(TAGS), "version": 1}
+        msg = {"type": rng.choice(TAGS), "version": PROTOCOL_VERSION}
         for f in rng.sample(FIELDS, rng.randrange(1, 7)):
             msg[f] = _junk(rng)
         return msgspec.msgpack.encode(msg)
@@ -155,7 +156,15 @@ def _payload(rng: random.Random, kind: int) -> bytes:
         return msgspec.msgpack.encode(v)
     # not a map at all, or an unknown tag
     return msgspec.msgpack.encode(
-        rng.choice([[1, 2, 3], 7, "hello", {"type": "nope", "version": 1}, {"version": 1}])
+        rng.choice(
+            [
+                [1, 2, 3],
+                7,
+                "hello",
+                {"type": "nope", "version": PROTOCOL_VERSION},
+                {"version": PROTOCOL_VERSION},
+            ]
+        )
     )
 
 

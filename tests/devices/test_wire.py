@@ -14,7 +14,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
-from app.transfer.protocol import LayerReady, RegisterEngine, decode, encode
+from app.transfer.protocol import PROTOCOL_VERSION, LayerReady, RegisterEngine, decode, encode
 
 
 def _register(**kw: object) -> RegisterEngine:
@@ -27,7 +27,7 @@ def _register(**kw: object) -> RegisterEngine:
 
 def test_a_layer_ready_without_a_slot_means_no_event() -> None:
     old = msgspec.msgpack.encode(
-        {"type": "layer_ready", "version": 1, "rank": 0, "step": 3, "layer": 1}
+        {"type": "layer_ready", "version": PROTOCOL_VERSION, "rank": 0, "step": 3, "layer": 1}
     )
     msg = decode(old)
     assert isinstance(msg, LayerReady) and (msg.slot, msg.seq) == (-1, 0)
@@ -39,7 +39,14 @@ def test_a_layer_ready_without_a_slot_means_no_event() -> None:
 @pytest.mark.parametrize(("field", "value"), [("slot", -2), ("slot", 64), ("seq", -1)])
 def test_layer_ready_bounds(field: str, value: int) -> None:
     frame = msgspec.msgpack.encode(
-        {"type": "layer_ready", "version": 1, "rank": 0, "step": 0, "layer": 0, field: value}
+        {
+            "type": "layer_ready",
+            "version": PROTOCOL_VERSION,
+            "rank": 0,
+            "step": 0,
+            "layer": 0,
+            field: value,
+        }
     )
     with pytest.raises(ProtocolError, match=field):
         decode(frame)

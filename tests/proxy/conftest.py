@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from app.proxy import ProxyConfig, create_proxy
+from app.proxy import Flow, ProxyConfig, create_proxy
 from tests.conftest import wait_for as shared_wait_for
 
 TARGET_BLOCKS = [[3, 4, 5], [9]]
@@ -90,6 +90,7 @@ class Seen:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -116,6 +117,10 @@ class FakeVLLM:
         self.answers: list[bytes] = []  # exact bytes of each answer (streams: joined)
         # Decode: whether prefill had the prompt before we answered, by transfer id.
         self.prefill_first: dict[str, bool] = {}
+        # Prefill, concurrent flow: what fetching the target answered (status, body), by id.
+        self.fetched: dict[str, tuple[int, dict[str, Any]]] = {}
+        self._fetches: set[asyncio.Task[None]] = set()
+        self.posted_at: dict[str, float] = {}  # decode: when it posted each target
         self.disconnected = threading.Event()
         self.app = self._build()
         self.server: ServerThread | None = None
@@ -162,7 +167,11 @@ class FakeVLLM:
             self.shared.order.append(self.name)
         b = self.behaviour
         kv = body.get("kv_transfer_params") or {}
-        if kv.get("do_remote_decode"):
+        if kv.get("router_url") and kv.get("do_remote_decode"):
+            # Concurrent: fetch the target as the connector does, without holding the answer;
+            # decode (which really waits for the KV) waits for the fetch.
+            self._fetches.add(asyncio.create_task(self._fetch_target(kv)))
+        elif kv.get("do_remote_decode"):
             self.shared.seen(kv["transfer_id"]).set()
         if kv.get("do_remote_prefill") and b.post_target:
             await self._post_target(kv)
@@ -195,11 +204,26 @@ class FakeVLLM:
         )
         if self._client is None:
             self._client = httpx.AsyncClient(trust_env=False)
+        self.posted_at[tid] = time.monotonic()
         r = await self._client.post(kv["router_url"], json=payload, timeout=5)
         self.posts.append((payload, r.status_code, r.json()))
         if r.status_code == 200 and "target" in payload:
             seen = await asyncio.to_thread(self.shared.seen(tid).wait, b.prefill_wait_s)
             self.prefill_first[tid] = seen
+
+    async def _fetch_target(self, kv: dict[str, Any]) -> None:
+        if self._client is None:
+            self._client = httpx.AsyncClient(trust_env=False)
+        tid = kv["transfer_id"]
+        try:
+            r = await self._client.get(
+                f"{kv['router_url']}/{tid}",
+                params={"timeout_s": kv["target_timeout_s"]},
+                timeout=10,
+            )
+            self.fetched[tid] = (r.status_code, r.json())
+        finally:
+            self.shared.seen(tid).set()
 
     async def _gone_within(self, request: Request, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -265,7 +289,14 @@ class Cluster:
             prefill=tuple(f.url for f in self.prefill),
             decode=tuple(f.url for f in self.decode),
             public_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
-            **{"target_timeout_s": 5.0, "request_timeout_s": 10.0, "health_interval_s": 30.0} | cfg,
+            **{
+                "target_timeout_s": 5.0,
+                "request_timeout_s": 10.0,
+                "health_interval_s": 30.0,
+                # The flow most of these tests pin down; test_concurrent_flow.py the default.
+                "flow": Flow.DECODE_FIRST,
+            }
+            | cfg,
         )
         self.proxy = ServerThread(create_proxy(config), sock).start()
         return self

@@ -372,6 +372,23 @@ class DecodeStub:
         return None
 
 
+def target(
+    rid: str = "r1", d_ids: list[list[int]] = MINE, epoch: str = D_EPOCH, computed: int = 0
+) -> RemoteTarget:
+    """The fake decode's target for ``rid``."""
+    host, port = D_ENDPOINT.removeprefix("tcp://").rsplit(":", 1)
+    return RemoteTarget(
+        request_id=rid,
+        host=host,
+        port=int(port),
+        engine_id=D_ENGINE,
+        epoch=epoch,
+        tp_size=1,
+        block_ids=d_ids,
+        computed=computed,
+    )
+
+
 @dataclass
 class Prefill:
     """A prefill sidecar's send side writing to the fake decode ``D_ENDPOINT``."""
@@ -386,24 +403,21 @@ class Prefill:
     lost: Lost
 
     async def add(
-        self, rid: str = "r1", d_ids: list[list[int]] = MINE, epoch: str = D_EPOCH
+        self,
+        rid: str = "r1",
+        d_ids: list[list[int]] = MINE,
+        epoch: str = D_EPOCH,
+        *,
+        waiting: bool = False,
     ) -> Msg:
-        host, port = D_ENDPOINT.removeprefix("tcp://").rsplit(":", 1)
+        """Admit ``rid`` with its target, or ``waiting`` for one (concurrent dispatch)."""
         return await self.side.add(
             AddSend(
                 rank=0,
                 request=rid,
                 prompt_len=40,
                 block_ids=ids([7, 8, 9]),
-                remote=RemoteTarget(
-                    request_id=rid,
-                    host=host,
-                    port=int(port),
-                    engine_id=D_ENGINE,
-                    epoch=epoch,
-                    tp_size=1,
-                    block_ids=d_ids,
-                ),
+                remote=None if waiting else target(rid, d_ids, epoch),
             )
         )
 

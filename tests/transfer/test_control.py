@@ -19,6 +19,7 @@ from app.transfer.control import ONE_WAY, ClientClosed
 from app.transfer.control_client import PeerClient
 from app.transfer.control_server import ControlServer
 from app.transfer.protocol import (
+    PROTOCOL_VERSION,
     Abort,
     Ack,
     AnyMsg,
@@ -248,7 +249,11 @@ async def test_malformed_frames_get_error_and_loop_keeps_serving(
             future = Hello(compat_hash="x", engine_id="e", role=Role.PREFILL, version=99)
             cases: list[tuple[list[bytes], bytes, str]] = [
                 ([corr, b"\xc1garbage"], corr, "malformed frame"),
-                ([corr, msgspec.msgpack.encode({"type": "nope", "version": 1})], corr, "malformed"),
+                (
+                    [corr, msgspec.msgpack.encode({"type": "nope", "version": PROTOCOL_VERSION})],
+                    corr,
+                    "malformed",
+                ),
                 ([corr, encode(future)], corr, "version 99"),
                 ([corr, encode(hello()), b"extra"], corr, "got 3 frame(s)"),
                 ([encode(hello())], b"", "got 1 frame(s)"),

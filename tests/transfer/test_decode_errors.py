@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from app.errors import ProtocolError
-from app.transfer.protocol import Hello, Role, decode, encode
+from app.transfer.protocol import PROTOCOL_VERSION, Hello, Role, decode, encode
 
 HELLO = msgspec.msgpack.decode(encode(Hello(compat_hash="c", engine_id="e", role=Role.PREFILL)))
 
@@ -25,7 +25,7 @@ CASES = {
     "map with array keys": b"\x81\x91\x01\x01",
     "bool version": msgspec.msgpack.encode({**HELLO, "version": True}),
     "huge int": b"\xcf" + b"\xff" * 8,
-    "unknown tag": msgspec.msgpack.encode({"type": "x" * 5000, "version": 1}),
+    "unknown tag": msgspec.msgpack.encode({"type": "x" * 5000, "version": PROTOCOL_VERSION}),
 }
 
 
@@ -47,6 +47,8 @@ def test_error_says_what_was_expected_and_what_came() -> None:
 
 
 def test_newer_version_is_named_not_its_fields() -> None:
-    frame = msgspec.msgpack.encode({**HELLO, "version": 2, "new_field": [1, 2]})
-    with pytest.raises(ProtocolError, match="protocol version 2 is not supported"):
+    frame = msgspec.msgpack.encode({**HELLO, "version": PROTOCOL_VERSION + 1, "new_field": [1, 2]})
+    with pytest.raises(
+        ProtocolError, match=f"protocol version {PROTOCOL_VERSION + 1} is not supported"
+    ):
         decode(frame)

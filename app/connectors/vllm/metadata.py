@@ -13,15 +13,32 @@ BlockIds = list[list[int]]
 
 @dataclass(frozen=True)
 class Admit:
-    """A prefill request to admit at the sidecar: ``sid`` is the id both sidecars use."""
+    """A prefill request to admit at the sidecar: ``sid`` is the id both sidecars use.
+
+    Without ``remote`` (concurrent dispatch) each worker fetches decode's target from
+    ``router_url`` and hands it to its sidecar rank."""
 
     req_id: str
     sid: str
     prompt_len: int
     block_ids: BlockIds
-    remote: RemoteTarget
+    remote: RemoteTarget | None
     mamba_mode: str = "none"
     num_spec: int = 0
+    router_url: str | None = None
+    target_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Expect:
+    """A decode request every worker's sidecar rank expects; rank 0 then posts its target."""
+
+    req_id: str
+    sid: str
+    prompt_len: int
+    block_ids: BlockIds
+    computed: int  # prompt tokens decode's own prefix cache holds: prefill skips them
+    router_url: str | None
 
 
 @dataclass(frozen=True)
@@ -32,15 +49,6 @@ class Slice:
     start: int
     end: int
     block_ids: BlockIds | None = None
-
-
-@dataclass(frozen=True)
-class Target:
-    """A decode request's target, for the router once the worker ran the allocating step."""
-
-    router_url: str
-    transfer_id: str
-    target: RemoteTarget
 
 
 @dataclass(frozen=True)
@@ -58,9 +66,6 @@ class PoolJob:
 class KVSidecarMetadata(KVConnectorMetadata):
     admits: list[Admit] = field(default_factory=list)
     slices: list[Slice] = field(default_factory=list)
-    targets: list[Target] = field(default_factory=list)
-    # Decode requests the sidecar never took (it refused or did not answer): the worker
-    # reports them as failed loads so vLLM recomputes them instead of waiting forever.
-    failed_recvs: list[str] = field(default_factory=list)
+    expects: list[Expect] = field(default_factory=list)
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)

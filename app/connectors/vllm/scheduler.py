@@ -1,12 +1,17 @@
 """The scheduler side: which requests load remotely (decode) or send (prefill), and their blocks.
 
-Decode first (DESIGN §2): a decode request with ``do_remote_prefill`` loads the prompt minus the
-one token decode recomputes, asynchronously. Once its blocks are allocated the scheduler has the
-sidecar expect it on every rank (so no ``Done`` can arrive for an unknown request) and queues its
-target; a worker posts the target to the router after the step that allocated (and zeroed) the
-blocks ran, so the prefill's writes cannot land before vLLM's zeroing. A prefill request with
-``do_remote_decode`` is admitted at the sidecar by the workers and keeps its blocks until the
-sidecar reports the send ended.
+It never waits on the sidecar: vLLM calls these hooks inside its scheduler loop, so every
+sidecar call happens on the workers (or, for pool lookups, on a thread of their own).
+
+A decode request with ``do_remote_prefill`` loads the prompt minus the one token decode
+recomputes (and minus what its own prefix cache holds), asynchronously. Once its blocks are
+allocated, every worker has its sidecar rank expect it before the step's forward pass (so no
+``Done`` can arrive for an unknown request), and rank 0 posts its target to the router after
+that step ran (so the prefill's writes cannot land before vLLM's zeroing). A prefill request
+with ``do_remote_decode`` is admitted at the sidecar by the workers, with decode's target
+(decode first) or without it (concurrent: the workers fetch it from the router), and keeps its
+blocks until the sidecar reports the send ended. Both sidecars know the transfer by the
+proxy's transfer id.
 
 With ``"pool": true`` any other request (and a prefill's before it computes) first asks the
 sidecar's KV pool for the longest prefix hit and loads it asynchronously; a finished request's
@@ -19,18 +24,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.lookups import PoolLookups
 from app.connectors.vllm.metadata import (
     Admit,
     BlockIds,
+    Expect,
     KVSidecarMetadata,
     PoolJob,
     Slice,
-    Target,
 )
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
@@ -42,7 +47,9 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Send:
     sid: str
-    remote: RemoteTarget
+    remote: RemoteTarget | None  # None: the workers fetch it from ``router_url``
+    router_url: str | None
+    target_timeout_s: float
     prompt_len: int  # the whole prompt, as decode has it
     block_ids: BlockIds
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
@@ -55,9 +62,9 @@ class _Send:
 class _State:
     sends: dict[str, _Send] = field(default_factory=dict)  # vLLM request id -> send
     unfinished_sends: set[str] = field(default_factory=set)  # kept blocks, awaiting the sidecar
-    recvs: dict[str, BlockIds] = field(default_factory=dict)  # decode requests expected
-    targets: list[Target] = field(default_factory=list)
-    failed_recvs: list[str] = field(default_factory=list)
+    recvs: dict[str, str] = field(default_factory=dict)  # decode requests expected -> sid
+    expects: list[Expect] = field(default_factory=list)
+    local_hits: dict[str, int] = field(default_factory=dict)  # decode's own prefix hit
     pool_hits: dict[str, int] = field(default_factory=dict)  # tokens to load, by request
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)
@@ -81,10 +88,12 @@ class SchedulerSide:
         self.mamba_mode = str(states[0].mamba_cache_mode) if states else "none"
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
+        self.lookups = PoolLookups(config) if config.pool else None
         self._links: list[EngineLink] | None = None
 
     @property
     def links(self) -> list[EngineLink]:
+        """One per rank, for one-way aborts only (they never wait for the sidecar)."""
         if self._links is None:
             self._links = [
                 EngineLink(
@@ -99,32 +108,35 @@ class SchedulerSide:
 
     # ---- vLLM hooks ------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed: int
+    ) -> tuple[int | None, bool]:
         p = _params(request)
         if p.get("do_remote_decode"):
             self._truncate(request)
         if not p.get("do_remote_prefill"):
             return self._pool_hit(request, num_computed)
-        if request.request_id in self.state.recvs:
+        rid = request.request_id
+        if rid in self.state.recvs:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
         count = len(request.prompt_token_ids) - 1 - num_computed
         if count <= 0:
             return 0, False
+        self.state.local_hits[rid] = num_computed
         return count, True
 
-    def _pool_hit(self, request: Any, num_computed: int) -> tuple[int, bool]:
-        """Tokens the KV pool serves beyond what vLLM has; at least the last prompt token is
-        left to compute (vLLM needs its logits)."""
+    def _pool_hit(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """Tokens the KV pool serves beyond what vLLM has (None while the lookup runs: vLLM
+        asks again next step); at least the last prompt token is left to compute (vLLM needs
+        its logits)."""
         rid = request.request_id
         self.state.pool_hits.pop(rid, None)
-        if not self.config.pool:
+        if self.lookups is None:
             return 0, False
-        try:
-            hit = self.links[0].pool_lookup(rid, request.prompt_token_ids[:-1])
-        except KVSidecarError as e:
-            log.warning("request %s: KV pool lookup failed (%s); computing it", rid, e)
-            return 0, False
+        hit = self.lookups.hit(rid, request.prompt_token_ids[:-1])
+        if hit is None:
+            return None, False
         if hit <= num_computed:
             return 0, False
         self.state.pool_hits[rid] = hit
@@ -154,65 +166,62 @@ class SchedulerSide:
             tokens = list(request.prompt_token_ids[:hit])
             self.state.pool_loads.append(PoolJob(rid, tokens, ids, hit))
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
-            self._expect(request, p, ids)
+            # The proxy's transfer id names the transfer on both sidecars; without a proxy,
+            # this engine's request id.
+            sid = str(p.get("transfer_id") or rid)
+            self.state.recvs[rid] = sid
+            self.state.expects.append(
+                Expect(
+                    rid,
+                    sid,
+                    len(request.prompt_token_ids),
+                    ids,
+                    self.state.local_hits.pop(rid, 0),
+                    p.get("router_url"),
+                )
+            )
+            if not p.get("router_url"):
+                log.warning(
+                    "request %s: no router_url in kv_transfer_params; nobody will send", rid
+                )
         elif p.get("do_remote_decode") and rid not in self.state.sends:
-            if p.get("remote") is None:
-                log.error("request %s: do_remote_decode without a remote target; not sent", rid)
-                return
+            send = self._send(request, p, ids)
+            if send is not None:
+                self.state.sends[rid] = send
+
+    def _send(self, request: Any, p: dict[str, Any], ids: BlockIds) -> _Send | None:
+        rid = request.request_id
+        remote: RemoteTarget | None = None
+        if p.get("remote") is not None:
             try:
                 remote = remote_target(p["remote"])
             except ProtocolError as e:
                 # As a missing target: no send; decode's deadline ends its side (it recomputes).
                 log.error("request %s: %s; not sent", rid, e)
-                return
-            # The sidecar plans with the whole prompt (decode loads all but its last token);
-            # a truncated prefill computes exactly those, and its last slice ends the prompt.
-            computes = len(request.prompt_token_ids)
-            whole = computes + 1 if p.get("_kvs_truncated") else computes
-            self.state.sends[rid] = _Send(remote.request_id, remote, whole, ids, computes)
-
-    def _expect(self, request: Any, p: dict[str, Any], ids: BlockIds) -> None:
-        rid = request.request_id
-        self.state.recvs[rid] = ids
-        arrays = [np.asarray(g, np.int64) for g in ids]
-        try:
-            for link in self.links:
-                link.expect_receive(
-                    rid,
-                    len(request.prompt_token_ids),
-                    arrays,
-                    self.config.prefill_tp,
-                    timeout_s=self.config.recv_timeout_s,
-                )
-            info = self.links[0].sidecar_info()
-        except KVSidecarError as e:
-            log.error("request %s: the sidecar did not take it (%s); recomputing locally", rid, e)
-            self.state.failed_recvs.append(rid)
-            return
-        router = p.get("router_url")
-        if not router:
-            log.warning("request %s: no router_url in kv_transfer_params; nobody will send", rid)
-            return
-        target = RemoteTarget(
-            request_id=rid,
-            host=str(info["host"]),
-            port=int(info["port"] or 0),  # none (0) is refused by prefill's remote_target
-            engine_id=str(info["engine_id"]),
-            epoch=str(info["epoch"]),
-            tp_size=self.config.tp_size,
-            block_ids=ids,
-        )
-        self.state.targets.append(Target(str(router), str(p.get("transfer_id", rid)), target))
+                return None
+            sid = remote.request_id
+        elif p.get("router_url") and p.get("transfer_id"):
+            sid = str(p["transfer_id"])  # concurrent: the target comes later, by this id
+        else:
+            log.error(
+                "request %s: do_remote_decode without a remote target or a router_url and "
+                "transfer_id to fetch one; not sent",
+                rid,
+            )
+            return None
+        # The sidecar plans with the whole prompt (decode loads all but its last token);
+        # a truncated prefill computes exactly those, and its last slice ends the prompt.
+        computes = len(request.prompt_token_ids)
+        whole = computes + 1 if p.get("_kvs_truncated") else computes
+        timeout = float(p.get("target_timeout_s") or 30.0)
+        return _Send(sid, remote, p.get("router_url"), timeout, whole, ids, computes)
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
         meta = KVSidecarMetadata(
-            targets=st.targets,
-            failed_recvs=st.failed_recvs,
-            pool_loads=st.pool_loads,
-            pool_saves=st.pool_saves,
+            expects=st.expects, pool_loads=st.pool_loads, pool_saves=st.pool_saves
         )
-        st.targets, st.failed_recvs, st.pool_loads, st.pool_saves = [], [], [], []
+        st.expects, st.pool_loads, st.pool_saves = [], [], []
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -224,10 +233,12 @@ class SchedulerSide:
                         new.req_id,
                         send.sid,
                         send.prompt_len,
-                        send.block_ids,
+                        _copy(send.block_ids),  # the send's own list grows with later steps
                         send.remote,
                         self.mamba_mode,
                         self.num_spec,
+                        send.router_url,
+                        send.target_timeout_s,
                     )
                 )
                 send.admitted = True
@@ -251,7 +262,8 @@ class SchedulerSide:
             # Tokens loaded from the pool were never computed in a step: the first slice
             # carries them (they are final before this step runs).
             start = computed[rid] if send.sliced else 0
-            meta.slices.append(Slice(send.sid, start, end, send.block_ids if send.grown else None))
+            grown = _copy(send.block_ids) if send.grown else None
+            meta.slices.append(Slice(send.sid, start, end, grown))
             send.grown, send.sliced = False, True
         for rid in out.preempted_req_ids or ():
             # A preempted prefill lost its blocks: the send cannot finish; decode recomputes.
@@ -263,11 +275,15 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self.state.pool_hits.pop(rid, None)
-        if self.state.recvs.pop(rid, None) is not None:
+        self.state.local_hits.pop(rid, None)
+        if self.lookups is not None:
+            self.lookups.forget(rid)
+        sid = self.state.recvs.pop(rid, None)
+        if sid is not None:
             if request.status == RequestStatus.FINISHED_ABORTED:
-                self._abort_all(rid, "decode request aborted")
+                self._abort_all(sid, "decode request aborted")
             # The id both sidecars know the transfer by, for curl on their admin APIs.
-            return False, {"kv_sidecar_request_id": rid}
+            return False, {"kv_sidecar_request_id": sid}
         keep = self._pool_save(request, block_ids)
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
@@ -310,10 +326,16 @@ class SchedulerSide:
     def _abort_all(self, sid: str, reason: str) -> None:
         for link in self.links:
             try:
-                link.abort(sid, reason)
+                link.abort(sid, reason, wait=False)
             except KVSidecarError as e:
-                log.warning("abort of %s on rank %d failed: %s", sid, link.rank, e)
+                log.warning("abort of %s on rank %d not sent: %s", sid, link.rank, e)
 
     def close(self) -> None:
+        if self.lookups is not None:
+            self.lookups.close()
         for link in self._links or ():
             link.close(unlink=False)
+
+
+def _copy(ids: BlockIds) -> BlockIds:
+    return [list(g) for g in ids]

@@ -1,10 +1,13 @@
 """The worker side: registration, admissions, per-layer signals and completions for one rank.
 
-Prefill: each step's send slices go to the sidecar before the forward pass (``begin_step``);
-``save_kv_layer`` signals each attention/MLA layer as its KV is written, ``wait_for_save`` the
-layers vLLM does not call it for. Decode: nothing to do per layer (the prefill pushes); the
-sidecar's ``Finished`` tells which requests landed and which failed (vLLM's ``failed_recving``:
-it recomputes them). Pool loads and stores run on their own thread
+Prefill: each step's admissions and send slices go to the sidecar before the forward pass
+(``begin_step``); ``save_kv_layer`` signals each attention/MLA layer as its KV is written,
+``wait_for_save`` the layers vLLM does not call it for. A send admitted without a target
+(concurrent dispatch) gets it from the router on a thread of its own. Decode: each step's new
+requests are expected at the sidecar before the forward pass, and rank 0 posts their targets
+to the router after it; nothing to do per layer (the prefill pushes); the sidecar's
+``Finished`` tells which requests landed and which failed (vLLM's ``failed_recving``: it
+recomputes them). Pool loads and stores run on their own thread
 (``pool.PoolJobs``) and end through ``get_finished`` the same way.
 """
 
@@ -21,7 +24,7 @@ import numpy as np
 
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.metadata import KVSidecarMetadata, Target
+from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
 from app.devices import Device, Event
@@ -30,6 +33,7 @@ from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.service import InProcessAgent
 from app.transfer.planner import MambaMode
+from app.transfer.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +52,56 @@ def allow_amx() -> None:
         torch.cpu._init_amx()
 
 
-def post_target(target: Target, timeout_s: float = 5.0) -> None:
-    """Hand a decode target to the router (which then sends the prompt to a prefill)."""
+def decode_target(e: Expect, info: dict[str, Any], tp_size: int) -> RemoteTarget:
+    """Where prefill writes an expected request: this sidecar (``sidecar_info``) and its blocks."""
+    return RemoteTarget(
+        request_id=e.sid,
+        host=str(info["host"]),
+        port=int(info["port"] or 0),  # none (0) is refused by prefill's remote_target
+        engine_id=str(info["engine_id"]),
+        epoch=str(info["epoch"]),
+        tp_size=tp_size,
+        block_ids=e.block_ids,
+        computed=e.computed,
+    )
+
+
+def post_target(
+    router_url: str, transfer_id: str, target: RemoteTarget, timeout_s: float = 5.0
+) -> None:
+    """Hand a decode target to the router (which gives it to the prefill)."""
     try:
         r = httpx.post(
-            target.router_url,
+            router_url,
             # JSON-able builtins; prefill's connector reads them back with ``remote_target``.
-            json={"transfer_id": target.transfer_id, "target": msgspec.to_builtins(target.target)},
+            json={"transfer_id": transfer_id, "target": msgspec.to_builtins(target)},
             timeout=timeout_s,
         )
         if r.status_code != 200:
-            log.error("router refused target %s: %s %s", target.transfer_id, r.status_code, r.text)
+            log.error("router refused target %s: %s %s", transfer_id, r.status_code, r.text)
     except httpx.HTTPError as e:
-        log.error(
-            "router %s unreachable for target %s: %s", target.router_url, target.transfer_id, e
+        log.error("router %s unreachable for target %s: %s", router_url, transfer_id, e)
+
+
+def fetch_target(router_url: str, transfer_id: str, timeout_s: float) -> RemoteTarget | str:
+    """Decode's target for a transfer, from the router (concurrent dispatch), or why none came.
+
+    The router holds the request until decode posted it, the transfer closed, or ``timeout_s``.
+    """
+    try:
+        r = httpx.get(
+            f"{router_url}/{transfer_id}",
+            params={"timeout_s": timeout_s},
+            timeout=timeout_s + 5.0,
         )
+    except httpx.HTTPError as e:
+        return f"router {router_url} unreachable: {e}"
+    if r.status_code != 200:
+        return f"router answered {r.status_code}: {r.text[:300]}"
+    try:
+        return remote_target(r.json().get("target"))
+    except (KVSidecarError, ValueError) as e:
+        return f"router sent no usable target: {e}"
 
 
 def _host_agent(config: ConnectorConfig, rank: int) -> InProcessAgent:
@@ -99,7 +138,12 @@ class WorkerSide:
         self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
         self._vllm_finished: set[str] = set()
         self._failed_recvs: list[str] = []
+        self._recv_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (loads)
+        self._to_post: list[Expect] = []  # rank 0: expected this step, targets posted after it
         self._posts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-router")
+        # Each holds a send's target fetch, which waits until decode posted it: one per
+        # concurrent request in flight.
+        self._fetches = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvs-target")
         self.pool = PoolJobs(config, rank) if config.pool else None
         self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
         self._lock = threading.Lock()
@@ -139,22 +183,10 @@ class WorkerSide:
         )
 
     def start_load_kv(self, meta: KVSidecarMetadata) -> None:
+        for e in meta.expects:
+            self._expect(e)
         for a in meta.admits:
-            self._vllm_ids[a.sid] = a.req_id
-            try:
-                self.link.add_send_request(
-                    a.sid,
-                    a.prompt_len,
-                    [np.asarray(g, np.int64) for g in a.block_ids],
-                    a.remote,
-                    mamba_mode=MambaMode(a.mamba_mode),
-                    num_spec=a.num_spec,
-                )
-            except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
-                # A refusal also reaches decode (the sidecar tells it, or decode's deadline
-                # passes); the blocks go back to vLLM once the request finishes here.
-                log.error("request %s: the sidecar did not take the send: %s", a.req_id, e)
-                self._sent.add(a.sid)
+            self._admit(a)
         self._active = bool(meta.slices)
         self._signalled = set()
         if self._active:
@@ -170,8 +202,61 @@ class WorkerSide:
                 # once its sidecar gives up waiting.
                 log.error("step %d not announced to the sidecar: %s", self._step, e)
                 self._active = False
-        with self._lock:
-            self._failed_recvs.extend(meta.failed_recvs)
+
+    def _expect(self, e: Expect) -> None:
+        """Before the forward pass (and so before rank 0 posts the target): no ``Claim`` can
+        reach a rank that does not know the request yet."""
+        self._recv_ids[e.sid] = e.req_id
+        try:
+            self.link.expect_receive(
+                e.sid,
+                e.prompt_len,
+                [np.asarray(g, np.int64) for g in e.block_ids],
+                self.config.prefill_tp,
+                timeout_s=self.config.recv_timeout_s,
+            )
+        except KVSidecarError as err:
+            log.error("request %s: the sidecar did not take it (%s); recomputing", e.req_id, err)
+            self._recv_ids.pop(e.sid, None)
+            with self._lock:
+                self._failed_recvs.append(e.req_id)
+            return
+        if self.rank == 0 and e.router_url:
+            self._to_post.append(e)
+
+    def _admit(self, a: Admit) -> None:
+        self._vllm_ids[a.sid] = a.req_id
+        try:
+            self.link.add_send_request(
+                a.sid,
+                a.prompt_len,
+                [np.asarray(g, np.int64) for g in a.block_ids],
+                a.remote,
+                mamba_mode=MambaMode(a.mamba_mode),
+                num_spec=a.num_spec,
+            )
+        except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
+            # A refusal also reaches decode (the sidecar tells it, or decode's deadline
+            # passes); the blocks go back to vLLM once the request finishes here.
+            log.error("request %s: the sidecar did not take the send: %s", a.req_id, e)
+            self._sent.add(a.sid)
+            return
+        if a.remote is None and a.router_url:
+            self._fetches.submit(self._fetch, a.router_url, a.sid, a.target_timeout_s)
+
+    def _fetch(self, router_url: str, sid: str, timeout_s: float) -> None:
+        """Wait for decode's target and hand it to this rank's sidecar; without one, end the
+        send now (its blocks go back) instead of at the sidecar's deadline."""
+        got = fetch_target(router_url, sid, timeout_s)
+        try:
+            if isinstance(got, str):
+                log.warning("send %s: no target (%s); ending it", sid, got)
+                self.link.abort(sid, f"no target from decode: {got}")
+            else:
+                self.link.set_target(sid, got)
+        except KVSidecarError as e:
+            # Ended already (its deadline, an abort): the sidecar reports it in get_finished.
+            log.warning("send %s: %s", sid, e)
 
     def save_kv_layer(self, layer_name: str) -> None:
         if not self._active:
@@ -197,9 +282,8 @@ class WorkerSide:
             self._active = False
         if meta is None:
             return
-        if self.rank == 0:
-            for t in meta.targets:
-                self._posts.submit(post_target, t)
+        if self._to_post:
+            self._post_targets()
         if self.pool is not None:
             # After the forward pass: vLLM has zeroed newly allocated blocks by now.
             for job in meta.pool_loads:
@@ -207,6 +291,19 @@ class WorkerSide:
             for job in meta.pool_saves:
                 self._saving.add(job.req_id)
                 self.pool.save(job)
+
+    def _post_targets(self) -> None:
+        """Rank 0, after the step that allocated (and zeroed) the blocks ran."""
+        expects, self._to_post = self._to_post, []
+        try:
+            info = self.link.sidecar_info()
+        except KVSidecarError as err:
+            log.error("sidecar info unavailable (%s); %d target(s) not posted", err, len(expects))
+            return  # the sidecar's deadline ends those loads; vLLM recomputes them
+        for e in expects:
+            assert e.router_url is not None
+            target = decode_target(e, info, self.config.tp_size)
+            self._posts.submit(post_target, e.router_url, e.sid, target)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sends ended, loads ended, loads among them that failed).
@@ -220,7 +317,7 @@ class WorkerSide:
         except KVSidecarError as e:
             log.error("sidecar unreachable for get_finished: %s", e)
             fin = FinishedRequests([], [], [])
-        recving = set(fin.recving)
+        recving = {self._recv_ids.pop(sid, sid) for sid in fin.recving}
         failed: set[str] = set()
         for sid in fin.sending:
             self._sent.add(sid)
@@ -232,7 +329,7 @@ class WorkerSide:
                 log.warning(
                     "load of %s ended %s: %s; recomputing", f.request, f.status.name, f.error
                 )
-                failed.add(f.request)
+                failed.add(self._recv_ids.pop(f.request, f.request))
         with self._lock:
             failed.update(self._failed_recvs)
             self._failed_recvs = []
@@ -255,6 +352,7 @@ class WorkerSide:
 
     def close(self) -> None:
         self._posts.shutdown(wait=False)
+        self._fetches.shutdown(wait=False, cancel_futures=True)
         if self.pool is not None:
             self.pool.close()
         self.link.close(unlink=False)

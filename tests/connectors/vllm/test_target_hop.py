@@ -1,7 +1,9 @@
-"""The decode target's hop: decode's scheduler builds a RemoteTarget, it travels as JSON
-(through the proxy, untouched), prefill's scheduler reads it back in one place or refuses it.
+"""The decode target's hop: decode's connector builds a RemoteTarget, it travels as JSON
+(through the proxy, untouched), prefill's scheduler reads it back in one place or refuses it;
+concurrent, prefill admits without it and its workers fetch it by the transfer id.
 
-No engine here: the scheduler side with fake requests and a fake engine link (fast).
+No engine here: the scheduler side with fake requests (fast). The scheduler side never calls
+the sidecar in these hooks, so no engine link is needed.
 """
 
 from __future__ import annotations
@@ -15,25 +17,18 @@ import pytest
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
+from app.connectors.vllm.worker import decode_target
 from app.transfer.protocol import RemoteTarget
 
 CONFIG = ConnectorConfig("ipc:///nowhere", "e", 1, 1, None, 1.0)
-TARGET = RemoteTarget("d-req", "10.0.0.2", 5600, "d", "ep", 1, [[3, 4]])
+TARGET = RemoteTarget("t", "10.0.0.2", 5600, "d", "ep", 1, [[3, 4]], computed=1)
+INFO = {"host": "10.0.0.2", "port": 5600, "engine_id": "d", "epoch": "ep", "ready": True}
+ROUTER = "http://r/v1/kv_targets"
 
 
 class Blocks:
     def get_block_ids(self) -> tuple[list[int], ...]:
         return ([3, 4],)
-
-
-class Link:
-    rank = 0
-
-    def expect_receive(self, *args: Any, **kw: Any) -> None:
-        pass
-
-    def sidecar_info(self) -> dict[str, Any]:
-        return {"host": "10.0.0.2", "port": 5600, "engine_id": "d", "epoch": "ep", "ready": True}
 
 
 def request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
@@ -47,19 +42,42 @@ def over_http(obj: Any) -> Any:
 
 def test_decode_builds_the_target_prefill_reads() -> None:
     decode = SchedulerSide(CONFIG)
-    decode._links = [Link()]  # type: ignore[list-item]
-    params = {"do_remote_prefill": True, "router_url": "http://r/v1/kv_targets", "transfer_id": "t"}
-    decode.update_state_after_alloc(request("d-req", params), Blocks(), 2)
-    (posted,) = decode.state.targets
-    assert posted.transfer_id == "t" and posted.target == TARGET
+    params = {"do_remote_prefill": True, "router_url": ROUTER, "transfer_id": "t"}
+    req = request("d-req", params)
+    # Decode's own prefix cache holds 1 of the 3 tokens: it loads 1, prefill skips the first.
+    assert decode.get_num_new_matched_tokens(req, 1) == (1, True)
+    decode.update_state_after_alloc(req, Blocks(), 1)
+    (expect,) = decode.state.expects
+    assert (expect.req_id, expect.sid, expect.computed) == ("d-req", "t", 1)
+    posted = decode_target(expect, INFO, 1)
+    assert posted == TARGET
 
     prefill = SchedulerSide(CONFIG)
-    remote = over_http(msgspec.to_builtins(posted.target))
+    remote = over_http(msgspec.to_builtins(posted))
     prefill.update_state_after_alloc(
         request("p-req", {"do_remote_decode": True, "remote": remote}), Blocks(), 0
     )
     send = prefill.state.sends["p-req"]
-    assert send.sid == "d-req" and send.remote == TARGET
+    assert send.sid == "t" and send.remote == TARGET
+
+
+def test_concurrent_prefill_admits_without_a_target_by_transfer_id() -> None:
+    prefill = SchedulerSide(CONFIG)
+    params = {"do_remote_decode": True, "router_url": ROUTER, "transfer_id": "t"}
+    prefill.update_state_after_alloc(request("p-req", params), Blocks(), 0)
+    send = prefill.state.sends["p-req"]
+    assert (send.sid, send.remote, send.router_url) == ("t", None, ROUTER)
+
+
+def test_prefill_with_neither_target_nor_router_is_not_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefill = SchedulerSide(CONFIG)
+    with caplog.at_level(logging.ERROR):
+        prefill.update_state_after_alloc(
+            request("p-req", {"do_remote_decode": True, "transfer_id": "t"}), Blocks(), 0
+        )
+    assert prefill.state.sends == {} and "router_url" in caplog.text
 
 
 @pytest.mark.parametrize(
