@@ -49,6 +49,7 @@ from app.transfer.protocol import (
     RegisterEngine,
     RemoteTarget,
     Reply,
+    RequestTotals,
     SetTarget,
     SidecarInfo,
     StepSlice,
@@ -68,6 +69,7 @@ class FinishedRequests:
     failed: list[FailedRequest]
     bytes: int = 0  # this rank's totals so far, for summaries
     descriptors: int = 0
+    totals: tuple[RequestTotals, ...] = ()  # per request ended: bytes, duration (vLLM stats)
 
 
 class EngineLink:
@@ -227,7 +229,12 @@ class EngineLink:
         reply = self._call(GetFinished(rank=self.rank))
         assert isinstance(reply, Finished)
         return FinishedRequests(
-            reply.sending, reply.recving, reply.failed, reply.bytes, reply.descriptors
+            reply.sending,
+            reply.recving,
+            reply.failed,
+            reply.bytes,
+            reply.descriptors,
+            tuple(reply.totals),
         )
 
     def pool_lookup(

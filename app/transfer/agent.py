@@ -29,7 +29,7 @@ from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
-from app.transfer.protocol import FailedRequest, Status
+from app.transfer.protocol import FailedRequest, RequestTotals, Status
 from app.transfer.tp_mapping import senders
 
 log = logging.getLogger(__name__)
@@ -427,6 +427,28 @@ class Agent:
                 self.history.append(req)
         del self.history[:-256]
         return sending, recving, failed
+
+    def totals(
+        self, sending: list[str], recving: list[str], failed: list[FailedRequest]
+    ) -> list[RequestTotals]:
+        """Bytes and duration of each request ``finished`` just reported (for engine stats)."""
+        found: list[Request | None] = [self.recent(rid, SendRequest) for rid in sending]
+        found += [self.recent(rid, RecvRequest) for rid in recving]
+        found += [
+            self.recent(f.request, SendRequest) or self.recent(f.request, RecvRequest)
+            for f in failed
+        ]
+        return [
+            RequestTotals(
+                request=r.id,
+                side="send" if isinstance(r, SendRequest) else "recv",
+                status=r.state,
+                bytes=r.bytes,
+                duration_s=max(0.0, (r.finished_at or r.created) - r.created),
+            )
+            for r in found
+            if r is not None
+        ]
 
 
 def agent_of(agents: dict[int, Agent], rank: int) -> Agent:

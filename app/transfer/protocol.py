@@ -10,7 +10,7 @@ receiver.
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Annotated, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -261,12 +261,23 @@ class FailedRequest(msgspec.Struct):
     error: str
 
 
+class RequestTotals(msgspec.Struct, frozen=True):
+    """What one rank moved for one request it reports ended: the engine's transfer stats."""
+
+    request: str
+    side: Literal["send", "recv"]
+    status: Status
+    bytes: NonNegInt
+    duration_s: Annotated[float, msgspec.Meta(ge=0)]  # admission to the final state
+
+
 class Finished(Msg, tag="finished"):
     sending: list[str]
     recving: list[str]
     failed: list[FailedRequest]
     bytes: NonNegInt = 0
     descriptors: NonNegInt = 0
+    totals: list[RequestTotals] = []  # one per request in sending, recving and failed
 
 
 class AbortRequest(Msg, tag="abort_request"):

@@ -377,6 +377,7 @@ class Sidecar:
                     failed=failed,
                     bytes=sum(g.bytes for g in agent.groups.values()),
                     descriptors=sum(g.descriptors for g in agent.groups.values()),
+                    totals=agent.totals(sending, recving, failed),
                 )
             if isinstance(msg, SidecarInfo):
                 return Reply(data=self.info())

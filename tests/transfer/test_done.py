@@ -95,3 +95,20 @@ def test_done_for_a_stale_epoch_or_unknown_request_is_refused(decode: Decode) ->
     assert not decode.done(epoch="old").ok
     assert not decode.done("unknown").ok
     assert not decode.req().state.terminal
+
+
+def test_finished_requests_carry_their_totals(decode: Decode) -> None:
+    """What the engine's stats read (``Finished.totals``): one entry per request reported, with
+    the bytes and the side ``/v1/requests`` shows."""
+    decode.expect()
+    decode.claim()
+    decode.expect("r2", prefill=P_ENGINE)
+    assert decode.done().ok
+    assert decode.done("r2", status=Status.FAILED).ok
+    sending, recving, failed = decode.agent.finished()
+    totals = decode.agent.totals(sending, recving, failed)
+    assert [(t.request, t.side, t.status, t.bytes) for t in totals] == [
+        ("r1", "recv", Status.DONE, 100),
+        ("r2", "recv", Status.FAILED, 100),  # what its sender wrote before it failed
+    ]
+    assert all(t.duration_s >= 0 for t in totals)

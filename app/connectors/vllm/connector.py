@@ -16,10 +16,17 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import KVSidecarMetadata
 from app.connectors.vllm.scheduler import SchedulerSide
+from app.connectors.vllm.stats import KVSidecarPromMetrics, KVSidecarStats
 from app.connectors.vllm.worker import WorkerSide
 
 log = logging.getLogger(__name__)
@@ -82,6 +89,25 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        # Workers only: the scheduler side moves no bytes (its refused loads reach the workers
+        # as failed_recvs and are counted there).
+        return self.worker.stats.take() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return KVSidecarStats(data=data) if data is not None else KVSidecarStats()
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return KVSidecarPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         for side in (self.worker, self.scheduler):

@@ -27,6 +27,7 @@ from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
+from app.connectors.vllm.stats import KVSidecarStats
 from app.devices import Device, Event
 from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
@@ -149,6 +150,7 @@ class WorkerSide:
         self._lock = threading.Lock()
         self._device: Device | None = None  # the KV's device when it is not the CPU
         self._exported: list[Exported] = []  # device KV shared with the sidecar, kept open
+        self.stats = KVSidecarStats(ranks=config.tp_size)  # vLLM's transfer stats (stats.py)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         device = kv_device(kv_caches)
@@ -333,6 +335,7 @@ class WorkerSide:
         with self._lock:
             failed.update(self._failed_recvs)
             self._failed_recvs = []
+        self.stats.record(fin, failed)  # before the pool's: only sidecar transfers count
         sending = set()
         if self.pool is not None:
             loaded, saved, pool_failed = self.pool.drain()
