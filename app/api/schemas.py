@@ -197,7 +197,13 @@ class RequestView(_Model):
     state: RequestState
     prompt_len: int
     peer: str | None = Field(
-        description="Send: the decode control endpoint; recv: the prefill engine id, if told."
+        description="Send: the decode control endpoint (null while waiting for the target); "
+        "recv: the prefill engine id, if told."
+    )
+    held_layers: int | None = Field(
+        None,
+        description="Send admitted before decode's target (concurrent dispatch): layer "
+        "signals kept until it arrives, written then; null once it has a target.",
     )
     age_s: float = Field(description="Seconds since the request was admitted on this rank.")
     deadline_in_s: float | None = Field(

@@ -252,6 +252,7 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
         state=RequestState(req.state.name),
         prompt_len=req.prompt_len,
         peer=req.peer or None,
+        held_layers=len(req.backlog) if isinstance(req, SendRequest) and req.waiting else None,
         age_s=round(now - req.created, 4),
         deadline_in_s=None if final else round(req.deadline - now, 4),
         duration_s=(

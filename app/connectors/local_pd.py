@@ -172,6 +172,10 @@ class LocalPD:
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Decode keeps its prompts' KV for later requests (vLLM's prefix caching); prefill then
+    # sends only the blocks decode lacks. Off by default: outputs compared with one engine's
+    # stay independent of what ran before.
+    decode_prefix_caching: bool = False
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -341,7 +345,11 @@ class LocalPD:
                     "--max-model-len",
                     str(MAX_MODEL_LEN),
                     "--enforce-eager",
-                    "--no-enable-prefix-caching",
+                    (
+                        "--enable-prefix-caching"
+                        if inst is self.decode and self.decode_prefix_caching
+                        else "--no-enable-prefix-caching"
+                    ),
                     "--max-num-seqs",
                     "16",
                     "--kv-transfer-config",

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import numpy as np
@@ -32,6 +33,7 @@ def pd(
 ) -> Iterator[LocalPD]:
     # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars);
     # "llama+inproc": the vLLM workers host their agents, no sidecar processes;
+    # "llama": decode with prefix caching (test_repeated_prompt_sends_only_what_decode_lacks);
     # "qwen3next+f32" / "+bf16": the GDN state dtype told to vLLM, so both outcomes run on
     # every CPU (unasked, vLLM's CPU platform picks float32 only on CPUs with AVX-512 BF16).
     kind, _, mode = str(request.param).partition("+")
@@ -45,6 +47,8 @@ def pd(
         pool=mode == "pool",
         in_process=mode == "inproc",
         extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ()),
+        # Prompts differ from their first token, so only a repeated prompt hits (one test).
+        decode_prefix_caching=str(request.param) == "llama",
     )
     shm_before = set(os.listdir("/dev/shm"))
     try:
@@ -178,10 +182,14 @@ def block_ids(admin: str, rid: str, side: str) -> list[list[int]]:
 
 
 class TargetCatcher:
-    """A real HTTP endpoint standing in for the router: it keeps the targets decode posts."""
+    """A real HTTP endpoint standing in for the router: it keeps the targets decode posts and
+    hands them to prefill's connector (``GET <url>/<transfer_id>``, waiting like the proxy).
+    A transfer id in ``drop`` has its post accepted and forgotten: the target never arrives."""
 
     def __init__(self) -> None:
         self.targets: dict[str, dict[str, object]] = {}
+        self.drop: set[str] = set()
+        self.fetches: dict[str, int] = {}  # transfer id -> the status prefill got
         self.cond = threading.Condition()
         catcher = self
 
@@ -189,11 +197,32 @@ class TargetCatcher:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with catcher.cond:
-                    catcher.targets[str(body["transfer_id"])] = body["target"]
+                    tid = str(body["transfer_id"])
+                    if tid not in catcher.drop:
+                        catcher.targets[tid] = body["target"]
                     catcher.cond.notify_all()
-                self.send_response(200)
+                self._answer(200, {"ok": True})
+
+            def do_GET(self) -> None:
+                url = urlsplit(self.path)
+                tid = url.path.rsplit("/", 1)[1]
+                timeout = float(parse_qs(url.query).get("timeout_s", ["30"])[0])
+                with catcher.cond:
+                    catcher.cond.wait_for(lambda: tid in catcher.targets, timeout)
+                    target = catcher.targets.get(tid)
+                    catcher.fetches[tid] = 200 if target else 504
+                    catcher.cond.notify_all()
+                if target is None:
+                    self._answer(504, {"error": {"message": f"no target within {timeout} s"}})
+                else:
+                    self._answer(200, {"transfer_id": tid, "target": target})
+
+            def _answer(self, status: int, body: dict[str, object]) -> None:
+                raw = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(raw)))
                 self.end_headers()
-                self.wfile.write(b'{"ok": true}')
+                self.wfile.write(raw)
 
             def log_message(self, *args: object) -> None:
                 return
@@ -207,6 +236,13 @@ class TargetCatcher:
             if not self.cond.wait_for(lambda: transfer_id in self.targets, timeout_s):
                 raise AssertionError(f"no target for {transfer_id} within {timeout_s}s")
             return self.targets[transfer_id]
+
+    def fetched(self, transfer_id: str, timeout_s: float) -> int:
+        """The status prefill's fetch of ``transfer_id`` ended with."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: transfer_id in self.fetches, timeout_s):
+                raise AssertionError(f"prefill did not fetch {transfer_id} within {timeout_s}s")
+            return self.fetches[transfer_id]
 
 
 @pytest.fixture

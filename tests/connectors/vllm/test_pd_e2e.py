@@ -194,6 +194,102 @@ def test_wrong_kv_changes_output(pd: LocalPD, router: TargetCatcher) -> None:
     assert got != reference
 
 
+def num_layers(admin: str) -> int:
+    groups = httpx.get(f"{admin}/v1/groups", timeout=10).json()["groups"]
+    return sum(len(g["layers"]) for g in groups)
+
+
+def send_entry(pd: LocalPD, tid: str) -> dict[str, Any]:
+    (entry,) = httpx.get(f"{pd.prefill.admin}/v1/requests/{tid}", timeout=10).json()["entries"]
+    return dict(entry)
+
+
+def prefill_alone(
+    pd: LocalPD, p: list[int], tid: str, router: TargetCatcher, wait_s: float
+) -> None:
+    """Prefill of ``p`` as the concurrent flow sends it: no target, fetched from ``router``."""
+    answer = pd.completion(
+        pd.prefill.url,
+        p,
+        1,
+        kv_transfer_params={
+            "do_remote_decode": True,
+            "transfer_id": tid,
+            "router_url": router.url,
+            "target_timeout_s": wait_s,
+        },
+    )
+    assert answer["choices"][0]["token_ids"], answer
+
+
+def decode_from(pd: LocalPD, p: list[int], tid: str, router: TargetCatcher) -> list[int]:
+    params = {"do_remote_prefill": True, "transfer_id": tid, "router_url": router.url}
+    answer = pd.completion(pd.decode.url, p, MAX_TOKENS, kv_transfer_params=params)
+    return list(answer["choices"][0]["token_ids"])
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_target_after_prefill_finished(pd: LocalPD, router: TargetCatcher) -> None:
+    """Concurrent dispatch, decode late: prefill computed the whole prompt and answered before
+    decode allocated anything. Its sidecar kept every layer; once decode's target arrives it
+    writes them all (the backlog), and decode answers as if it had prefilled itself."""
+    (p,), (reference,) = references(pd, [prompt(300, 61)])
+    before = prompt_tokens_by_source(pd.decode.url)
+    prefill_alone(pd, p, "late-target", router, 60)
+    held = send_entry(pd, "late-target")
+    assert held["state"] == "PENDING" and held["bytes"] == 0 and held["peer"] is None, held
+    # One step, every layer signalled: all kept for the target.
+    assert held["held_layers"] == num_layers(pd.prefill.admin), held
+    assert decode_from(pd, p, "late-target", router) == reference
+    after = prompt_tokens_by_source(pd.decode.url)
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == 1
+    sent = send_entry(pd, "late-target")
+    assert sent["state"] == "DONE" and sent["bytes"] > 0, sent
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_target_that_never_comes(pd: LocalPD, router: TargetCatcher) -> None:
+    """Decode's target is lost on the way: prefill's wait for it ends, its send ends and its
+    blocks go back to vLLM; decode's sidecar expires the load and decode recomputes."""
+    (p,), (reference,) = references(pd, [prompt(300, 62)])
+    router.drop.add("lost-target")
+    before = prompt_tokens_by_source(pd.decode.url)
+    with ThreadPoolExecutor(1) as pool:
+        decode = pool.submit(decode_from, pd, p, "lost-target", router)
+        prefill_alone(pd, p, "lost-target", router, 2.0)
+        assert router.fetched("lost-target", 30) == 504
+        assert decode.result(timeout=120) == reference
+    after = prompt_tokens_by_source(pd.decode.url)
+    assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(p)
+    ended = send_entry(pd, "lost-target")
+    assert ended["state"] == "ABORTED" and ended["reported"] and ended["bytes"] == 0, ended
+    assert "no target from decode" in ended["error"], ended
+    metrics = httpx.get(f"{pd.prefill.url}/metrics", timeout=10).text
+    usage = [ln for ln in metrics.splitlines() if ln.startswith("vllm:kv_cache_usage_perc")]
+    assert usage and all(float(ln.rsplit(" ", 1)[1]) == 0.0 for ln in usage), usage
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_repeated_prompt_sends_only_what_decode_lacks(pd: LocalPD) -> None:
+    """With prefix caching, decode holds the whole blocks of a prompt it served before: the
+    second time prefill writes only the blocks after them, and the answer is the same."""
+    (p,), (reference,) = references(pd, [prompt(300, 63)])
+    block = int(engine_groups(pd)[0]["block_size"])
+    cached = (len(p) - 1) // block * block  # whole blocks of the tokens decode loaded
+    assert 0 < cached < len(p) - 1
+    sent = []
+    for _ in range(2):
+        answer = pd.completion(pd.proxy, p, MAX_TOKENS)
+        assert answer["choices"][0]["token_ids"] == reference
+        sent.append(send_entry(pd, answer["kv_transfer_params"]["kv_sidecar_request_id"]))
+    first, second = sent
+    assert first["state"] == second["state"] == "DONE"
+    kernel = int(engine_groups(pd)[0]["kernel_block_size"])
+    whole = -(-(len(p) - 1) // kernel)  # kernel blocks the first transfer wrote
+    # The second writes only those after decode's cached blocks.
+    assert second["bytes"] * whole == first["bytes"] * (whole - cached // kernel), sent
+
+
 @pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
 def test_prefill_sidecar_killed(pd: LocalPD) -> None:
     """Prefill's sidecar dies before the prefill runs: decode's sidecar gives up at its deadline,
