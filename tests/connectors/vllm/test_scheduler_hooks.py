@@ -1,0 +1,116 @@
+"""vLLM calls the scheduler hooks inside its scheduler loop: they must never wait on the
+sidecar. Here the sidecar's engine socket is a real ZMQ socket that takes every frame and
+never answers (a hung sidecar): a pool lookup answers "not known yet" (None) at once, each
+step, until the lookup gives up at the link timeout and the request computes itself; a decode
+request's admission makes no sidecar call at all (its workers expect it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import zmq
+from vllm.v1.request import RequestStatus
+
+from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.scheduler import SchedulerSide
+from app.transfer.protocol import AbortRequest, decode
+
+LINK_TIMEOUT_S = 1.0
+HOOK_BUDGET_S = 0.05  # far below one link timeout: the hook did not wait on the socket
+
+
+class Silent:
+    """A bound ROUTER that reads frames and answers none."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.endpoint = endpoint
+
+    def received(self, timeout_s: float = 2.0) -> list[Any]:
+        """Every message that arrived (decoded), waiting up to ``timeout_s`` for the first."""
+        out = []
+        while self.sock.poll(int(timeout_s * 1000)):
+            *_, payload = self.sock.recv_multipart()
+            out.append(decode(payload))
+            timeout_s = 0.1
+        return out
+
+
+@pytest.fixture
+def silent(tmp_path: Path) -> Iterator[Silent]:
+    s = Silent(f"ipc://{tmp_path}/silent.ipc")
+    yield s
+    s.sock.close(linger=0)
+    s.ctx.term()
+
+
+def request(rid: str, params: dict[str, Any] | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(1, 65))
+    )
+
+
+class Blocks:
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([1, 2, 3, 4],)
+
+
+def timed(fn: Any, *args: Any) -> tuple[Any, float]:
+    t0 = time.monotonic()
+    out = fn(*args)
+    return out, time.monotonic() - t0
+
+
+def test_pool_lookup_never_holds_the_scheduler(silent: Silent) -> None:
+    config = ConnectorConfig(silent.endpoint, "e", 1, 1, None, LINK_TIMEOUT_S, pool=True)
+    side = SchedulerSide(config)
+    try:
+        answers, slowest = [], 0.0
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < LINK_TIMEOUT_S * 5:
+            # One scheduler step each: vLLM asks again while the answer is None.
+            got, took = timed(side.get_num_new_matched_tokens, request("r"), 0)
+            answers.append(got)
+            slowest = max(slowest, took)
+            if got[0] is not None:
+                break
+            time.sleep(0.01)
+        assert slowest < HOOK_BUDGET_S, slowest
+        assert answers[0] == (None, False)
+        # The lookup gave up at the link timeout: the request computes its prompt itself.
+        assert answers[-1] == (0, False), answers[-3:]
+        assert time.monotonic() - t0 >= LINK_TIMEOUT_S * 0.9
+        # Meanwhile another request is answered at once too.
+        got, took = timed(side.get_num_new_matched_tokens, request("other"), 0)
+        assert got == (None, False) and took < HOOK_BUDGET_S
+    finally:
+        side.close()
+
+
+def test_decode_admission_makes_no_sidecar_call(silent: Silent) -> None:
+    side = SchedulerSide(ConnectorConfig(silent.endpoint, "e", 1, 1, None, LINK_TIMEOUT_S))
+    params = {"do_remote_prefill": True, "transfer_id": "t", "router_url": "http://r/x"}
+    req = request("d", params)
+    try:
+        (count, load), took = timed(side.get_num_new_matched_tokens, req, 0)
+        assert (count, load) == (63, True) and took < HOOK_BUDGET_S
+        _, took = timed(side.update_state_after_alloc, req, Blocks(), count)
+        assert took < HOOK_BUDGET_S
+        (expect,) = side.state.expects  # the workers expect it on their own ranks
+        assert (expect.sid, expect.prompt_len) == ("t", 64)
+        # An abort goes one-way: it does not wait for the silent sidecar either.
+        req.status = RequestStatus.FINISHED_ABORTED
+        _, took = timed(side.request_finished, req, ([1, 2, 3, 4],))
+        assert took < HOOK_BUDGET_S
+        (abort,) = [m for m in silent.received() if isinstance(m, AbortRequest)]
+        assert abort.request == "t" and "aborted" in abort.reason
+    finally:
+        side.close()
