@@ -110,6 +110,7 @@ class SendRequest(Request):
     d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
     peer_lost: bool = False  # decode is gone or forgot us: no Done to send
     skip: int = 0  # prompt tokens decode already holds: never written
+    d_bytes: dict[int, int] = field(default_factory=dict)  # bytes written per D rank
     # Admitted without a target (concurrent dispatch): until it is claimed at decode, nothing
     # is written and the signalled layers are kept in ``backlog``.
     waiting: bool = False
@@ -199,7 +200,7 @@ class LayerResult:
     group: int
     ok: list[str]
     failed: dict[str, str]
-    req_bytes: dict[str, int]
+    req_bytes: dict[tuple[str, int], int]  # (request, D rank) -> bytes written
     bytes: int
     descriptors: int
     blocks: int

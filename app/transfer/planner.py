@@ -81,7 +81,7 @@ class LayerPlan:
     per_peer: dict[int, Descriptors] = field(default_factory=dict)
     blocks: dict[int, int] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)
-    req_bytes: dict[str, int] = field(default_factory=dict)
+    req_bytes: dict[tuple[str, int], int] = field(default_factory=dict)  # (request, D rank)
 
     @property
     def descriptors(self) -> int:
@@ -325,8 +325,8 @@ class PairPlanner:
             per_req = (batch.n[sending] * int(tmpl[2].sum())).tolist()
             got = plan.req_bytes
             for i, nbytes in zip(sending.tolist(), per_req, strict=True):
-                rid = requests[i].request_id
-                got[rid] = got.get(rid, 0) + nbytes
+                key = (requests[i].request_id, d_rank)
+                got[key] = got.get(key, 0) + nbytes
             parts.setdefault(d_rank, []).append(
                 Descriptors(
                     (src_b[:, None] + tmpl[0][None, :]).ravel(),

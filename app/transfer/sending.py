@@ -370,14 +370,20 @@ class SendSide:
             req = agent.sends.get(rid)
             if req is not None:
                 self.fail(req, err)
+        by_rank: dict[str, dict[int, int]] = {}
+        for (rid, d_rank), nbytes in res.req_bytes.items():
+            by_rank.setdefault(rid, {})[d_rank] = nbytes
         for rid in res.ok:
             req = agent.sends.get(rid)
             if req is None or req.state.terminal:
                 continue
-            req.bytes += res.req_bytes.get(rid, 0)
+            written = by_rank.get(rid, {})
+            for d_rank, nbytes in written.items():
+                req.d_bytes[d_rank] = req.d_bytes.get(d_rank, 0) + nbytes
+            req.bytes += sum(written.values())
             prog = req.groups.setdefault(res.group, GroupProgress())
             prog.layers_sent += 1
-            prog.bytes += res.req_bytes.get(rid, 0)
+            prog.bytes += sum(written.values())
             # Only the final step's layers count: an earlier step's layers may still be on the
             # stream thread when the engine already signals the final step.
             if res.step == req.final_step and req.final_layers_left > 0:
@@ -429,7 +435,7 @@ class SendSide:
                 epoch=peer.epoch,
                 status=status,
                 groups=sorted(groups),
-                bytes=req.bytes,
+                bytes=req.d_bytes.get(d_rank, 0),  # what this D rank received
                 error=req.error or None,
             )
             try:

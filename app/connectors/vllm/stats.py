@@ -15,10 +15,9 @@ partial request until all of its ranks (the engine's TP size) reported before co
 bytes are counted as each rank reports them. vLLM's periodic log line merges rows within its
 interval only.
 
-Decode's bytes are what its senders' ``Done`` said, as in ``/v1/requests``: a prefill rank
-sending to several decode ranks (prefill TP below decode's) puts its whole request's bytes in
-each ``Done`` today, so decode counts them once per decode rank (measured, TP 1 -> 2: prefill
-393216, decode 786432); prefill's send bytes are exact.
+Decode's bytes are what its senders' ``Done`` said, as in ``/v1/requests``: each ``Done``
+carries the bytes written to that decode rank, so with any TP pairing both sides add up to
+the same total.
 
 Prometheus (each with vLLM's ``model_name`` and ``engine`` labels and ``direction``):
 ``vllm:kv_sidecar_transfers_total`` (ended DONE), ``vllm:kv_sidecar_failed_transfers_total``

@@ -121,6 +121,10 @@ def test_pages_follow_heads_across_tp(pair: Pair, direction: str) -> None:
         sends, recvs = entries(p.admin, rid, "send"), entries(d.admin, rid, "recv")
         assert sorted(recvs) == list(range(d.tp)), recvs
         assert all(e["state"] == "DONE" for e in [*sends.values(), *recvs.values()]), (sends, recvs)
+        # Each D rank is told the bytes it received: both sides add up to the same total.
+        sent = sum(int(e["bytes"]) for e in sends.values())  # type: ignore[call-overload]
+        got_bytes = sum(int(e["bytes"]) for e in recvs.values())  # type: ignore[call-overload]
+        assert sent == got_bytes > 0, (sends, recvs)
         p_ids = {r: [g["block_ids"] for g in e["groups"]] for r, e in sends.items()}
         d_ids = {r: [g["block_ids"] for g in e["groups"]] for r, e in recvs.items()}
         for name, layer in d_kv[0].layers.items():
