@@ -462,8 +462,12 @@ class Cluster:
         verify: bool = True,
         poll_ms: float = 5.0,
         bulk_one_signal: bool = False,
+        target_after_layers: int = -1,
     ) -> dict[str, Any]:
-        """Expect at D, prefill at P (all ranks at once), wait and verify at D."""
+        """Expect at D, prefill at P (all ranks at once), wait and verify at D.
+
+        ``target_after_layers`` >= 0: P admits without D's target and gets it after that many
+        layer signals (concurrent dispatch; past the last one, after the forward pass)."""
         p, d = self.sides["prefill"], self.sides["decode"]
         common: dict[str, Any] = {
             "chunk": chunk,
@@ -477,6 +481,7 @@ class Cluster:
             "poll_ms": poll_ms,
             "bulk_one_signal": bulk_one_signal,
             "prefill_tp": p.tp,
+            "target_after_layers": target_after_layers,
         }
         d_reqs = [dr for _, dr in pairs]
         expect = self.call(d, Command(cmd="expect", requests=d_reqs, **common), 30)

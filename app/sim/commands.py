@@ -39,6 +39,10 @@ class Command(msgspec.Struct):
     # ``abort_after_layers``-th layer signal, and leave them out of later chunks.
     abort: list[str] = []
     abort_after_layers: int = 1
+    # prefill, concurrent dispatch: admit without decode's target and hand it over (SetTarget
+    # on every rank) after this many (>= 1) layer signals; past the last, once the forward
+    # pass ended. -1: the target comes with the admission (decode first).
+    target_after_layers: int = -1
     # untouched: the requests that ended DONE (they may have written their read sets only;
     # the others anything in their blocks); None: all of them.
     done: list[str] | None = None

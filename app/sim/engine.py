@@ -95,6 +95,9 @@ class SimInstance:
                 for e in self.engines:
                     e.signal(layer)
                 signals += 1
+                if signals == cmd.target_after_layers:
+                    for e in self.engines:
+                        e.set_targets(live)
                 if cmd.abort and aborted_at is None and signals >= cmd.abort_after_layers:
                     # What vLLM's scheduler does on a client abort: the connector is told,
                     # and the request is not scheduled again.
@@ -113,6 +116,9 @@ class SimInstance:
                     continue
                 for layer in e.layers:
                     e.signal(layer)
+        if cmd.target_after_layers > signals:  # decode later than the whole forward pass
+            for e in self.engines:
+                e.set_targets(live)
         ranks = []
         for e, refused, so_far in zip(self.engines, admitted, seen, strict=True):
             done, failed = e.wait_ids(ids, cmd.timeout_s, sending=True, seen=so_far)

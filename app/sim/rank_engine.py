@@ -156,7 +156,7 @@ class SimEngine:
                     req.id,
                     req.prompt_len,
                     request_block_ids(req),
-                    req.remote,
+                    req.remote if cmd.target_after_layers < 0 else None,
                     mamba_mode=MambaMode(cmd.mamba_mode),
                     num_spec=cmd.num_spec,
                 )
@@ -164,6 +164,12 @@ class SimEngine:
                 refused[req.id] = str(e)
         self.refused.update(refused)
         return refused
+
+    def set_targets(self, requests: list[SimRequest]) -> None:
+        """Decode's targets for sends admitted without one (concurrent dispatch)."""
+        for req in requests:
+            assert req.remote is not None
+            self.guarded("set_target", partial(self.link.set_target, req.id, req.remote))
 
     def begin(self, slices: list[tuple[SimRequest, int, int]]) -> None:
         self.step += 1

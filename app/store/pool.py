@@ -45,15 +45,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import queue
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from app.errors import PoolError
+from app.store.daemon_threads import DaemonExecutor
 from app.store.pool_api import (
     INVALID_PARAMS,
     LEASE_EXPIRED,
@@ -90,68 +90,6 @@ class _Counters:
             return PoolCounters(**self.values)
 
 
-class _DaemonExecutor:
-    """A fixed number of daemon threads draining one queue of blocking calls."""
-
-    def __init__(self, max_workers: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
-        ] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._idle = threading.Condition(self._lock)
-        self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-            for i in range(max_workers)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
-        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
-        with self._lock:
-            self._pending += 1
-        self._queue.put((fut, fn))
-        return fut
-
-    def _done(self) -> None:
-        with self._lock:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            self._run(*item)
-            # Drop the job now: an idle worker must not keep a closed store alive.
-            del item
-
-    def _run(self, fut: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
-        try:
-            if not fut.set_running_or_notify_cancel():
-                return
-            try:
-                result = fn()
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-        finally:
-            self._done()
-
-    def wait_idle(self, timeout_s: float | None) -> bool:
-        with self._lock:
-            return self._idle.wait_for(lambda: self._pending == 0, timeout=timeout_s)
-
-    def shutdown(self) -> None:
-        # No join: a worker stuck in a dead master's call must not block the caller.
-        for _ in self._threads:
-            self._queue.put(None)
-
-
 class _CallTimeout(Exception):
     pass
 
@@ -174,8 +112,8 @@ class PoolClient:
         self.config = config
         self._factory = store_factory or mooncake_store_factory
         self._store: StoreLike | None = None
-        self._executor: _DaemonExecutor | None = None
-        self._last_executor: _DaemonExecutor | None = None
+        self._executor: DaemonExecutor | None = None
+        self._last_executor: DaemonExecutor | None = None
         self._closed: threading.Event | None = None
         self._counters = _Counters()
         self._state_lock = threading.Lock()
@@ -230,20 +168,20 @@ class PoolClient:
                 "start mooncake_master there or fix master_address"
             ) from exc
 
-    def _prepare_start(self) -> tuple[_DaemonExecutor, concurrent.futures.Future[StoreLike]]:
+    def _prepare_start(self) -> tuple[DaemonExecutor, concurrent.futures.Future[StoreLike]]:
         if self.config.protocol == "tcp":
             # The transfer engine picks RDMA whenever it finds an HCA; TCP was asked for.
             os.environ.setdefault("MC_FORCE_TCP", "1")
-        executor = _DaemonExecutor(self.config.max_workers, "kv-pool")
+        executor = DaemonExecutor(self.config.max_workers, "kv-pool")
         return executor, executor.submit(self._setup_job())
 
-    def _finish_start(self, executor: _DaemonExecutor, store: StoreLike) -> None:
+    def _finish_start(self, executor: DaemonExecutor, store: StoreLike) -> None:
         with self._state_lock:
             self._executor = executor
             self._last_executor = executor
             self._store = store
 
-    def _setup_timed_out(self, executor: _DaemonExecutor) -> PoolError:
+    def _setup_timed_out(self, executor: DaemonExecutor) -> PoolError:
         executor.shutdown()
         return PoolError(
             f"Mooncake Store setup against master {self.config.master_address} did not finish "
@@ -270,7 +208,7 @@ class PoolClient:
             raise PoolError(f"Mooncake Store setup failed: {exc}") from exc
         self._finish_start(executor, store)
 
-    def _detach(self) -> tuple[StoreLike, _DaemonExecutor] | None:
+    def _detach(self) -> tuple[StoreLike, DaemonExecutor] | None:
         with self._state_lock:
             store, executor = self._store, self._executor
             self._store = None
@@ -280,7 +218,7 @@ class PoolClient:
         return store, executor
 
     @staticmethod
-    def _reap(detached: tuple[StoreLike, _DaemonExecutor]) -> threading.Event:
+    def _reap(detached: tuple[StoreLike, DaemonExecutor]) -> threading.Event:
         """Close the store on a daemon thread once no call on it runs; the event says done.
 
         Mooncake's ``close`` holds the GIL while it waits for calls still in flight on the same
