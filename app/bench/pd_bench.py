@@ -162,7 +162,11 @@ def run_trial(
         "transfers_landed": len(landed),
         "counted": all(correct) and len(landed) == len(prompts),
         "outputs": [a["tokens"] for a in answers],
-        "p_finished_hook": moved["p_finished"],
+        # Mooncake only: P's request_finished as its connector saw it -> landed (the tap's
+        # "P done" is later by P's answer's way back).
+        "exposed_hook_ms": 1e3 * (max(landed) - max(moved["p_finished"]))
+        if landed and moved["p_finished"]
+        else float("nan"),
     }
 
 

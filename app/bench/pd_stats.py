@@ -182,6 +182,7 @@ def summarize(trials: Sequence[Mapping[str, Any]], systems: Sequence[str]) -> li
                 row[s] = _median(t[metric] for t in mine if t["system"] == s and t["counted"])
                 row[f"{s}_n"] = sum(1 for t in mine if t["system"] == s and t["counted"])
             a, b = row[systems[0]], row[systems[1]]
-            row["ratio"] = a / b if a is not None and b not in (None, 0) else None
+            # A ratio of negative times (KV at D before P's answer) would read backwards.
+            row["ratio"] = a / b if a is not None and b is not None and a > 0 and b > 0 else None
             rows.append(row)
     return rows

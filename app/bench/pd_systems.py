@@ -139,7 +139,8 @@ def _mooncake_transfers(events: Path, t0: float, t1: float) -> dict[str, Any]:
 
 def _entries(admin: str, side: str) -> list[dict[str, Any]]:
     now = time.time()
-    rows = httpx.get(f"{admin}/v1/requests", params={"side": side}, timeout=10).json()["requests"]
+    params = {"side": side, "ended": "true"}
+    rows = httpx.get(f"{admin}/v1/requests", params=params, timeout=10).json()["requests"]
     for r in rows:  # the API gives ages; the bench compares wall-clock times
         r["created"] = now - float(r["age_s"])
         r["ended"] = None if r["duration_s"] is None else r["created"] + float(r["duration_s"])

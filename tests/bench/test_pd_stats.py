@@ -110,11 +110,15 @@ def test_summary_medians_ratios_and_uncounted_trials() -> None:
         _trial(B, "512", ttft_ms=40),
         _trial(B, "512", ttft_ms=float("nan")),  # not observed: not a value
     ]
+    for t in trials:
+        t["exposed_ms"] = -5.0 if t["system"] == A else 10.0
     rows = {r["metric"]: r for r in summarize(trials, (A, B))}
     assert rows["ttft_ms"][A] == 20 and rows["ttft_ms"][B] == 40
     assert rows["ttft_ms"]["ratio"] == pytest.approx(0.5)
     assert rows["ttft_ms"][f"{A}_n"] == 3 and rows["ttft_ms"][f"{B}_n"] == 2
     assert set(rows) == set(METRICS)
+    # KV at D before P's answer (negative) has a median but no ratio.
+    assert rows["exposed_ms"][A] == -5.0 and rows["exposed_ms"]["ratio"] is None
 
 
 def test_histogram_deltas_give_per_request_p_times() -> None:
