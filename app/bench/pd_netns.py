@@ -22,6 +22,8 @@ from typing import Any
 from app.bench.pd_bench import PDOptions
 from app.errors import ConfigError
 
+CHILD = ("-m", "app.bench.pd_bench")  # what runs in the namespace (tests swap it)
+
 
 def _ip(*args: str) -> None:
     r = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
@@ -65,7 +67,7 @@ def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
         env |= core_binding()
         child = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, "-m", "app.bench.pd_bench", str(spec)],
+            ["ip", "netns", "exec", ns, sys.executable, *CHILD, str(spec)],
             env=env,
         )
         rc = child.wait()
