@@ -53,8 +53,7 @@ FULL_MODEL = {  # random-weight Llama: hidden 1024, 16 layers, 4 KV heads of 128
     "head_dim": 128,
     "num_hidden_layers": 16,
     "max_position_embeddings": 16384,
-    "initializer_range": 0.1,
-}
+}  # LocalPD's initializer range (0.5): with 0.1, near-tied logits flipped greedy tokens
 QUICK_MODEL = {  # --quick: the same shape, smaller (4 layers, hidden 512)
     "hidden_size": 512,
     "intermediate_size": 1024,
@@ -162,6 +161,7 @@ def run_trial(
         "transfers_landed": len(landed),
         "counted": all(correct) and len(landed) == len(prompts),
         "outputs": [a["tokens"] for a in answers],
+        "transfer_records": moved["records"],  # what the agents said, for a second look
         # Mooncake only: P's request_finished as its connector saw it -> landed (the tap's
         # "P done" is later by P's answer's way back).
         "exposed_hook_ms": 1e3 * (max(landed) - max(moved["p_finished"]))

@@ -134,6 +134,7 @@ def _mooncake_transfers(events: Path, t0: float, t1: float) -> dict[str, Any]:
         "bytes": sum(int(r["bytes"]) for r in rows if r["ev"] == "sent"),
         "landed": sorted(r["t"] for r in rows if r["ev"] == "d_landed"),
         "p_finished": sorted(r["t"] for r in rows if r["ev"] == "p_finished"),
+        "records": rows,
     }
 
 
@@ -148,12 +149,17 @@ def _entries(admin: str, side: str) -> list[dict[str, Any]]:
 
 
 def _sidecar_transfers(pd: LocalPD, t0: float, t1: float) -> dict[str, Any]:
-    sends = [r for r in _entries(pd.prefill.admin, "send") if t0 <= r["created"] <= t1]
-    recvs = [r for r in _entries(pd.decode.admin, "recv") if t0 <= r["created"] <= t1]
+    # Ages are rounded to 0.1 ms and read a moment apart: a little slack before t0.
+    sends = [r for r in _entries(pd.prefill.admin, "send") if t0 - 0.05 <= r["created"] <= t1]
+    recvs = [r for r in _entries(pd.decode.admin, "recv") if t0 - 0.05 <= r["created"] <= t1]
     return {
         "bytes": sum(int(r["bytes"] or 0) for r in sends),
         "landed": sorted(r["ended"] for r in recvs if r["state"] == "DONE" and r["ended"]),
         "p_finished": [],  # not observable from outside kv-sidecar's connector: the tap's end
+        "records": [
+            {k: r[k] for k in ("id", "side", "state", "created", "ended", "bytes", "error")}
+            for r in sends + recvs
+        ],
     }
 
 
