@@ -139,25 +139,34 @@ def _mooncake_transfers(events: Path, t0: float, t1: float) -> dict[str, Any]:
 
 
 def _entries(admin: str, side: str) -> list[dict[str, Any]]:
-    now = time.time()
+    """The sidecar's requests with wall-clock times. The API gives ages as of some moment while
+    it answered; the middle of the call stands for it, off by at most half the call (``err``):
+    on a busy host a call took over 100 ms, and "now" taken before it put requests before the
+    trial that held them."""
+    before = time.time()
     params = {"side": side, "ended": "true"}
     rows = httpx.get(f"{admin}/v1/requests", params=params, timeout=10).json()["requests"]
-    for r in rows:  # the API gives ages; the bench compares wall-clock times
+    after = time.time()
+    now, err = (before + after) / 2, (after - before) / 2
+    for r in rows:
         r["created"] = now - float(r["age_s"])
         r["ended"] = None if r["duration_s"] is None else r["created"] + float(r["duration_s"])
+        r["err"] = err
     return list(rows)
 
 
 def _sidecar_transfers(pd: LocalPD, t0: float, t1: float) -> dict[str, Any]:
-    # Ages are rounded to 0.1 ms and read a moment apart: a little slack before t0.
-    sends = [r for r in _entries(pd.prefill.admin, "send") if t0 - 0.05 <= r["created"] <= t1]
-    recvs = [r for r in _entries(pd.decode.admin, "recv") if t0 - 0.05 <= r["created"] <= t1]
+    def within(r: dict[str, Any]) -> bool:
+        return bool(t0 - r["err"] - 0.01 <= r["created"] <= t1 + r["err"])
+
+    sends = [r for r in _entries(pd.prefill.admin, "send") if within(r)]
+    recvs = [r for r in _entries(pd.decode.admin, "recv") if within(r)]
     return {
         "bytes": sum(int(r["bytes"] or 0) for r in sends),
         "landed": sorted(r["ended"] for r in recvs if r["state"] == "DONE" and r["ended"]),
         "p_finished": [],  # not observable from outside kv-sidecar's connector: the tap's end
         "records": [
-            {k: r[k] for k in ("id", "side", "state", "created", "ended", "bytes", "error")}
+            {k: r[k] for k in ("id", "side", "state", "created", "ended", "err", "bytes", "error")}
             for r in sends + recvs
         ],
     }
