@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Set up a fresh machine: Debian libraries Mooncake needs to import, a virtualenv, the package.
+# Set up a fresh machine: Debian libraries Mooncake needs to import, iproute2 (`ip`, `tc`: the
+# network namespace and shaped link of `kv-sidecar bench pd`), a virtualenv, the package.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! ldconfig -p 2>/dev/null | grep -q libibverbs.so.1 || ! ldconfig -p | grep -q librdmacm.so.1 \
-   || ! ldconfig -p | grep -q libnuma.so.1; then
+   || ! ldconfig -p | grep -q libnuma.so.1 || ! command -v tc >/dev/null; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1 >/dev/null
+  $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 librdmacm1 libnuma1 \
+    iproute2 >/dev/null
 fi
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv

@@ -181,11 +181,25 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         ] = None,
         side: Annotated[Literal["send", "recv"] | None, Query()] = None,
         rank: Annotated[int | None, Query(ge=0)] = None,
+        ended: Annotated[
+            bool,
+            Query(
+                description="Also the recently ended ones (the last 256 per rank), e.g. for "
+                "a benchmark that reads every request's timings once a run is over."
+            ),
+        ] = False,
     ) -> RequestList:
-        """Requests the agents hold: in flight, or final and not yet reported to the engine."""
+        """Requests the agents hold: in flight, or final and not yet reported to the engine
+        (``ended=true``: and the recently ended ones)."""
         now = time.monotonic()
         out = []
-        for req in views.live_requests(sidecar):
+        held = views.live_requests(sidecar)
+        if ended:  # a request still held is shown as held, not also as its history copy
+            seen = {(r.id, r.rank, type(r)) for r in held}
+            held += [
+                r for r in views.ended_requests(sidecar) if (r.id, r.rank, type(r)) not in seen
+            ]
+        for req in held:
             v = views.request_view(req, now)
             if (
                 (state is None or v.state is state)

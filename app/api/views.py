@@ -279,6 +279,14 @@ def live_requests(sidecar: Sidecar) -> list[Request]:
     return out
 
 
+def ended_requests(sidecar: Sidecar) -> list[Request]:
+    """Recently ended requests the agents keep for the admin API (the last 256 per rank)."""
+    out: list[Request] = []
+    for _rank, agent in sorted(sidecar.agents.items()):
+        out += list(agent.history)
+    return out
+
+
 def find_request(sidecar: Sidecar, rid: str) -> list[Request]:
     """Every (rank, side) copy of ``rid``: the live one, else the latest in the history."""
     found: list[Request] = []

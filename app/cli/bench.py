@@ -11,9 +11,18 @@ from rich.console import Console
 
 from app.bench.report import plot, print_table, summarize
 from app.bench.runner import BenchOptions, run_bench
+from app.cli.bench_pd import pd_command
+
+bench_app = typer.Typer(
+    help="Benchmarks: the sidecar against raw Mooncake (no subcommand), or P/D side by side (pd).",
+    invoke_without_command=True,
+    pretty_exceptions_enable=False,
+)
 
 
+@bench_app.callback()
 def bench_command(
+    ctx: typer.Context,
     quick: Annotated[
         bool, typer.Option("--quick", help="One cluster, fewer points: under a minute here.")
     ] = False,
@@ -29,6 +38,8 @@ def bench_command(
     plot_png: Annotated[bool, typer.Option("--plot/--no-plot", help="Write exposed.png.")] = True,
 ) -> None:
     """Measure the layer-wise pipeline against raw Mooncake writes, over the real engine."""
+    if ctx.invoked_subcommand is not None:
+        return  # `bench pd ...`: its own options
     opts = BenchOptions.quick_preset() if quick else BenchOptions()
     if reps is not None:
         opts.reps = opts.overlap_reps = max(1, reps)
@@ -49,3 +60,6 @@ def bench_command(
         print_table(summary, Console())
         if summary.get("plot") is None and plot_png:
             Console().print("no plot: install matplotlib (the 'bench' extra)")
+
+
+bench_app.command("pd")(pd_command)

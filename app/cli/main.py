@@ -6,7 +6,7 @@ import sys
 
 import typer
 
-from app.cli.bench import bench_command
+from app.cli.bench import bench_app
 from app.cli.demo import demo_command
 from app.cli.plan import plan_command
 from app.cli.proxy import proxy_command
@@ -20,7 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     add_completion=False,
 )
-app.command("bench")(bench_command)
+app.add_typer(bench_app, name="bench")
 app.command("demo")(demo_command)
 app.command("plan")(plan_command)
 app.command("proxy")(proxy_command)

@@ -236,6 +236,11 @@ def test_request_lookup(run: Run, prefill: httpx.Client) -> None:
     (done,) = run.p_one_done.json()["entries"]
     assert (done["state"], done["reported"]) == ("DONE", True)
     assert done["deadline_in_s"] is None and done["duration_s"] > 0 and done["error"] is None
+    # The list shows ended requests only when asked, each (id, rank, side) once.
+    assert "api-0" not in {r["id"] for r in prefill.get("/v1/requests").json()["requests"]}
+    listed = prefill.get("/v1/requests", params={"ended": "true", "side": "send"}).json()
+    keys = [(r["id"], r["rank"]) for r in listed["requests"]]
+    assert ("api-0", 0) in keys and len(keys) == len(set(keys)) == listed["count"]
     missing = prefill.get("/v1/requests/no-such-request")
     assert missing.status_code == 404
     assert "no-such-request is not known" in missing.json()["detail"]

@@ -1,0 +1,102 @@
+"""Run ``bench pd`` inside a network namespace of its own, and remove it however the run ends.
+
+Everything (engines, sidecars, proxies, taps, Mooncake, the client) runs in
+``kvsbench-<pid>``, on its loopback only, so shaping that loopback (``tc ... tbf``) shapes
+every byte between P and D and nothing else on the host. The namespace is removed at exit,
+after Ctrl-C and SIGTERM too (handlers + ``finally``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from app.bench.pd_bench import PDOptions
+from app.errors import ConfigError
+
+CHILD = ("-m", "app.bench.pd_bench")  # what runs in the namespace (tests swap it)
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise ConfigError(f"'ip {' '.join(args)}' failed: {r.stderr.strip()}")
+
+
+def check_tools() -> None:
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise ConfigError(f"'{tool}' not found: install iproute2 (scripts/setup.sh does)")
+    if os.geteuid() != 0:
+        raise ConfigError(
+            "bench pd creates a network namespace: run it as root (or with CAP_NET_ADMIN)"
+        )
+
+
+def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
+    """Create the namespace, run ``pd_bench`` in it, remove it; the run's result."""
+    check_tools()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "options.json"
+    spec.write_text(json.dumps(asdict(opts)))
+    (out / "pd.json").unlink(missing_ok=True)
+    ns = f"kvsbench-{os.getpid()}"
+    _ip("netns", "add", ns)
+    child: subprocess.Popen[bytes] | None = None
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop(signum: int, _frame: FrameType | None) -> None:
+        # Let the run stop its engines first; the namespace goes in the finally below.
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    try:
+        for s in previous:
+            signal.signal(s, stop)
+        _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+        env |= core_binding()
+        child = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, *CHILD, str(spec)],
+            env=env,
+        )
+        rc = child.wait()
+        if rc != 0:
+            raise ConfigError(
+                f"the run in namespace {ns} failed (exit {rc}); logs in {out / 'work'}"
+            )
+        return dict(json.loads((out / "pd.json").read_text()))
+    finally:
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+            try:
+                child.wait(120)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        for s, h in previous.items():
+            signal.signal(s, h)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def core_binding() -> dict[str, str]:
+    """How both systems share the cores: every engine's OpenMP threads on all of them.
+
+    vLLM's automatic binding reserves a core per rank for its scheduler and one more when a KV
+    connector is set, which leaves nothing for the forward pass on two cores; so the binding is
+    explicit and the same for all four engines. Sidecars, proxies, taps and Mooncake's threads
+    are not pinned: the OS schedules them on the same cores.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    spec = ",".join(str(c) for c in cores)
+    return {"VLLM_CPU_OMP_THREADS_BIND": spec, "OMP_NUM_THREADS": str(len(cores))}

