@@ -432,7 +432,7 @@ class Scenario:
             total = sum(len(c.prompt) for c in self.calls)
             self.notes.append(f"D computed {local - self.d_tokens:.0f} of {total} prompt tokens")
 
-        changed = self._changed_outside(states["decode"])
+        changed = self._changed_outside()
         late = None
         if self.p_bytes_then is not None:
             late = _p_bytes(self.pd.prefill.admin) - self.p_bytes_then
@@ -497,7 +497,7 @@ class Scenario:
             return "LOST"
         return str(rec["state"])
 
-    def _changed_outside(self, decode_states: dict[str, str]) -> int | None:
+    def _changed_outside(self) -> int | None:
         if "sidecar-decode" in self.killed or self.kv_before is None:
             return None
         inside: set[int] = set()
