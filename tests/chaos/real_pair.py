@@ -431,6 +431,19 @@ class Scenario:
             local = prompt_tokens_by_source(self.pd.decode.url).get("local_compute", 0)
             total = sum(len(c.prompt) for c in self.calls)
             self.notes.append(f"D computed {local - self.d_tokens:.0f} of {total} prompt tokens")
+            if "sidecar-decode" not in self.killed:
+                # A loaded prompt leaves decode its last token; a failed load, the whole prompt
+                # (recompute from scratch, nothing of a part-written load kept).
+                want = sum(
+                    1 if states["decode"][str(len(c.prompt))] == "DONE" else len(c.prompt)
+                    for c in self.calls
+                    if c.status == 200
+                )
+                if local - self.d_tokens != want:
+                    self.failed.append(
+                        f"outputs: decode computed {local - self.d_tokens:.0f} prompt tokens "
+                        f"itself, {want} expected"
+                    )
 
         changed = self._changed_outside()
         late = None
