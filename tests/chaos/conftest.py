@@ -69,7 +69,9 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             if not r.failed
             else "FAILED checks " + ",".join(sorted({f.split(":", 1)[0] for f in r.failed}))
         )
+        changed = "-" if r.changed is None else r.changed
+        late = "-" if r.late is None else r.late
         tr.write_line(
-            f"{r.scenario:<38} {r.requests:>8} {r.terminal:>8} {r.lost:>5} {r.changed:>21} "
-            f"{r.late:>5} {secs:>13}  {r.outcome} [{verdict}]"
+            f"{r.scenario:<38} {r.requests:>8} {r.terminal:>8} {r.lost:>5} {changed:>21} "
+            f"{late:>5} {secs:>13}  {r.outcome} [{verdict}]"
         )

