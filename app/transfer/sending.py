@@ -425,6 +425,9 @@ class SendSide:
             req.finish(status, req.error)
             return
         await self.drained(req)
+        if req.peer_lost:
+            return  # ended during the drain by an abort, whose Abort replaces this Done
+        status = Status.DONE if not req.state.terminal else req.state
         errors = []
         for d_rank, groups in req.d_ranks.items():
             done = Done(

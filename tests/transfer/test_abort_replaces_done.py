@@ -14,8 +14,6 @@ import asyncio
 import queue
 from typing import cast
 
-import pytest
-
 from app.transfer.agent import LayerResult, LayerTask, StreamThread
 from app.transfer.protocol import Abort, BeginStep, Done, LayerReady, Reply, Status, StepSlice
 from tests.transfer.conftest import D_ENDPOINT, Prefill, until
@@ -109,11 +107,6 @@ async def test_abort_cancels_the_done_the_last_layer_already_asked_for(prefill: 
     assert_abort_only(prefill)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="SendSide.send_done reads peer_lost and the status before it waits for the drain: "
-    "an engine abort during that wait goes out as an Abort after a Done(DONE)",
-)
 async def test_abort_while_the_done_waits_for_the_drain(prefill: Prefill) -> None:
     """The last layer landed and its Done waits for the writes to leave the wire (the stream
     thread reports a layer before it unpins it); the engine aborts during that wait."""
