@@ -14,11 +14,14 @@ import os
 import signal
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from app.connectors.local_pd import LocalPD, write_tiny_model
 from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_lengths
-from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure
+from tests.conftest import wait_for
+from tests.connectors.vllm.conftest import kv_usage, leaked_engine_shm, print_logs_on_failure
+
 
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)
@@ -75,6 +78,35 @@ def test_decode_vllm_killed_with_kv_in_flight(pair: Pair) -> None:
     try:
         sc.settle()
         sc.verify(outputs=False)
+    finally:
+        pair.restart("decode")
+
+
+def test_decode_vllm_dead_before_its_target(pair: Pair) -> None:
+    """Concurrent dispatch with decode's engine down: the proxy sends the prompt to prefill at
+    once and finds decode unreachable, so no target ever comes. The proxy closes the transfer
+    (or cancels the prefill), prefill's sidecar ends whatever it admitted, and prefill's blocks
+    go back to vLLM; nothing is left in /dev/shm when the pair stops (the fixture checks)."""
+    (p, _), *_ = pair.stable(1, seed_lengths(2, *SHORT), salt=500)
+    pair.kill_vllm("decode")
+    try:
+        r = httpx.post(
+            f"{pair.pd.proxy}/v1/completions",
+            json={"model": "tiny", "prompt": p, "max_tokens": 4, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 502 and "could not be reached" in r.text, r.text
+        tid = r.headers["x-kv-transfer-id"]
+        admin = pair.pd.prefill.admin
+
+        def ended() -> bool:
+            found = httpx.get(f"{admin}/v1/requests/{tid}", timeout=10).json()["entries"]
+            live = httpx.get(f"{admin}/v1/requests", timeout=10).json()["entries"]
+            held = [e for e in live if e["id"] == tid]
+            return not held and all(e["state"] != "DONE" and e["bytes"] == 0 for e in found)
+
+        wait_for("prefill to let the transfer go", ended, 30)
+        wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pair.pd.prefill.url) == 0, 30)
     finally:
         pair.restart("decode")
 

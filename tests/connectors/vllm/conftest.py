@@ -95,6 +95,14 @@ def print_logs_on_failure(run: Path) -> None:
             print(f"---- {log.name} (tail) ----\n{text[-2500:]}")
 
 
+def kv_usage(url: str) -> float:
+    """vLLM's own KV cache usage (0: every block free or only cached)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = [ln for ln in text.splitlines() if ln.startswith("vllm:kv_cache_usage_perc")]
+    assert lines, "vLLM exposes no vllm:kv_cache_usage_perc"
+    return max(float(ln.rsplit(" ", 1)[1]) for ln in lines)
+
+
 def group_counters(admin: str) -> list[dict[str, int]]:
     return list(httpx.get(f"{admin}/v1/groups", timeout=10).json()["groups"])
 
