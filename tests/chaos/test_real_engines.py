@@ -22,7 +22,6 @@ from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_l
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import kv_usage, leaked_engine_shm, print_logs_on_failure
 
-
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)
 MANY = (200, 1200)
