@@ -1,5 +1,5 @@
-"""The connector's transfer stats: how rows of TP ranks merge, and what vLLM's own ``/metrics``
-shows for one request through a real P/D pair, against the sidecars' ``/v1/requests``.
+"""The connector's transfer stats: how rows of TP ranks merge into one transfer per request
+(``test_pd_e2e.py::test_metrics_match_the_sidecars`` reads them off a real pair's ``/metrics``).
 
 Catches: bytes or time not recorded, a transfer counted once per rank (or per engine step)
 instead of once per request, a direction or outcome mislabelled, stats lost crossing from the
@@ -8,32 +8,18 @@ worker to the API server (they travel as msgpack).
 
 from __future__ import annotations
 
-import re
-import time
 from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-import httpx
 import msgspec
-import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from app.connectors.local_pd import LocalPD
 from app.connectors.vllm import KVSidecarConnector
 from app.connectors.vllm.stats import KVSidecarPromMetrics, KVSidecarStats
 from app.engine_link.client import FinishedRequests
 from app.transfer.protocol import RequestTotals, Status
-from tests.connectors.vllm.conftest import prompt
-
-NAMES = {
-    "transfers": "vllm:kv_sidecar_transfers_total",
-    "failed": "vllm:kv_sidecar_failed_transfers_total",
-    "expired": "vllm:kv_sidecar_expired_transfers_total",
-    "bytes": "vllm:kv_sidecar_bytes_transferred_total",
-    "time_count": "vllm:kv_sidecar_transfer_time_seconds_count",
-    "time_sum": "vllm:kv_sidecar_transfer_time_seconds_sum",
-}
+from tests.connectors.vllm.vllm_metrics import NAMES, sample
 
 
 def finished(*totals: tuple[str, str, Status, int, float]) -> FinishedRequests:
@@ -121,15 +107,6 @@ def test_sidecar_report_is_not_counted_twice_as_refused() -> None:
     assert (row.outcome, row.bytes) == ("expired", 64)
 
 
-def sample(text: str, name: str, direction: str) -> float:
-    """The value of ``name`` for ``direction``, summed over its other labels (0 if absent)."""
-    total = 0.0
-    for m in re.finditer(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
-        if f'direction="{direction}"' in m.group(1):
-            total += float(m.group(2))
-    return total
-
-
 def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
     """Ranks of one request arriving in different engine steps: bytes counted at once, the
     transfer and its time once the last rank reported."""
@@ -159,60 +136,3 @@ def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
     assert sample(text, NAMES["expired"], "recv") == 1
     assert sample(text, NAMES["transfers"], "recv") == 0
     assert sample(text, NAMES["failed"], "send") == sample(text, NAMES["failed"], "recv") == 0
-
-
-# ---- real engines ---------------------------------------------------------------------------
-
-
-def metrics(base: str) -> dict[str, float]:
-    """Our metrics off an engine's vLLM ``/metrics``, by short name and direction."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    for name in NAMES.values():
-        assert name in text, f"{name} missing from {base}/metrics"
-    return {
-        f"{key}/{d}": sample(text, name, d) for key, name in NAMES.items() for d in ("send", "recv")
-    }
-
-
-def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
-
-
-def wait_counted(
-    base: str, before: dict[str, float], key: str, timeout_s: float = 60
-) -> dict[str, float]:
-    """The metrics' change since ``before`` once ``key`` moved (stats arrive with engine steps)."""
-    end = time.monotonic() + timeout_s
-    while True:
-        d = delta(metrics(base), before)
-        if d[key] > 0 or time.monotonic() > end:
-            return d
-        time.sleep(0.2)
-
-
-@pytest.mark.parametrize("pd", ["llama"], indirect=True)
-def test_metrics_match_the_sidecars(pd: LocalPD) -> None:
-    """One request through the proxy: prefill's /metrics counts one send, decode's one recv,
-    each with the bytes and the time its sidecar's /v1/requests reports for that request."""
-    p_before, d_before = metrics(pd.prefill.url), metrics(pd.decode.url)
-    answer = pd.completion(pd.proxy, prompt(300, 3), 2)
-    rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
-    p = wait_counted(pd.prefill.url, p_before, "transfers/send")
-    d = wait_counted(pd.decode.url, d_before, "transfers/recv")
-
-    for base, got, side in ((pd.prefill.admin, p, "send"), (pd.decode.admin, d, "recv")):
-        entries = httpx.get(f"{base}/v1/requests/{rid}", timeout=10).json()["entries"]
-        mine = [e for e in entries if e["side"] == side]
-        assert mine and all(e["state"] == "DONE" for e in mine), entries
-        other = "recv" if side == "send" else "send"
-        assert got[f"transfers/{side}"] == 1, got
-        assert got[f"time_count/{side}"] == 1, got
-        assert got[f"bytes/{side}"] == sum(e["bytes"] for e in mine) > 0, (got, mine)
-        # The admin rounds to 0.1 ms; the metric is the slowest rank's.
-        assert got[f"time_sum/{side}"] == pytest.approx(
-            max(e["duration_s"] for e in mine), abs=2e-4
-        ), (got, mine)
-        assert got[f"failed/{side}"] == got[f"expired/{side}"] == 0, got
-        assert got[f"transfers/{other}"] == got[f"bytes/{other}"] == 0, got
-    # Both ends of the push agree on what moved.
-    assert p["bytes/send"] == d["bytes/recv"]

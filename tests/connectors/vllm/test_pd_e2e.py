@@ -31,6 +31,7 @@ from tests.connectors.vllm.conftest import (
     read_blocks,
     whole_block_lengths,
 )
+from tests.connectors.vllm.vllm_metrics import metrics, wait_counted
 
 LENGTHS = (37, 130, 300, 600)
 MAX_TOKENS = 8
@@ -287,6 +288,34 @@ def test_repeated_prompt_sends_only_what_decode_lacks(pd: LocalPD) -> None:
     whole = -(-(len(p) - 1) // kernel)  # kernel blocks the first transfer wrote
     # The second writes only those after decode's cached blocks.
     assert second["bytes"] * whole == first["bytes"] * (whole - cached // kernel), sent
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_metrics_match_the_sidecars(pd: LocalPD) -> None:
+    """One request through the proxy: prefill's /metrics counts one send, decode's one recv,
+    each with the bytes and the time its sidecar's /v1/requests reports for that request."""
+    p_before, d_before = metrics(pd.prefill.url), metrics(pd.decode.url)
+    answer = pd.completion(pd.proxy, prompt(300, 3), 2)
+    rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
+    p = wait_counted(pd.prefill.url, p_before, "transfers/send")
+    d = wait_counted(pd.decode.url, d_before, "transfers/recv")
+
+    for base, got, side in ((pd.prefill.admin, p, "send"), (pd.decode.admin, d, "recv")):
+        entries = httpx.get(f"{base}/v1/requests/{rid}", timeout=10).json()["entries"]
+        mine = [e for e in entries if e["side"] == side]
+        assert mine and all(e["state"] == "DONE" for e in mine), entries
+        other = "recv" if side == "send" else "send"
+        assert got[f"transfers/{side}"] == 1, got
+        assert got[f"time_count/{side}"] == 1, got
+        assert got[f"bytes/{side}"] == sum(e["bytes"] for e in mine) > 0, (got, mine)
+        # The admin rounds to 0.1 ms; the metric is the slowest rank's.
+        assert got[f"time_sum/{side}"] == pytest.approx(
+            max(e["duration_s"] for e in mine), abs=2e-4
+        ), (got, mine)
+        assert got[f"failed/{side}"] == got[f"expired/{side}"] == 0, got
+        assert got[f"transfers/{other}"] == got[f"bytes/{other}"] == 0, got
+    # Both ends of the push agree on what moved.
+    assert p["bytes/send"] == d["bytes/recv"]
 
 
 @pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
