@@ -279,7 +279,10 @@ class PDFlow:
             msg = f"decode instance {url} failed: {describe(e)}"
         log.error("transfer %s: %s", x.tracker.transfer_id, msg)
         await x.end(outcome, msg)
-        return error_response(status, msg, kind)
+        answer = error_response(status, msg, kind)
+        # The id the proxy's and both sidecars' records know, for the operator's curl.
+        answer.headers[TRANSFER_ID_HEADER] = x.tracker.transfer_id
+        return answer
 
     def _decode_ended(self, t: TransferTracker, outcome: DecodeOutcome) -> None:
         self._live.pop(t.transfer_id, None)

@@ -18,7 +18,8 @@ def test_decode_refusing_connections_is_502_and_marks_it_down(
     err = r.json()["error"]
     assert err["type"] == "bad_gateway"
     assert err["message"].startswith(f"decode instance {d.url} could not be reached: Connect")
-    tid = c.get("/v1/transfers").json()["transfers"][-1]["transfer_id"]
+    tid = r.headers["x-kv-transfer-id"]  # also on an error: the records' id
+    assert tid == c.get("/v1/transfers").json()["transfers"][-1]["transfer_id"]
     rec = c.record(tid)
     assert rec["status"] == "decode_failed"
     assert rec["prefill_ms"] is None  # prefill never got the prompt
