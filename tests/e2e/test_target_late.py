@@ -1,5 +1,6 @@
 """Concurrent dispatch through the simulator's byte-exact oracle: prefill admits without
-decode's target and computes; the target arrives mid-prompt or after the whole forward pass;
+decode's target and computes; the target arrives mid-prompt (after 3 layer signals of the
+first chunk) or after the whole forward pass;
 every request lands byte-exact and nothing outside decode's read sets changes (the whole cache
 holds a sentinel first), for every group kind and TP pairing that splits or replicates."""
 
@@ -12,17 +13,18 @@ import pytest
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
 
-CASES = [  # model, layers, P TP, D TP
-    ("gpt-oss-20b", 4, 1, 2),  # sliding + full
-    ("qwen3-next-80b-a3b", 4, 2, 1),  # GDN + full
-    ("deepseek-v3.2-exp", 2, 1, 1),  # MLA + indexer
-    ("kimi-linear-48b-a3b", 4, 2, 2),  # KDA + MLA
-]
 AFTER_ALL = 10**6  # past the last signal: the target comes after the forward pass
+CASES = [  # model, layers, P TP, D TP, target after this many layer signals
+    ("gpt-oss-20b", 4, 1, 2, 3),  # sliding + full
+    ("qwen3-next-80b-a3b", 4, 2, 1, AFTER_ALL),  # GDN + full
+    ("deepseek-v3.2-exp", 2, 1, 1, 3),  # MLA + indexer
+    ("kimi-linear-48b-a3b", 4, 2, 2, AFTER_ALL),  # KDA + MLA
+]
 
 
-@pytest.mark.parametrize("after", [3, AFTER_ALL], ids=["mid_prompt", "after_prefill"])
-@pytest.mark.parametrize(("model", "layers", "p_tp", "d_tp"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("model", "layers", "p_tp", "d_tp", "after"), CASES, ids=[c[0] for c in CASES]
+)
 def test_late_target_lands_byte_exact(
     make_cluster: Callable[..., Cluster], model: str, layers: int, p_tp: int, d_tp: int, after: int
 ) -> None:
