@@ -63,9 +63,45 @@ def proxy_command(
         Path | None,
         typer.Option(help='Once serving, write {"port": N} here as JSON (for --port 0).'),
     ] = None,
+    prefill_policy: Annotated[
+        Policy,
+        typer.Option(
+            help="cache_aware (prompt blocks already routed there minus --prefill-alpha x "
+            "tokens in flight), round_robin or least_outstanding (README, Routing)."
+        ),
+    ] = Policy.CACHE_AWARE,
+    decode_policy: Annotated[
+        Policy,
+        typer.Option(
+            help="tokens (fewest prompt + max_tokens in flight), round_robin or least_outstanding."
+        ),
+    ] = Policy.TOKENS,
     policy: Annotated[
-        Policy, typer.Option(help="How an instance is picked among the healthy ones.")
-    ] = Policy.ROUND_ROBIN,
+        Policy | None,
+        typer.Option(help="round_robin or least_outstanding for both roles (overrides both)."),
+    ] = None,
+    prefill_alpha: Annotated[
+        float,
+        typer.Option(help="cache_aware: weight of a token in flight against a cached token."),
+    ] = 1.0,
+    prefix_block_size: Annotated[
+        int, typer.Option(help="cache_aware: prompt tokens per hashed block.")
+    ] = 16,
+    prefix_index_blocks: Annotated[
+        int, typer.Option(help="cache_aware: blocks remembered per prefill instance (LRU).")
+    ] = 10_000,
+    breaker_failures: Annotated[
+        int,
+        typer.Option(
+            help="Consecutive failures (connection, transport, 5xx) that take an instance out."
+        ),
+    ] = 3,
+    breaker_probe_interval: Annotated[
+        float,
+        typer.Option(
+            help="Seconds before an instance taken out is probed (GET /health, then one request)."
+        ),
+    ] = 5.0,
     flow: Annotated[
         Flow,
         typer.Option(
@@ -108,8 +144,15 @@ def proxy_command(
             prefill=tuple(prefill),
             decode=tuple(decode),
             public_url=public_url or f"http://{shown}:{port}",
+            prefill_policy=prefill_policy,
+            decode_policy=decode_policy,
             policy=policy,
             flow=flow,
+            prefill_alpha=prefill_alpha,
+            prefix_block_size=prefix_block_size,
+            prefix_index_blocks=prefix_index_blocks,
+            breaker_failures=breaker_failures,
+            breaker_probe_interval_s=breaker_probe_interval,
             target_timeout_s=target_timeout,
             request_timeout_s=request_timeout,
             health_interval_s=health_interval,

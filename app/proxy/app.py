@@ -13,7 +13,8 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
-from app.proxy.balancer import HealthChecker, Pool, is_connection_failure
+from app.proxy.balancer import HealthChecker, Pool, Routing, is_connection_failure
+from app.proxy.breaker import BreakerSettings
 from app.proxy.config import ProxyConfig
 from app.proxy.errors import NoHealthyInstance, error_response
 from app.proxy.flow import PDFlow, describe, forwarded_headers, read_json_object
@@ -30,15 +31,29 @@ def _health_body(pools: dict[str, Pool]) -> tuple[int, dict[str, Any]]:
     body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
     for role, pool in pools.items():
         body[role] = [dataclasses.asdict(i.status()) for i in pool.instances]
+    # Why the last request went where it went, per role (each transfer's record has its own).
+    body["routing"] = {
+        role: {
+            "policy": pool.policy.value,
+            "last_pick": None if pool.last_pick is None else dataclasses.asdict(pool.last_pick),
+        }
+        for role, pool in pools.items()
+    }
     return (200 if ok else 503), body
+
+
+def _pools(cfg: ProxyConfig) -> dict[str, Pool]:
+    breaker = BreakerSettings(cfg.breaker_failures, cfg.breaker_probe_interval_s)
+    prefill = Routing(cfg.prefill_policy, breaker, cfg.prefill_alpha, cfg.prefix_index_blocks)
+    return {
+        "prefill": Pool("prefill", cfg.prefill, prefill),
+        "decode": Pool("decode", cfg.decode, Routing(cfg.decode_policy, breaker)),
+    }
 
 
 def create_proxy(cfg: ProxyConfig) -> FastAPI:
     """The proxy app; it probes every instance once before serving, then every interval."""
-    pools = {
-        "prefill": Pool("prefill", cfg.prefill, cfg.policy),
-        "decode": Pool("decode", cfg.decode, cfg.policy),
-    }
+    pools = _pools(cfg)
     targets = TargetRendezvous(remember=cfg.transfer_log_size)
     transfers = TransferLog(cfg.transfer_log_size)
     client = httpx.AsyncClient(
@@ -60,12 +75,19 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
             if not pool.any_healthy:
                 down = "; ".join(f"{i.url}: {i.last_error}" for i in pool.instances)
                 log.warning("starting with no healthy %s instance (%s)", role, down)
-        task = asyncio.create_task(checker.run())
+        # Breakers are looked at a few times per probe interval, so a probe is at most a
+        # quarter interval late.
+        tick = min(max(cfg.breaker_probe_interval_s / 4, 0.01), 1.0)
+        tasks = [
+            asyncio.create_task(checker.run()),
+            asyncio.create_task(checker.run_breakers(tick)),
+        ]
         try:
             yield
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
             await flow.close()
             await client.aclose()
 

@@ -1,4 +1,4 @@
-"""Instance pools per role: health, requests in flight, and the pick policy."""
+"""Instance pools per role: health, breakers, requests and tokens in flight, the pick policy."""
 
 from __future__ import annotations
 
@@ -6,13 +6,15 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 import httpx
 
+from app.proxy.breaker import Breaker, BreakerSettings, BreakerState
 from app.proxy.config import Policy
 from app.proxy.errors import NoHealthyInstance
+from app.proxy.routing import Pick, PrefixIndex, RequestShape, cache_score
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,10 @@ class InstanceStatus:
     served: int
     last_error: str | None
     checked_s_ago: float | None
+    tokens_in_flight: int
+    breaker: BreakerState
+    consecutive_failures: int
+    prefix_blocks: int | None  # blocks in the prefix index (cache_aware prefill only)
 
 
 @dataclass
@@ -42,8 +48,11 @@ class Instance:
 
     url: str
     role: str
+    breaker: Breaker
+    index: PrefixIndex | None = None
     health: Health = Health.UNKNOWN
     outstanding: int = 0
+    tokens: int = 0  # in flight
     served: int = 0
     last_error: str | None = None
     checked_at: float | None = None
@@ -51,6 +60,11 @@ class Instance:
     @property
     def healthy(self) -> bool:
         return self.health is Health.HEALTHY
+
+    @property
+    def available(self) -> bool:
+        """May be picked: healthy, and its breaker lets a request through."""
+        return self.healthy and self.breaker.allows
 
     def mark(self, healthy: bool, error: str | None = None) -> None:
         """Record a probe's or a request's verdict; log only the changes."""
@@ -74,67 +88,155 @@ class Instance:
             served=self.served,
             last_error=self.last_error,
             checked_s_ago=ago,
+            tokens_in_flight=self.tokens,
+            breaker=self.breaker.state,
+            consecutive_failures=self.breaker.consecutive_failures,
+            prefix_blocks=None if self.index is None else len(self.index),
         )
 
 
 class Lease:
     """One request in flight on an instance, counted until ``release`` (idempotent)."""
 
-    def __init__(self, instance: Instance) -> None:
+    def __init__(self, instance: Instance, tokens: int = 0, pick: Pick | None = None) -> None:
         self.instance = instance
+        self.tokens = tokens
+        self.pick = pick
         self._held = True
+        self._settled = False
+        self._trial = instance.breaker.take()
         instance.outstanding += 1
+        instance.tokens += tokens
         instance.served += 1
 
     @property
     def url(self) -> str:
         return self.instance.url
 
+    def settle(self, ok: bool | None, why: str = "") -> None:
+        """Tell the instance's breaker how the request went (first verdict only; None: no
+        verdict, e.g. the client left)."""
+        if ok is None or self._settled:
+            return
+        self._settled = True
+        if ok:
+            self.instance.breaker.success()
+        else:
+            self.instance.breaker.failure(why)
+
     def release(self) -> None:
         if self._held:
             self._held = False
             self.instance.outstanding -= 1
+            self.instance.tokens -= self.tokens
+            if self._trial and not self._settled:
+                self.instance.breaker.abandon_trial()
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A pool's pick settings (README, "Routing")."""
+
+    policy: Policy
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    alpha: float = 1.0  # cache_aware: weight of a token in flight
+    index_blocks: int = 10_000  # cache_aware: blocks kept per instance
+
+
+_EMPTY = RequestShape(prompt_tokens=0, max_tokens=0, chain=(), block_size=1)
 
 
 class Pool:
-    """The instances of one role; picks only healthy ones, rotating among equals."""
+    """The instances of one role; picks only available ones, rotating among equals."""
 
-    def __init__(self, role: str, urls: Sequence[str], policy: Policy) -> None:
+    def __init__(
+        self, role: str, urls: Sequence[str], routing: Routing | Policy = Policy.ROUND_ROBIN
+    ) -> None:
         self.role = role
-        self.policy = policy
-        self.instances = [Instance(url, role) for url in urls]
+        self.routing = routing if isinstance(routing, Routing) else Routing(routing)
+        self.policy = self.routing.policy
+        cache = self.policy is Policy.CACHE_AWARE
+        self.instances = [
+            Instance(
+                url,
+                role,
+                Breaker(f"{role} instance {url}", self.routing.breaker),
+                PrefixIndex(self.routing.index_blocks) if cache else None,
+            )
+            for url in urls
+        ]
+        self.last_pick: Pick | None = None
         self._next = 0
 
-    def pick(self) -> Instance:
+    def pick(self, shape: RequestShape = _EMPTY) -> Instance:
+        """The instance the policy picks now (raises ``NoHealthyInstance``)."""
+        return self._choose(shape)[0]
+
+    def _choose(self, shape: RequestShape) -> tuple[Instance, Pick]:
         n = len(self.instances)
-        # Start after the last pick: round-robin takes the first healthy one, and
-        # least-outstanding's min() keeps the first of equals, so ties rotate too.
+        # Start after the last pick: round-robin takes the first available one, and min()
+        # and max() keep the first of equals, so ties rotate too.
         order = [self.instances[(self._next + i) % n] for i in range(n)]
-        live = [inst for inst in order if inst.healthy]
+        live = [inst for inst in order if inst.available]
         if not live:
             tried = ", ".join(inst.url for inst in self.instances)
-            raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried})")
+            opened = [i.url for i in self.instances if i.healthy and not i.breaker.allows]
+            why = f"; circuit open: {', '.join(opened)}" if opened else ""
+            raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried}{why})")
+        hits: dict[str, int] = {}
         if self.policy is Policy.LEAST_OUTSTANDING:
             chosen = min(live, key=lambda inst: inst.outstanding)
+        elif self.policy is Policy.TOKENS:
+            chosen = min(live, key=lambda inst: inst.tokens)
+        elif self.policy is Policy.CACHE_AWARE:
+            for inst in live:
+                assert inst.index is not None
+                hits[inst.url] = inst.index.hit_blocks(shape.chain) * shape.block_size
+            chosen = max(live, key=lambda i: self._score(hits[i.url], i))
         else:
             chosen = live[0]
         self._next = self.instances.index(chosen) + 1
-        return chosen
+        hit = hits.get(chosen.url)
+        pick = Pick(
+            url=chosen.url,
+            policy=self.policy.value,
+            prompt_tokens=shape.prompt_tokens,
+            cost_tokens=shape.cost(self.role),
+            tokens_in_flight=chosen.tokens,
+            outstanding=chosen.outstanding,
+            hit_tokens=hit,
+            score=None if hit is None else self._score(hit, chosen),
+        )
+        self.last_pick = pick
+        return chosen, pick
 
-    def acquire(self) -> Lease:
-        """Pick an instance and count a request on it (raises ``NoHealthyInstance``)."""
-        return Lease(self.pick())
+    def _score(self, hit_tokens: int, inst: Instance) -> float:
+        return cache_score(hit_tokens, inst.tokens, self.routing.alpha)
+
+    def acquire(self, shape: RequestShape = _EMPTY) -> Lease:
+        """Pick an instance and count a request on it (raises ``NoHealthyInstance``).
+
+        cache_aware: the prompt's blocks join the picked instance's index, since it is about
+        to compute (or already holds) them."""
+        inst, pick = self._choose(shape)
+        if inst.index is not None:
+            inst.index.add(shape.chain)
+        return Lease(inst, shape.cost(self.role), pick)
 
     def first_healthy(self) -> Instance:
+        """The first healthy instance whose breaker is not open (for ``/v1/models``)."""
         for inst in self.instances:
-            if inst.healthy:
+            if inst.healthy and inst.breaker.state is not BreakerState.OPEN:
                 return inst
         tried = ", ".join(inst.url for inst in self.instances)
         raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried})")
 
     @property
     def any_healthy(self) -> bool:
-        return any(inst.healthy for inst in self.instances)
+        """Some instance is healthy with its breaker not open (a half-open one counts)."""
+        return any(
+            inst.healthy and inst.breaker.state is not BreakerState.OPEN for inst in self.instances
+        )
 
 
 def is_connection_failure(e: httpx.HTTPError) -> bool:
@@ -173,3 +275,18 @@ class HealthChecker:
         while True:
             await asyncio.sleep(self.interval_s)
             await self.probe_all()
+
+    async def probe_breaker(self, inst: Instance) -> None:
+        """An open breaker's health probe: 200 lets one request through (half-open).
+
+        It is a health probe too: an instance found unreachable by a request is healthy
+        again from here, not only at the next ``interval_s``."""
+        await self.probe(inst)
+        inst.breaker.probed(inst.healthy, inst.last_error or "")
+
+    async def run_breakers(self, tick_s: float) -> None:
+        """Probe each open breaker once its probe interval passed, checking every ``tick_s``."""
+        while True:
+            await asyncio.sleep(tick_s)
+            due = [i for p in self.pools for i in p.instances if i.breaker.probe_due()]
+            await asyncio.gather(*(self.probe_breaker(i) for i in due))

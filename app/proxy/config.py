@@ -13,6 +13,28 @@ class Policy(StrEnum):
 
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
+    # Fewest tokens in flight (prompt + max_tokens of the requests it serves).
+    TOKENS = "tokens"
+    # Most prompt tokens already routed there, minus alpha x tokens in flight (routing.py).
+    CACHE_AWARE = "cache_aware"
+
+
+# What each role may use, the default first.
+PREFILL_POLICIES = (Policy.CACHE_AWARE, Policy.ROUND_ROBIN, Policy.LEAST_OUTSTANDING)
+DECODE_POLICIES = (Policy.TOKENS, Policy.ROUND_ROBIN, Policy.LEAST_OUTSTANDING)
+# --policy, the older switch for both roles at once.
+SHARED_POLICIES = (Policy.ROUND_ROBIN, Policy.LEAST_OUTSTANDING)
+
+
+def _policy(value: str, allowed: tuple[Policy, ...], flag: str) -> Policy:
+    choices = ", ".join(p.value for p in allowed)
+    try:
+        p = Policy(value)
+    except ValueError:
+        raise ConfigError(f"{flag} {str(value)!r}: expected one of {choices}") from None
+    if p not in allowed:
+        raise ConfigError(f"{flag} {str(value)!r}: expected one of {choices}")
+    return p
 
 
 class Flow(StrEnum):
@@ -31,8 +53,19 @@ class ProxyConfig:
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     public_url: str
-    policy: Policy = Policy.ROUND_ROBIN
+    prefill_policy: Policy = Policy.CACHE_AWARE
+    decode_policy: Policy = Policy.TOKENS
+    # Both roles' policy at once when given (round_robin or least_outstanding).
+    policy: Policy | None = None
     flow: Flow = Flow.CONCURRENT
+    # Consecutive failures that open an instance's breaker; seconds until it is probed.
+    breaker_failures: int = 3
+    breaker_probe_interval_s: float = 5.0
+    # Prefix index (cache_aware): tokens per block, blocks kept per prefill instance.
+    prefix_block_size: int = 16
+    prefix_index_blocks: int = 10_000
+    # cache_aware's weight of a token in flight against a cached prompt token.
+    prefill_alpha: float = 1.0
     target_timeout_s: float = 30.0
     # Longest wait for any one read from an upstream (a whole non-streamed answer, or the
     # gap between two streamed chunks); decode waits for the KV before its first token.
@@ -47,11 +80,19 @@ class ProxyConfig:
         object.__setattr__(self, "prefill", tuple(u.rstrip("/") for u in self.prefill))
         object.__setattr__(self, "decode", tuple(u.rstrip("/") for u in self.decode))
         object.__setattr__(self, "public_url", self.public_url.rstrip("/"))
-        try:
-            object.__setattr__(self, "policy", Policy(self.policy))
-        except ValueError:
-            choices = ", ".join(p.value for p in Policy)
-            raise ConfigError(f"--policy {self.policy!r}: expected one of {choices}") from None
+        if self.policy is not None:
+            shared = _policy(self.policy, SHARED_POLICIES, "--policy")
+            object.__setattr__(self, "policy", shared)
+            object.__setattr__(self, "prefill_policy", shared)
+            object.__setattr__(self, "decode_policy", shared)
+        object.__setattr__(
+            self,
+            "prefill_policy",
+            _policy(self.prefill_policy, PREFILL_POLICIES, "--prefill-policy"),
+        )
+        object.__setattr__(
+            self, "decode_policy", _policy(self.decode_policy, DECODE_POLICIES, "--decode-policy")
+        )
         try:
             object.__setattr__(self, "flow", Flow(self.flow))
         except ValueError:
@@ -73,9 +114,15 @@ class ProxyConfig:
             "connect_timeout_s",
             "health_interval_s",
             "health_timeout_s",
+            "breaker_probe_interval_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("breaker_failures", "prefix_block_size", "prefix_index_blocks"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.prefill_alpha < 0:
+            raise ConfigError(f"prefill_alpha must not be negative, got {self.prefill_alpha}")
         if self.transfer_log_size < 1:
             raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
 

@@ -35,9 +35,11 @@ from starlette.types import Receive
 
 from app.proxy.balancer import Lease, Pool, is_connection_failure
 from app.proxy.bodies import decode_body, is_streamed, prefill_body
+from app.proxy.breaker import decode_ok
 from app.proxy.config import Flow, ProxyConfig
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
+from app.proxy.routing import shape_of
 from app.proxy.targets import TargetRendezvous
 
 log = logging.getLogger(__name__)
@@ -117,6 +119,7 @@ class _Exchange:
         t.total_s = t.since_start()
         if error is not None:
             t.note_error(error)
+        self.decode.settle(decode_ok(outcome, t.decode_status), error or "")
         self.decode.release()
         self._on_end(outcome)
         # A prefill for a decode that never gave a target is pointless now. One that had it
@@ -159,17 +162,19 @@ class PDFlow:
         body = await read_json_object(request)
         if isinstance(body, Response):
             return body
+        shape = shape_of(body, path, self.cfg.prefix_block_size)
         try:
-            d = self.decode.acquire()
+            d = self.decode.acquire(shape)
         except NoHealthyInstance as e:
             return error_response(503, str(e), "service_unavailable")
         try:
-            p = self.prefill.acquire()
+            p = self.prefill.acquire(shape)
         except NoHealthyInstance as e:
             d.release()
             return error_response(503, str(e), "service_unavailable")
         tid = uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, p.url)
+        t.decode_pick, t.prefill_pick = d.pick, p.pick
         headers = forwarded_headers(request)
         # Open before decode hears of the id: its target may come back at once.
         self.targets.open(tid)
@@ -383,12 +388,14 @@ class PDFlow:
                 p.instance.mark(False, f"connection failed: {describe(e)}")
             t.prefill_outcome = "prefill_failed"
             msg = f"prefill instance {p.url} failed: {describe(e)}"
+            p.settle(False, msg)
             t.note_error(msg)
             log.error("transfer %s: %s (decode recomputes after its sidecar gives up)", tid, msg)
             return
         finally:
             t.prefill_s = time.monotonic() - t0
         t.prefill_status = r.status_code
+        p.settle(r.status_code < 500, f"answered {r.status_code}")
         if r.status_code == 200:
             t.prefill_outcome = "ok"
             return

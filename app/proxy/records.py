@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.proxy.routing import Pick
+
 DecodeOutcome = Literal["ok", "failed", "unreachable", "timeout", "broken", "client_gone"]
 PrefillOutcome = Literal[
     "ok", "prefill_failed", "target_timeout", "target_error", "no_target", "cancelled"
@@ -35,6 +37,9 @@ class TransferRecord:
     prefill_status: int | None
     error: str | None
     started_at: float
+    # Why each instance was picked (policy, tokens in flight, cache hits: README "Routing").
+    decode_pick: Pick | None = None
+    prefill_pick: Pick | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -59,6 +64,8 @@ class TransferTracker:
     decode_outcome: DecodeOutcome | None = None
     prefill_outcome: PrefillOutcome | None = None
     error: str | None = None
+    decode_pick: Pick | None = None
+    prefill_pick: Pick | None = None
 
     def since_start(self) -> float:
         return time.monotonic() - self.started
@@ -92,6 +99,8 @@ class TransferTracker:
             prefill_status=self.prefill_status,
             error=self.error,
             started_at=round(self.started_at, 3),
+            decode_pick=self.decode_pick,
+            prefill_pick=self.prefill_pick,
         )
 
 

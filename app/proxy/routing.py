@@ -1,0 +1,180 @@
+"""What a request costs an instance, the prefill prefix index, and the pick scores.
+
+**Tokens in flight.** Every request the proxy sends is counted on its instance until it ends:
+on decode ``prompt tokens + max_tokens`` (``max_completion_tokens``; absent: vLLM's default of
+16 for completions, and ``DEFAULT_CHAT_MAX_TOKENS`` for chat, whose real limit is the context),
+on prefill ``prompt tokens + 1`` (prefill generates one token). The proxy has no tokenizer:
+a prompt given as token ids counts its ids; text (a completion prompt, chat messages' text)
+counts ``len(text) // 4``, a rough English average.
+
+**Prefix index (cache-aware prefill).** Per prefill instance an approximate, bounded (LRU)
+set of hash chains of the prompts the proxy routed there: one hash per full block of
+``block_size`` token ids, each hash covering its block and every block before it (as vLLM's
+prefix cache keys its blocks). Text prompts are hashed in blocks of ``4 * block_size``
+characters, so a block still stands for about ``block_size`` tokens. Hit tokens = leading
+blocks present × ``block_size``. It is what the proxy sent, not what the engine holds: an
+engine that evicted, or restarted, is found out only by slower prefills.
+
+**Score (cache_aware).** ``hit_tokens - alpha * tokens_in_flight``; the healthy instance with
+the highest score wins, ties go to the next in rotation. With ``alpha = 1`` a cached token
+and a queued token weigh the same (both are prefill compute that is, or is not, ahead of
+this prompt): a prompt with 2k cached tokens on an instance with 10k tokens queued goes to an
+idle one instead.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Characters per token for text the proxy cannot tokenize (a rough English average).
+CHARS_PER_TOKEN = 4
+# vLLM's default max_tokens for /v1/completions.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Chat has no default but the context; a guess that makes long answers count for something.
+DEFAULT_CHAT_MAX_TOKENS = 1024
+# Chain seeds, so that a text block never matches a token block.
+_TOKEN_SEED = 0x746F6B
+_TEXT_SEED = 0x747874
+
+
+@dataclass(frozen=True)
+class RequestShape:
+    """What routing needs of one request: its size and its prompt's block hash chain."""
+
+    prompt_tokens: int
+    max_tokens: int
+    chain: tuple[int, ...]
+    block_size: int
+
+    def cost(self, role: str) -> int:
+        """Tokens in flight the request adds on an instance of ``role``."""
+        if role == "prefill":
+            return self.prompt_tokens + 1
+        return self.prompt_tokens + self.max_tokens
+
+
+@dataclass(frozen=True)
+class Pick:
+    """Why an instance was picked (shown in ``/health`` and the transfer record)."""
+
+    url: str
+    policy: str
+    prompt_tokens: int
+    cost_tokens: int  # tokens in flight this request adds
+    tokens_in_flight: int  # on the instance, before this request
+    outstanding: int  # requests on the instance, before this request
+    hit_tokens: int | None = None  # cache_aware only
+    score: float | None = None  # cache_aware only
+
+
+def _is_token_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(i, int) for i in x)
+
+
+def _chat_text(messages: Any) -> str:
+    """The text of chat messages, role by role (image parts and the like are not counted)."""
+    if not isinstance(messages, list):
+        return ""
+    parts: list[str] = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
+def _token_chain(ids: list[int], block_size: int) -> tuple[int, ...]:
+    chain, h = [], _TOKEN_SEED
+    for i in range(0, len(ids) - block_size + 1, block_size):
+        h = hash((h, tuple(ids[i : i + block_size])))
+        chain.append(h)
+    return tuple(chain)
+
+
+def _text_chain(text: str, block_size: int) -> tuple[int, ...]:
+    n = block_size * CHARS_PER_TOKEN
+    chain, h = [], _TEXT_SEED
+    for i in range(0, len(text) - n + 1, n):
+        h = hash((h, text[i : i + n]))
+        chain.append(h)
+    return tuple(chain)
+
+
+def _max_tokens(body: dict[str, Any], path: str) -> int:
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = body.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return DEFAULT_CHAT_MAX_TOKENS if "chat" in path else DEFAULT_COMPLETION_MAX_TOKENS
+
+
+def shape_of(body: dict[str, Any], path: str, block_size: int) -> RequestShape:
+    """A request's size and hash chain from its body; a batch of prompts is hashed by its first."""
+    if "chat" in path:
+        text = _chat_text(body.get("messages"))
+        return RequestShape(
+            len(text) // CHARS_PER_TOKEN,
+            _max_tokens(body, path),
+            _text_chain(text, block_size),
+            block_size,
+        )
+    # A prompt: text, token ids, or a batch of either.
+    prompt = body.get("prompt")
+    prompts: list[Any]
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list):
+        prompts = [p for p in prompt if isinstance(p, str) or _is_token_ids(p)]
+    else:
+        prompts = []
+    tokens = sum(len(p) // CHARS_PER_TOKEN if isinstance(p, str) else len(p) for p in prompts)
+    chain: tuple[int, ...] = ()
+    if prompts:
+        first = prompts[0]
+        chain = (
+            _text_chain(first, block_size)
+            if isinstance(first, str)
+            else _token_chain(first, block_size)
+        )
+    # Every prompt of a batch generates its own answer.
+    return RequestShape(tokens, _max_tokens(body, path) * max(1, len(prompts)), chain, block_size)
+
+
+class PrefixIndex:
+    """The block hashes routed to one instance, least recently routed evicted first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def hit_blocks(self, chain: Iterable[int]) -> int:
+        """How many leading blocks of ``chain`` are here (a chain hash implies its prefix)."""
+        n = 0
+        for h in chain:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def add(self, chain: Sequence[int]) -> None:
+        # Last block first: a chain's head ends up the most recent, so eviction eats its
+        # tail (useless without the head) before its head.
+        for h in reversed(chain):
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
+def cache_score(hit_tokens: int, tokens_in_flight: int, alpha: float) -> float:
+    """The cache-aware score: cached prompt tokens minus the weighted load ahead."""
+    return hit_tokens - alpha * tokens_in_flight
