@@ -179,6 +179,10 @@ class SendSide:
         let later signals write as they come. Each waits on the gate its first task opens:
         queued behind that task on the same thread, it never writes an incomplete layer."""
         peer = self._peers.table.get(req.peer)
+        if req.state.terminal:
+            peer = None  # ended while its claim was out: nothing to write
+        else:
+            req.state = Status.TRANSFERRING
         # Layers signalled while a replay waits on a full queue join the backlog: drain it
         # until it stays empty, then let signals write directly.
         while req.backlog and peer is not None and not req.state.terminal:
