@@ -88,8 +88,25 @@ def proxy_command(
         int, typer.Option(help="cache_aware: prompt tokens per hashed block.")
     ] = 16,
     prefix_index_blocks: Annotated[
-        int, typer.Option(help="cache_aware: blocks remembered per prefill instance (LRU).")
+        int,
+        typer.Option(
+            help="Blocks remembered per instance (LRU): cache_aware prefill, and decode for "
+            "--decode-hit-fraction."
+        ),
     ] = 10_000,
+    min_prefill_tokens: Annotated[
+        int,
+        typer.Option(
+            help="A prompt shorter than this goes to decode alone, no prefill (0: never)."
+        ),
+    ] = 256,
+    decode_hit_fraction: Annotated[
+        float,
+        typer.Option(
+            help="A prompt of which the picked decode holds at least this fraction (blocks the "
+            "proxy routed there before) goes to decode alone (above 1: never)."
+        ),
+    ] = 0.8,
     breaker_failures: Annotated[
         int,
         typer.Option(
@@ -151,6 +168,8 @@ def proxy_command(
             prefill_alpha=prefill_alpha,
             prefix_block_size=prefix_block_size,
             prefix_index_blocks=prefix_index_blocks,
+            min_prefill_tokens=min_prefill_tokens,
+            decode_hit_fraction=decode_hit_fraction,
             breaker_failures=breaker_failures,
             breaker_probe_interval_s=breaker_probe_interval,
             target_timeout_s=target_timeout,

@@ -290,6 +290,12 @@ class LocalPD:
                 "0",
                 "--port-file",
                 str(ports),
+                # Every prompt through prefill: this pair exists to move (and check) KV, and its
+                # prompts are short; served by decode alone they would move nothing.
+                "--min-prefill-tokens",
+                "0",
+                "--decode-hit-fraction",
+                "2",
             ],
         )
 

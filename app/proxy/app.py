@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 _REFUSED_KIND = {404: "not_found", 409: "conflict"}
 
 
-def _health_body(pools: dict[str, Pool]) -> tuple[int, dict[str, Any]]:
+def _health_body(pools: dict[str, Pool], flow: PDFlow) -> tuple[int, dict[str, Any]]:
     ok = all(p.any_healthy for p in pools.values())
     body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
     for role, pool in pools.items():
@@ -39,15 +39,24 @@ def _health_body(pools: dict[str, Pool]) -> tuple[int, dict[str, Any]]:
         }
         for role, pool in pools.items()
     }
+    # Requests served by decode alone (short prompt, or held by decode) and through prefill.
+    body["disaggregation"] = flow.counts.summary(flow.disagg)
     return (200 if ok else 503), body
 
 
 def _pools(cfg: ProxyConfig) -> dict[str, Pool]:
     breaker = BreakerSettings(cfg.breaker_failures, cfg.breaker_probe_interval_s)
     prefill = Routing(cfg.prefill_policy, breaker, cfg.prefill_alpha, cfg.prefix_index_blocks)
+    # Decode's index is what the disaggregation hit rule reads; kept only when it is on.
+    decode = Routing(
+        cfg.decode_policy,
+        breaker,
+        index_blocks=cfg.prefix_index_blocks,
+        track_prefixes=cfg.disagg_rules.tracks_decode_prefixes,
+    )
     return {
         "prefill": Pool("prefill", cfg.prefill, prefill),
-        "decode": Pool("decode", cfg.decode, Routing(cfg.decode_policy, breaker)),
+        "decode": Pool("decode", cfg.decode, decode),
     }
 
 
@@ -141,7 +150,7 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        code, body = _health_body(pools)
+        code, body = _health_body(pools, flow)
         return JSONResponse(body, status_code=code)
 
     @app.get("/v1/models")

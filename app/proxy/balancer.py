@@ -39,7 +39,7 @@ class InstanceStatus:
     tokens_in_flight: int
     breaker: BreakerState
     consecutive_failures: int
-    prefix_blocks: int | None  # blocks in the prefix index (cache_aware prefill only)
+    prefix_blocks: int | None  # blocks in the prefix index (None: the instance keeps none)
 
 
 @dataclass
@@ -140,7 +140,9 @@ class Routing:
     policy: Policy
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     alpha: float = 1.0  # cache_aware: weight of a token in flight
-    index_blocks: int = 10_000  # cache_aware: blocks kept per instance
+    index_blocks: int = 10_000  # blocks kept per instance's prefix index
+    # A prefix index per instance with any policy (decode: conditional disaggregation).
+    track_prefixes: bool = False
 
 
 _EMPTY = RequestShape(prompt_tokens=0, max_tokens=0, chain=(), block_size=1)
@@ -155,7 +157,7 @@ class Pool:
         self.role = role
         self.routing = routing if isinstance(routing, Routing) else Routing(routing)
         self.policy = self.routing.policy
-        cache = self.policy is Policy.CACHE_AWARE
+        cache = self.policy is Policy.CACHE_AWARE or self.routing.track_prefixes
         self.instances = [
             Instance(
                 url,
@@ -197,6 +199,9 @@ class Pool:
             chosen = live[0]
         self._next = self.instances.index(chosen) + 1
         hit = hits.get(chosen.url)
+        if hit is None and chosen.index is not None:
+            # Not a pick criterion here, but what the disaggregation decision reads.
+            hit = chosen.index.hit_blocks(shape.chain) * shape.block_size
         pick = Pick(
             url=chosen.url,
             policy=self.policy.value,
@@ -205,7 +210,7 @@ class Pool:
             tokens_in_flight=chosen.tokens,
             outstanding=chosen.outstanding,
             hit_tokens=hit,
-            score=None if hit is None else self._score(hit, chosen),
+            score=self._score(hit, chosen) if hits and hit is not None else None,
         )
         self.last_pick = pick
         return chosen, pick
@@ -216,8 +221,9 @@ class Pool:
     def acquire(self, shape: RequestShape = _EMPTY) -> Lease:
         """Pick an instance and count a request on it (raises ``NoHealthyInstance``).
 
-        cache_aware: the prompt's blocks join the picked instance's index, since it is about
-        to compute (or already holds) them."""
+        With a prefix index (cache_aware, or ``track_prefixes``), the prompt's blocks join the
+        picked instance's index, since it is about to compute (or receive, or already holds)
+        them."""
         inst, pick = self._choose(shape)
         if inst.index is not None:
             inst.index.add(shape.chain)

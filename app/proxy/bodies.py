@@ -20,6 +20,12 @@ def decode_body(body: dict[str, Any], transfer_id: str, router_url: str) -> dict
     }
 
 
+def local_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The client's request for decode alone (no prefill): a plain request, so decode computes
+    the prompt itself. Any ``kv_transfer_params`` the client sent are dropped, as above."""
+    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+
 def prefill_body(
     body: dict[str, Any],
     transfer_id: str,

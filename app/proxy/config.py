@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from app.errors import ConfigError
+from app.proxy.disagg import DisaggRules
 
 
 class Policy(StrEnum):
@@ -61,9 +62,14 @@ class ProxyConfig:
     # Consecutive failures that open an instance's breaker; seconds until it is probed.
     breaker_failures: int = 3
     breaker_probe_interval_s: float = 5.0
-    # Prefix index (cache_aware): tokens per block, blocks kept per prefill instance.
+    # Prefix index (cache_aware prefill, and decode for the hit rule): tokens per block,
+    # blocks kept per instance.
     prefix_block_size: int = 16
     prefix_index_blocks: int = 10_000
+    # Conditional disaggregation (disagg.py): a prompt shorter than this, or of which the
+    # picked decode holds at least this fraction, is served by decode alone. 0 / above 1: off.
+    min_prefill_tokens: int = 256
+    decode_hit_fraction: float = 0.8
     # cache_aware's weight of a token in flight against a cached prompt token.
     prefill_alpha: float = 1.0
     target_timeout_s: float = 30.0
@@ -121,10 +127,24 @@ class ProxyConfig:
         for name in ("breaker_failures", "prefix_block_size", "prefix_index_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.min_prefill_tokens < 0:
+            raise ConfigError(
+                f"min_prefill_tokens must not be negative (0 turns the rule off), "
+                f"got {self.min_prefill_tokens}"
+            )
+        if not self.decode_hit_fraction > 0:
+            raise ConfigError(
+                f"decode_hit_fraction must be positive (above 1 turns the rule off), "
+                f"got {self.decode_hit_fraction}"
+            )
         if self.prefill_alpha < 0:
             raise ConfigError(f"prefill_alpha must not be negative, got {self.prefill_alpha}")
         if self.transfer_log_size < 1:
             raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
+
+    @property
+    def disagg_rules(self) -> DisaggRules:
+        return DisaggRules(self.min_prefill_tokens, self.decode_hit_fraction)
 
     @property
     def router_url(self) -> str:

@@ -13,6 +13,8 @@
    (``remote: target``). No target in time, or decode ended first: no prefill.
 4. A failed prefill is only logged: decode's sidecar times out and decode recomputes. A
    client that goes away closes both upstream connections, which vLLM turns into aborts.
+5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
+   decode as a plain request and no prefill is asked; the record says ``local`` and why.
 """
 
 from __future__ import annotations
@@ -34,9 +36,10 @@ from starlette.background import BackgroundTask
 from starlette.types import Receive
 
 from app.proxy.balancer import Lease, Pool, is_connection_failure
-from app.proxy.bodies import decode_body, is_streamed, prefill_body
+from app.proxy.bodies import decode_body, is_streamed, local_body, prefill_body
 from app.proxy.breaker import decode_ok
 from app.proxy.config import Flow, ProxyConfig
+from app.proxy.disagg import DisaggCounts
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
 from app.proxy.routing import shape_of
@@ -93,13 +96,14 @@ async def first_or_none(aw: Awaitable[T], disconnected: asyncio.Task[None]) -> T
 
 
 class _Exchange:
-    """One client request: decode's lease and response, the prefill side task, the record."""
+    """One client request: decode's lease and response, the prefill side task (None: decode
+    alone), the record."""
 
     def __init__(
         self,
         tracker: TransferTracker,
         decode: Lease,
-        prefill: asyncio.Task[None],
+        prefill: asyncio.Task[None] | None,
         on_end: Callable[[DecodeOutcome], None],
     ):
         self.tracker = tracker
@@ -125,7 +129,7 @@ class _Exchange:
         # A prefill for a decode that never gave a target is pointless now. One that had it
         # is left to finish when decode answered (it is about done), and cut off if the
         # client left.
-        if outcome == "client_gone" or t.target_s is None:
+        if self.prefill is not None and (outcome == "client_gone" or t.target_s is None):
             self.prefill.cancel()
         if self.upstream is not None:
             await self.upstream.aclose()
@@ -151,6 +155,8 @@ class PDFlow:
         self.client = client
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
+        self.disagg = cfg.disagg_rules
+        self.counts = DisaggCounts()
 
     def target_arrived(self, transfer_id: str) -> None:
         """Decode posted its target (the rendezvous took it): note when."""
@@ -167,21 +173,30 @@ class PDFlow:
             d = self.decode.acquire(shape)
         except NoHealthyInstance as e:
             return error_response(503, str(e), "service_unavailable")
-        try:
-            p = self.prefill.acquire(shape)
-        except NoHealthyInstance as e:
-            d.release()
-            return error_response(503, str(e), "service_unavailable")
+        # After decode's pick: whether decode holds the prompt depends on which decode it is.
+        decision = self.disagg.decide(shape, d.pick)
+        p: Lease | None = None
+        if decision.disaggregated:
+            try:
+                p = self.prefill.acquire(shape)
+            except NoHealthyInstance as e:
+                d.release()
+                return error_response(503, str(e), "service_unavailable")
+        self.counts.count(decision)
         tid = uuid.uuid4().hex
-        t = self.transfers.start(tid, path, d.url, p.url)
-        t.decode_pick, t.prefill_pick = d.pick, p.pick
+        t = self.transfers.start(tid, path, d.url, None if p is None else p.url)
+        t.decode_pick, t.reason = d.pick, decision.reason
         headers = forwarded_headers(request)
-        # Open before decode hears of the id: its target may come back at once.
-        self.targets.open(tid)
-        self._live[tid] = t
-        x = _Exchange(
-            t, d, self._spawn_prefill(t, p, body, path, headers), partial(self._decode_ended, t)
-        )
+        prefill: asyncio.Task[None] | None = None
+        if p is not None:
+            t.prefill_pick = p.pick
+            # Open before decode hears of the id: its target may come back at once.
+            self.targets.open(tid)
+            self._live[tid] = t
+            prefill = self._spawn_prefill(t, p, body, path, headers)
+        else:
+            log.debug("transfer %s: decode alone (%s)", tid, decision.reason)
+        x = _Exchange(t, d, prefill, partial(self._decode_ended, t))
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             return await self._answer(x, body, path, headers, disconnected)
@@ -206,7 +221,11 @@ class PDFlow:
         req = self.client.build_request(
             "POST",
             f"{x.decode.url}{path}",
-            json=decode_body(body, t.transfer_id, self.cfg.router_url),
+            json=(
+                decode_body(body, t.transfer_id, self.cfg.router_url)
+                if t.disaggregated
+                else local_body(body)
+            ),
             headers=headers,
         )
         try:

@@ -22,13 +22,15 @@ class TransferRecord:
     ``status``: ``pending`` until both sides ended; then ``client_gone``, ``decode_failed``
     (decode answered non-200 or failed), else the prefill side's outcome: ``ok``,
     ``prefill_failed``, ``target_timeout``, ``target_error`` or ``no_target`` (decode ended
-    before it posted a target, e.g. it had the whole prompt cached).
+    before it posted a target, e.g. it had the whole prompt cached). A request served by
+    decode alone (``disaggregated`` false, ``reason`` says why, ``prefill`` is None) ends
+    ``local`` unless decode failed or the client left.
     """
 
     transfer_id: str
     path: str
     decode: str
-    prefill: str
+    prefill: str | None
     status: str
     target_ms: float | None
     prefill_ms: float | None
@@ -40,6 +42,9 @@ class TransferRecord:
     # Why each instance was picked (policy, tokens in flight, cache hits: README "Routing").
     decode_pick: Pick | None = None
     prefill_pick: Pick | None = None
+    # Conditional disaggregation (README "Routing"): through prefill or not, and why.
+    disaggregated: bool = True
+    reason: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -53,7 +58,7 @@ class TransferTracker:
     transfer_id: str
     path: str
     decode: str
-    prefill: str
+    prefill: str | None  # None: decode alone
     started: float = field(default_factory=time.monotonic)
     started_at: float = field(default_factory=time.time)
     target_s: float | None = None
@@ -66,6 +71,11 @@ class TransferTracker:
     error: str | None = None
     decode_pick: Pick | None = None
     prefill_pick: Pick | None = None
+    reason: str | None = None
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.prefill is not None
 
     def since_start(self) -> float:
         return time.monotonic() - self.started
@@ -77,13 +87,13 @@ class TransferTracker:
 
     @property
     def status(self) -> str:
-        if self.decode_outcome is None or self.prefill_outcome is None:
+        if self.decode_outcome is None or (self.disaggregated and self.prefill_outcome is None):
             return "pending"
         if self.decode_outcome == "client_gone":
             return "client_gone"
         if self.decode_outcome != "ok":
             return "decode_failed"
-        return self.prefill_outcome
+        return self.prefill_outcome or "local"
 
     def record(self) -> TransferRecord:
         return TransferRecord(
@@ -101,6 +111,8 @@ class TransferTracker:
             started_at=round(self.started_at, 3),
             decode_pick=self.decode_pick,
             prefill_pick=self.prefill_pick,
+            disaggregated=self.disaggregated,
+            reason=self.reason,
         )
 
 
@@ -110,7 +122,9 @@ class TransferLog:
     def __init__(self, size: int) -> None:
         self._items: deque[TransferTracker] = deque(maxlen=size)
 
-    def start(self, transfer_id: str, path: str, decode: str, prefill: str) -> TransferTracker:
+    def start(
+        self, transfer_id: str, path: str, decode: str, prefill: str | None
+    ) -> TransferTracker:
         t = TransferTracker(transfer_id, path, decode, prefill)
         self._items.append(t)
         return t

@@ -1,4 +1,4 @@
-"""What a request costs an instance, the prefill prefix index, and the pick scores.
+"""What a request costs an instance, the prefix index, and the pick scores.
 
 **Tokens in flight.** Every request the proxy sends is counted on its instance until it ends:
 on decode ``prompt tokens + max_tokens`` (``max_completion_tokens``; absent: vLLM's default of
@@ -13,7 +13,9 @@ set of hash chains of the prompts the proxy routed there: one hash per full bloc
 prefix cache keys its blocks). Text prompts are hashed in blocks of ``4 * block_size``
 characters, so a block still stands for about ``block_size`` tokens. Hit tokens = leading
 blocks present × ``block_size``. It is what the proxy sent, not what the engine holds: an
-engine that evicted, or restarted, is found out only by slower prefills.
+engine that evicted, or restarted, is found out only by slower prefills. Decode instances
+keep one too when the disaggregation hit rule is on (disagg.py): there it decides whether a
+prompt needs a prefill at all, not where it goes.
 
 **Score (cache_aware).** ``hit_tokens - alpha * tokens_in_flight``; the healthy instance with
 the highest score wins, ties go to the next in rotation. With ``alpha = 1`` a cached token
@@ -66,7 +68,7 @@ class Pick:
     cost_tokens: int  # tokens in flight this request adds
     tokens_in_flight: int  # on the instance, before this request
     outstanding: int  # requests on the instance, before this request
-    hit_tokens: int | None = None  # cache_aware only
+    hit_tokens: int | None = None  # instances with a prefix index only
     score: float | None = None  # cache_aware only
 
 

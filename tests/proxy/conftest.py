@@ -295,6 +295,10 @@ class Cluster:
                 "health_interval_s": 30.0,
                 # The flow most of these tests pin down; test_concurrent_flow.py the default.
                 "flow": Flow.DECODE_FIRST,
+                # Every request through prefill, whatever its size or history; test_disagg.py
+                # turns the rules on.
+                "min_prefill_tokens": 0,
+                "decode_hit_fraction": 2.0,
             }
             | cfg,
         )
