@@ -312,15 +312,19 @@ class Scenario:
 
     def until_sends_written(self, at_least: int = 1, timeout_s: float = 120) -> None:
         """Until prefill's sidecar shows ``at_least`` of this scenario's sends with a layer
-        written and not ended: the fault then falls between layers, on observed progress."""
+        written (or held for decode's target) and not ended: the fault then falls between
+        layers, on observed progress."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             sends = _entries(self.pd.prefill.admin, "/v1/requests?side=send")
             self._match(sends)
+            # A layer written, or (concurrent dispatch) signalled and held for decode's
+            # target: either way prefill's sidecar is in the middle of the push.
             live = [
                 e
                 for e in sends
-                if e["state"] not in TERMINAL and any(g["layers_sent"] for g in e["groups"])
+                if e["state"] not in TERMINAL
+                and (e.get("held_layers") or any(g["layers_sent"] for g in e["groups"]))
             ]
             if len(live) >= at_least:
                 self.notes.append(f"fault with {len(live)} send(s) part-written")
