@@ -74,10 +74,7 @@ def test_prefill_vllm_killed_mid_prefill(pair: Pair) -> None:
 def test_decode_vllm_killed_with_kv_in_flight(pair: Pair) -> None:
     """Decode's engine dies while prefill writes into its memory (its sidecar still maps it):
     the clients get errors, both sidecars still end every request, and nothing lands outside
-    the requests' blocks of the dead engine's cache. Then, decode still dead, a new request
-    (concurrent dispatch: prefill gets it at once) finds decode unreachable and no target
-    ever comes: prefill lets the transfer go and its blocks return to vLLM; nothing is left in
-    /dev/shm when the pair stops (the fixture checks). One restart serves both."""
+    the requests' blocks of the dead engine's cache."""
     sc = Scenario(pair, "real: D vLLM SIGKILL, KV in flight")
     sc.launch(4, seed_lengths(8, *LONG), salt=200)
     sc.until_sends_written()
@@ -85,6 +82,18 @@ def test_decode_vllm_killed_with_kv_in_flight(pair: Pair) -> None:
     try:
         sc.settle()
         sc.verify(outputs=False)
+    finally:
+        pair.restart("decode")
+
+
+def test_decode_vllm_dead_before_its_target(pair: Pair) -> None:
+    """Concurrent dispatch with decode's engine down (the proxy has not noticed yet): the proxy
+    sends the prompt to prefill at once and finds decode unreachable, so no target ever comes.
+    The proxy closes the transfer (or cancels the prefill), prefill's sidecar ends whatever it
+    admitted, and prefill's blocks go back to vLLM; nothing is left in /dev/shm when the pair
+    stops (the fixture checks)."""
+    pair.kill_vllm("decode")
+    try:
         prefill_lets_go_without_decode(pair)
     finally:
         pair.restart("decode")
