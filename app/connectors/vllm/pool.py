@@ -11,12 +11,11 @@ import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import PoolJob
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError
+from app.transfer.agent import blocks
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +45,9 @@ class PoolJobs:
         return out
 
     def _load(self, job: PoolJob) -> None:
-        blocks = [np.asarray(g, np.int64) for g in job.block_ids]
+        ids = blocks(job.block_ids)
         try:
-            reply = self.link.pool_load(job.req_id, job.token_ids, blocks, job.tokens)
+            reply = self.link.pool_load(job.req_id, job.token_ids, ids, job.tokens)
             failed = any(reply.failed_blocks)
         except KVSidecarError as e:
             log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
@@ -59,9 +58,9 @@ class PoolJobs:
                 self._failed.add(job.req_id)
 
     def _save(self, job: PoolJob) -> None:
-        blocks = [np.asarray(g, np.int64) for g in job.block_ids]
+        ids = blocks(job.block_ids)
         try:
-            self.link.pool_save(job.req_id, job.token_ids, blocks, job.tokens)
+            self.link.pool_save(job.req_id, job.token_ids, ids, job.tokens)
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
         with self._lock:

@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import msgspec
-import numpy as np
 
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
@@ -33,6 +32,7 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.service import InProcessAgent
+from app.transfer.agent import blocks
 from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget, remote_target
 
@@ -213,7 +213,7 @@ class WorkerSide:
             self.link.expect_receive(
                 e.sid,
                 e.prompt_len,
-                [np.asarray(g, np.int64) for g in e.block_ids],
+                blocks(e.block_ids),
                 self.config.prefill_tp,
                 timeout_s=self.config.recv_timeout_s,
             )
@@ -232,7 +232,7 @@ class WorkerSide:
             self.link.add_send_request(
                 a.sid,
                 a.prompt_len,
-                [np.asarray(g, np.int64) for g in a.block_ids],
+                blocks(a.block_ids),
                 a.remote,
                 mamba_mode=MambaMode(a.mamba_mode),
                 num_spec=a.num_spec,
