@@ -245,6 +245,23 @@ class AbortResponse(_Model):
     entries: list[RequestView]
 
 
+class KVTargetBody(_Model):
+    """Decode's connector (the prefill-first flow): where a send this sidecar holds goes."""
+
+    transfer_id: str = Field(min_length=1, max_length=256)
+    target: dict[str, Any] | None = Field(
+        default=None, description="Decode's RemoteTarget (its sidecar and block ids)."
+    )
+    error: str | None = Field(
+        default=None, max_length=1000, description="Why decode cannot take the transfer."
+    )
+
+
+class KVTargetResponse(_Model):
+    transfer_id: str
+    ranks: list[int] = Field(description="Ranks whose send took the target (or was aborted).")
+
+
 # ---- /v1/peers -------------------------------------------------------------------------------
 
 

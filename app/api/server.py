@@ -36,6 +36,8 @@ from app.api.schemas import (
     AbortResponse,
     ErrorResponse,
     GroupsResponse,
+    KVTargetBody,
+    KVTargetResponse,
     Liveness,
     PeersResponse,
     PoolResponse,
@@ -50,6 +52,7 @@ from app.api.schemas import (
 from app.config import SidecarSettings, env_var_for
 from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
 from app.transfer.control import LogThrottle
+from app.transfer.protocol import remote_target
 from app.transfer.sidecar import Sidecar
 
 log = logging.getLogger(__name__)
@@ -259,6 +262,57 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         now = time.monotonic()
         entries = [views.request_view(r, now) for r in views.find_request(sidecar, request_id)]
         return AbortResponse(id=request_id, aborted=live, entries=entries)
+
+    @app.post(
+        "/v1/kv_targets",
+        response_model=KVTargetResponse,
+        tags=["requests"],
+        responses={
+            400: _error("Neither a usable target nor an error."),
+            404: _error("No rank holds a send by that id."),
+            409: _error("The send already ended or already has a target."),
+            **mutating.get("responses", {}),
+        },
+        dependencies=mutating.get("dependencies", []),
+    )
+    async def post_kv_target(body: KVTargetBody) -> KVTargetResponse:
+        """Prefill first: decode's connector says where a send this sidecar holds goes (the
+        ``router_url`` prefill's answer named), or why it cannot take it (the send ends
+        ABORTED at once and prefill's blocks go back)."""
+        tid = body.transfer_id
+        holders = [r.rank for r in views.find_request(sidecar, tid) if views.side_of(r) == "send"]
+        if not holders:
+            raise HTTPException(
+                404,
+                detail=f"no send {tid!r} on this sidecar: this is not prefill's sidecar for it, "
+                "or the prompt was not sent with do_remote_decode",
+            )
+        if body.target is None:
+            if body.error is None:
+                raise HTTPException(400, detail="expected a target (an object) or an error")
+            ended = [rank for rank in holders if await _abort_quietly(rank, tid, body.error)]
+            if not ended:
+                raise HTTPException(409, detail=f"send {tid!r} already ended")
+            return KVTargetResponse(transfer_id=tid, ranks=ended)
+        try:
+            remote = remote_target(body.target)
+        except KVSidecarError as e:
+            raise HTTPException(400, detail=str(e)) from None
+        refused = {
+            rank: why for rank, why in sidecar.set_target(tid, remote).items() if why is not None
+        }
+        taken = sorted(set(holders) - set(refused))
+        if refused or not taken:
+            why = "; ".join(f"rank {r}: {w}" for r, w in sorted(refused.items()))
+            raise HTTPException(409, detail=why or f"send {tid!r} already ended")
+        return KVTargetResponse(transfer_id=tid, ranks=taken)
+
+    async def _abort_quietly(rank: int, tid: str, error: str) -> bool:
+        try:
+            return await sidecar.abort(rank, tid, f"decode gave no target: {error}")
+        except KVSidecarError as e:  # aborted here all the same; only telling the peer failed
+            log.warning("abort of %s on rank %d: could not tell the peer: %s", tid, rank, e)
+            return True
 
     @app.get("/v1/peers", response_model=PeersResponse, tags=["state"])
     async def get_peers() -> PeersResponse:

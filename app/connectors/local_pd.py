@@ -176,6 +176,8 @@ class LocalPD:
     # sends only the blocks decode lacks. Off by default: outputs compared with one engine's
     # stay independent of what ran before.
     decode_prefix_caching: bool = False
+    # Prefill first: how long prefill keeps a send's blocks for decode's target.
+    target_timeout_s: float = 10.0
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -331,6 +333,9 @@ class LocalPD:
                     "link_timeout_s": 3.0,
                     "pool": self.pool,
                     "agent": "in_process" if self.in_process else "sidecar",
+                    # Prefill first (vLLM's standard flow): decode posts its target here.
+                    **({} if self.in_process else {"target_url": f"{inst.admin}/v1/kv_targets"}),
+                    "target_timeout_s": self.target_timeout_s,
                 },
             }
             self._spawn(

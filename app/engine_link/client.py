@@ -153,8 +153,10 @@ class EngineLink:
         *,
         mamba_mode: MambaMode = MambaMode.NONE,
         num_spec: int = 0,
+        target_timeout_s: float | None = None,
     ) -> None:
-        """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``."""
+        """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``
+        (at most ``target_timeout_s``, else the sidecar's send deadline)."""
         self._call(
             AddSend(
                 rank=self.rank,
@@ -164,6 +166,7 @@ class EngineLink:
                 remote=remote,
                 mamba_mode=mamba_mode,
                 num_spec=num_spec,
+                target_timeout_s=target_timeout_s,
             )
         )
 

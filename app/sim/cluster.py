@@ -463,11 +463,13 @@ class Cluster:
         poll_ms: float = 5.0,
         bulk_one_signal: bool = False,
         target_after_layers: int = -1,
+        target_via_admin: bool = False,
     ) -> dict[str, Any]:
         """Expect at D, prefill at P (all ranks at once), wait and verify at D.
 
         ``target_after_layers`` >= 0: P admits without D's target and gets it after that many
-        layer signals (concurrent dispatch; past the last one, after the forward pass)."""
+        layer signals (concurrent dispatch; past the last one, after the forward pass), through
+        the engine link, or ``target_via_admin``, posted to P's admin API (prefill first)."""
         p, d = self.sides["prefill"], self.sides["decode"]
         common: dict[str, Any] = {
             "chunk": chunk,
@@ -482,6 +484,7 @@ class Cluster:
             "bulk_one_signal": bulk_one_signal,
             "prefill_tp": p.tp,
             "target_after_layers": target_after_layers,
+            "target_url": f"{p.admin_url}/v1/kv_targets" if target_via_admin else None,
         }
         d_reqs = [dr for _, dr in pairs]
         expect = self.call(d, Command(cmd="expect", requests=d_reqs, **common), 30)

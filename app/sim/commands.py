@@ -43,6 +43,9 @@ class Command(msgspec.Struct):
     # on every rank) after this many (>= 1) layer signals; past the last, once the forward
     # pass ended. -1: the target comes with the admission (decode first).
     target_after_layers: int = -1
+    # prefill first: post each target once to this URL (the prefill sidecar's admin API)
+    # instead of SetTarget on every rank.
+    target_url: str | None = None
     # untouched: the requests that ended DONE (they may have written their read sets only;
     # the others anything in their blocks); None: all of them.
     done: list[str] | None = None

@@ -24,13 +24,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import zmq
 
 from app.config import SidecarSettings
 from app.engine_link.client import EngineLink
 from app.service import InProcessAgent
-from app.sim.commands import Command, request_block_ids, request_seed
+from app.sim.commands import Command, SimRequest, request_block_ids, request_seed
 from app.sim.kv_io import (
     changed_outside,
     outside_read_set,
@@ -52,6 +53,21 @@ class SimInstance:
 
     def info(self, cmd: Command) -> dict[str, Any]:
         return {"ranks": [e.info() for e in self.engines]}
+
+    def set_targets(self, live: list[SimRequest], cmd: Command) -> None:
+        """Decode's targets: through every rank's engine link (concurrent dispatch), or posted
+        once per request to the sidecar's admin API, as decode's connector does (prefill
+        first)."""
+        if cmd.target_url is None:
+            for e in self.engines:
+                e.set_targets(live)
+            return
+        for req in live:
+            assert req.remote is not None
+            body = {"transfer_id": req.id, "target": msgspec.to_builtins(req.remote)}
+            r = httpx.post(cmd.target_url, json=body, timeout=10)
+            if r.status_code != 200:  # the sidecar ended the send; the driver hears of it
+                print(f"target of {req.id} refused: {r.status_code} {r.text}", file=sys.stderr)
 
     def prefill(self, cmd: Command) -> dict[str, Any]:
         """Admit on every rank, run the chunked forward pass, wait until every send ended."""
@@ -96,8 +112,7 @@ class SimInstance:
                     e.signal(layer)
                 signals += 1
                 if signals == cmd.target_after_layers:
-                    for e in self.engines:
-                        e.set_targets(live)
+                    self.set_targets(live, cmd)
                 if cmd.abort and aborted_at is None and signals >= cmd.abort_after_layers:
                     # What vLLM's scheduler does on a client abort: the connector is told,
                     # and the request is not scheduled again.
@@ -117,8 +132,7 @@ class SimInstance:
                 for layer in e.layers:
                     e.signal(layer)
         if cmd.target_after_layers > signals:  # decode later than the whole forward pass
-            for e in self.engines:
-                e.set_targets(live)
+            self.set_targets(live, cmd)
         ranks = []
         for e, refused, so_far in zip(self.engines, admitted, seen, strict=True):
             done, failed = e.wait_ids(ids, cmd.timeout_s, sending=True, seen=so_far)

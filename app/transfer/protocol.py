@@ -189,8 +189,9 @@ class RemoteTarget(msgspec.Struct):
 
 
 class AddSend(Msg, tag="add_send"):
-    """Admit a send. Without ``remote`` (concurrent dispatch) the sidecar keeps the layers the
-    engine signals until ``SetTarget`` says where they go, or the send deadline passes."""
+    """Admit a send. Without ``remote`` (concurrent dispatch, prefill first) the sidecar keeps
+    the layers the engine signals until ``SetTarget`` says where they go, or the target deadline
+    (``target_timeout_s``, else the send deadline) passes."""
 
     rank: Index
     request: str
@@ -199,6 +200,7 @@ class AddSend(Msg, tag="add_send"):
     remote: RemoteTarget | None = None
     mamba_mode: MambaMode = MambaMode.NONE
     num_spec: NonNegInt = 0
+    target_timeout_s: Deadline | None = None
 
 
 class SetTarget(Msg, tag="set_target"):

@@ -118,11 +118,13 @@ class SendSide:
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         if msg.remote is None:
-            req.waiting = True  # concurrent dispatch: the target comes with SetTarget
+            req.waiting = True  # the target comes with SetTarget
+            if msg.target_timeout_s is not None:
+                req.deadline = self._clock() + msg.target_timeout_s
             return Reply()
         return await self._target(agent, req, msg.remote)
 
-    def set_target(self, msg: SetTarget) -> Msg:
+    def set_target(self, msg: SetTarget) -> Reply:
         """Decode's target for a send admitted without one. Answers at once; the claim at
         decode and the backlog's writes follow, and a refusal there ends the send FAILED (the
         engine hears of it in ``get_finished``), so the engine link never waits on decode."""
@@ -134,6 +136,8 @@ class SendSide:
             return Reply(ok=False, error=f"send {msg.request} already ended {req.state.name}")
         if not req.waiting or req.peer:
             return Reply(ok=False, error=f"send {msg.request} already has a target ({req.peer})")
+        # The wait for a target had a deadline of its own; the writes get the whole send's.
+        req.deadline = max(req.deadline, self._clock() + self._settings.send_timeout_s)
         self._spawn(self._claim_and_replay(agent, req, msg.remote))
         return Reply()
 

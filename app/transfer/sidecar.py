@@ -56,6 +56,7 @@ from app.transfer.protocol import (
     PoolSave,
     RegisterEngine,
     Rejected,
+    RemoteTarget,
     Reply,
     Role,
     SetTarget,
@@ -350,6 +351,16 @@ class Sidecar:
         if rid in agent.sends:
             return await self.send.abort(rank, rid, reason, notify=True)
         return await self.recv.abort(rank, rid, reason)
+
+    def set_target(self, rid: str, remote: RemoteTarget) -> dict[int, str | None]:
+        """Decode's target for a send admitted without one, on every rank that holds it (the
+        prefill-first flow, where decode posts it here). Rank -> None if taken, else why not."""
+        out: dict[int, str | None] = {}
+        for rank, agent in sorted(self.agents.items()):
+            if rid in agent.sends:
+                reply = self.send.set_target(SetTarget(rank=rank, request=rid, remote=remote))
+                out[rank] = None if reply.ok else reply.error
+        return out
 
     # ---- engine link -----------------------------------------------------------------------
 

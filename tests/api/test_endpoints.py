@@ -340,12 +340,16 @@ def test_openapi(prefill: httpx.Client) -> None:
         "/v1/requests",
         "/v1/requests/{request_id}",
         "/v1/requests/{request_id}/abort",
+        "/v1/kv_targets",
         "/v1/peers",
         "/v1/pool",
     }
     abort = paths["/v1/requests/{request_id}/abort"]["post"]
     assert {"200", "401", "404", "409"} <= set(abort["responses"])
     assert abort["security"] == [{"HTTPBearer": []}]
+    targets = paths["/v1/kv_targets"]["post"]
+    assert {"200", "400", "401", "404", "409"} <= set(targets["responses"])
+    assert targets["security"] == [{"HTTPBearer": []}]
     assert "503" in paths["/readyz"]["get"]["responses"]
     assert "404" in paths["/v1/requests/{request_id}"]["get"]["responses"]
     ok = paths["/v1/requests"]["get"]["responses"]["200"]["content"]["application/json"]

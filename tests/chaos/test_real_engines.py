@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -87,16 +88,47 @@ def test_decode_vllm_killed_with_kv_in_flight(pair: Pair) -> None:
 
 
 def test_decode_vllm_dead_before_its_target(pair: Pair) -> None:
-    """Concurrent dispatch with decode's engine down (the proxy has not noticed yet): the proxy
-    sends the prompt to prefill at once and finds decode unreachable, so no target ever comes.
-    The proxy closes the transfer (or cancels the prefill), prefill's sidecar ends whatever it
-    admitted, and prefill's blocks go back to vLLM; nothing is left in /dev/shm when the pair
-    stops (the fixture checks)."""
+    """Decode's engine dies before it posts a target, in both flows that start prefill first.
+
+    Prefill first (vLLM's standard flow, a plain client): prefill answered and keeps its
+    blocks for decode, decode dies before the client reaches it; at the target deadline
+    prefill's sidecar ends the send EXPIRED and the blocks go back to vLLM.
+
+    Concurrent dispatch with decode down (the proxy has not noticed yet): the proxy sends the
+    prompt to prefill at once and finds decode unreachable, so no target ever comes. The proxy
+    closes the transfer (or cancels the prefill), prefill's sidecar ends whatever it admitted,
+    and prefill's blocks go back to vLLM.
+
+    Nothing is left in /dev/shm when the pair stops (the fixture checks)."""
+    sent = time.monotonic()  # the send's deadline counts from its admission, after this
+    held = pair.pd.completion(
+        pair.pd.prefill.url,
+        prompt(600, 510),
+        1,
+        kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
+    )
+    tid = held["kv_transfer_params"]["transfer_id"]
     pair.kill_vllm("decode")
     try:
         prefill_lets_go_without_decode(pair)
+        send_ends_at_its_deadline(pair, tid, sent)
     finally:
         pair.restart("decode")
+
+
+def send_ends_at_its_deadline(pair: Pair, tid: str, sent: float) -> None:
+    admin = pair.pd.prefill.admin
+    deadline = pair.pd.target_timeout_s
+
+    def ended() -> dict[str, object] | None:
+        (entry,) = httpx.get(f"{admin}/v1/requests/{tid}", timeout=10).json()["entries"]
+        return entry if entry["state"] != "PENDING" else None
+
+    entry = wait_for("prefill-first send to end", ended, deadline + 10)
+    waited = time.monotonic() - sent
+    assert entry["state"] == "EXPIRED" and entry["bytes"] == 0, entry
+    assert waited >= deadline, (waited, entry)  # held until its deadline, not dropped
+    wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pair.pd.prefill.url) == 0, 10)
 
 
 def prefill_lets_go_without_decode(pair: Pair) -> None:

@@ -10,6 +10,8 @@ from app.errors import ConfigError
 # vLLM's kv_role -> the sidecar's role
 Role = Literal["prefill", "decode", "both"]
 _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+# How long a prefill keeps its blocks waiting for decode's target, unless told otherwise.
+DEFAULT_TARGET_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,11 @@ class ConnectorConfig:
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"
     role: Role = "both"  # the sidecar role of this instance (from vLLM's kv_role)
+    # Prefill first (a router that is not kv-sidecar's proxy): where decode posts its target,
+    # this instance's sidecar admin API (``http://host:port/v1/kv_targets``), named in prefill's
+    # answer; and how long prefill keeps its blocks for it.
+    target_url: str | None = None
+    target_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -59,4 +66,6 @@ class ConnectorConfig:
             pool=bool(extra.get("pool", False)),
             agent=agent,
             role=_ROLES.get(str(ktc.kv_role), "both"),
+            target_url=str(extra["target_url"]) if extra.get("target_url") else None,
+            target_timeout_s=float(extra.get("target_timeout_s", DEFAULT_TARGET_TIMEOUT_S)),
         )

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
 from app.transfer.protocol import RemoteTarget
 
 BlockIds = list[list[int]]
@@ -15,8 +16,9 @@ BlockIds = list[list[int]]
 class Admit:
     """A prefill request to admit at the sidecar: ``sid`` is the id both sidecars use.
 
-    Without ``remote`` (concurrent dispatch) each worker fetches decode's target from
-    ``router_url`` and hands it to its sidecar rank."""
+    Without ``remote`` each worker fetches decode's target from ``router_url`` (concurrent
+    dispatch) and hands it to its sidecar rank, or, without a router either (prefill first),
+    decode posts it to the sidecar, which keeps the send at most ``target_timeout_s``."""
 
     req_id: str
     sid: str
@@ -26,7 +28,7 @@ class Admit:
     mamba_mode: str = "none"
     num_spec: int = 0
     router_url: str | None = None
-    target_timeout_s: float = 30.0
+    target_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
 
 
 @dataclass(frozen=True)

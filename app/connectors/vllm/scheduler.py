@@ -9,9 +9,11 @@ allocated, every worker has its sidecar rank expect it before the step's forward
 ``Done`` can arrive for an unknown request), and rank 0 posts its target to the router after
 that step ran (so the prefill's writes cannot land before vLLM's zeroing). A prefill request
 with ``do_remote_decode`` is admitted at the sidecar by the workers, with decode's target
-(decode first) or without it (concurrent: the workers fetch it from the router), and keeps its
-blocks until the sidecar reports the send ended. Both sidecars know the transfer by the
-proxy's transfer id.
+(decode first) or without it: concurrent, the workers fetch it from the router; prefill first
+(vLLM's standard flow, any router), decode posts it to this sidecar's ``target_url``, which
+prefill's answer names in its ``kv_transfer_params``. It keeps its blocks until the sidecar
+reports the send ended. Both sidecars know the transfer by the proxy's transfer id (prefill
+first: this engine's request id).
 
 With ``"pool": true`` any other request (and a prefill's before it computes) first asks the
 sidecar's KV pool for the longest prefix hit and loads it asynchronously; a finished request's
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Send:
     sid: str
-    remote: RemoteTarget | None  # None: the workers fetch it from ``router_url``
+    remote: RemoteTarget | None  # None: fetched from ``router_url``, or posted to the sidecar
     router_url: str | None
     target_timeout_s: float
     prompt_len: int  # the whole prompt, as decode has it
@@ -202,10 +204,13 @@ class SchedulerSide:
             sid = remote.request_id
         elif p.get("router_url") and p.get("transfer_id"):
             sid = str(p["transfer_id"])  # concurrent: the target comes later, by this id
+        elif self.config.target_url:
+            sid = rid  # prefill first: decode posts its target to this sidecar, by this id
         else:
             log.error(
                 "request %s: do_remote_decode without a remote target or a router_url and "
-                "transfer_id to fetch one; not sent",
+                "transfer_id to fetch one, and no target_url in kv_connector_extra_config for "
+                "decode to post one to (the prefill-first flow); not sent",
                 rid,
             )
             return None
@@ -213,7 +218,7 @@ class SchedulerSide:
         # a truncated prefill computes exactly those, and its last slice ends the prompt.
         computes = len(request.prompt_token_ids)
         whole = computes + 1 if p.get("_kvs_truncated") else computes
-        timeout = float(p.get("target_timeout_s") or 30.0)
+        timeout = float(p.get("target_timeout_s") or self.config.target_timeout_s)
         return _Send(sid, remote, p.get("router_url"), timeout, whole, ids, computes)
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
@@ -290,8 +295,23 @@ class SchedulerSide:
             return keep, None
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._abort_all(send.sid, "prefill request aborted")
+            return keep or rid in self.state.unfinished_sends, None
         # Keep the blocks until a worker reports the send ended (get_finished).
-        return keep or rid in self.state.unfinished_sends, None
+        return keep or rid in self.state.unfinished_sends, self._decode_params(send)
+
+    def _decode_params(self, send: _Send) -> dict[str, Any] | None:
+        """Prefill first: the ``kv_transfer_params`` a router hands to decode with the prompt
+        (vLLM's standard flow), naming the transfer and where decode posts its target."""
+        if send.remote is not None or send.router_url is not None:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_id": send.sid,
+            "router_url": self.config.target_url,
+            "remote_engine_id": self.config.engine_id,
+            "kv_sidecar_request_id": send.sid,
+        }
 
     def _pool_save(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:
         """Queue the computed prompt for the pool; True when the blocks must stay until then."""

@@ -236,6 +236,10 @@ class WorkerSide:
                 a.remote,
                 mamba_mode=MambaMode(a.mamba_mode),
                 num_spec=a.num_spec,
+                # Prefill first: nobody here fetches the target, the sidecar bounds the wait.
+                target_timeout_s=(
+                    a.target_timeout_s if a.remote is None and a.router_url is None else None
+                ),
             )
         except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
             # A refusal also reaches decode (the sidecar tells it, or decode's deadline

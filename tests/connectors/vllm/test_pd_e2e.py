@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, prompt_tokens_by_source
+from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import (
     EngineKV,
     TargetCatcher,
@@ -316,6 +317,69 @@ def test_metrics_match_the_sidecars(pd: LocalPD) -> None:
         assert got[f"transfers/{other}"] == got[f"bytes/{other}"] == 0, got
     # Both ends of the push agree on what moved.
     assert p["bytes/send"] == d["bytes/recv"]
+
+
+# What vLLM's example toy_proxy_server.py sends prefill: every field of the standard flow,
+# nothing of kv-sidecar's own.
+STANDARD_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def prefill_first(pd: LocalPD, p: list[int]) -> dict[str, Any]:
+    """vLLM's standard flow, step one: prefill alone; its answer's ``kv_transfer_params``."""
+    answer = pd.completion(pd.prefill.url, p, 1, kv_transfer_params=STANDARD_PREFILL_PARAMS)
+    params = answer.get("kv_transfer_params")
+    assert isinstance(params, dict) and params.get("do_remote_prefill"), answer
+    return params
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_prefill_first_through_a_plain_client(pd: LocalPD) -> None:
+    """A client that speaks only vLLM's documented flow (no kv-sidecar proxy): the prompt to
+    prefill, then to decode with the ``kv_transfer_params`` prefill answered. Prefill kept its
+    blocks; decode posts its target to prefill's sidecar, which writes every layer; decode
+    computes one token and answers as the engine alone does."""
+    prompts, reference = references(pd, [prompt(37, 71), prompt(600, 72)])
+    for p, expected in zip(prompts, reference, strict=True):
+        params = prefill_first(pd, p)
+        held = send_entry(pd, params["transfer_id"])
+        assert held["state"] == "PENDING" and held["bytes"] == 0, held
+        before = prompt_tokens_by_source(pd.decode.url)
+        answer = pd.completion(pd.decode.url, p, MAX_TOKENS, kv_transfer_params=params)
+        assert answer["choices"][0]["token_ids"] == expected
+        after = prompt_tokens_by_source(pd.decode.url)
+        assert after.get("local_compute", 0) - before.get("local_compute", 0) == 1
+        sent = send_entry(pd, params["transfer_id"])
+        assert sent["state"] == "DONE" and sent["bytes"] > 0, sent
+    wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pd.prefill.url) == 0.0, 10)
+
+
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_prefill_first_decode_refusal_frees_prefill(pd: LocalPD) -> None:
+    """Decode posts why it cannot take the transfer instead of a target: prefill's sidecar
+    ends the send ABORTED at once and its blocks go back to vLLM, long before the deadline."""
+    params = prefill_first(pd, prompt(300, 73))
+    assert kv_usage(pd.prefill.url) > 0.0  # held for decode
+    t0 = time.monotonic()
+    r = httpx.post(
+        params["router_url"],
+        json={"transfer_id": params["transfer_id"], "error": "decode is shutting down"},
+        timeout=10,
+    )
+    assert r.status_code == 200, r.text
+    wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pd.prefill.url) == 0.0, 5)
+    assert time.monotonic() - t0 < pd.target_timeout_s
+    ended = send_entry(pd, params["transfer_id"])
+    assert ended["state"] == "ABORTED" and "decode is shutting down" in ended["error"], ended
+    again = httpx.post(params["router_url"], json={"transfer_id": params["transfer_id"],
+                       "error": "twice"}, timeout=10)  # fmt: skip
+    assert again.status_code == 409, again.text
 
 
 @pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
