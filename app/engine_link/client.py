@@ -153,8 +153,10 @@ class EngineLink:
         *,
         mamba_mode: MambaMode = MambaMode.NONE,
         num_spec: int = 0,
+        traceparent: str | None = None,
     ) -> None:
-        """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``."""
+        """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``.
+        ``traceparent`` (W3C) makes the send's spans children of that span."""
         self._call(
             AddSend(
                 rank=self.rank,
@@ -164,6 +166,7 @@ class EngineLink:
                 remote=remote,
                 mamba_mode=mamba_mode,
                 num_spec=num_spec,
+                traceparent=traceparent,
             )
         )
 
@@ -179,7 +182,9 @@ class EngineLink:
         prefill_tp: int,
         *,
         timeout_s: float | None = None,
+        traceparent: str | None = None,
     ) -> None:
+        """Expect a receive; ``traceparent`` (W3C) makes its span a child of that span."""
         self._call(
             ExpectRecv(
                 rank=self.rank,
@@ -188,6 +193,7 @@ class EngineLink:
                 block_ids=[b.tolist() for b in block_ids],
                 prefill_tp=prefill_tp,
                 timeout_s=timeout_s,
+                traceparent=traceparent,
             )
         )
 

@@ -27,6 +27,7 @@ class Admit:
     num_spec: int = 0
     router_url: str | None = None
     target_timeout_s: float = 30.0
+    traceparent: str | None = None  # W3C, from kv_transfer_params: the send's spans' parent
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class Expect:
     block_ids: BlockIds
     computed: int  # prompt tokens decode's own prefix cache holds: prefill skips them
     router_url: str | None
+    traceparent: str | None = None  # W3C, from kv_transfer_params: the receive span's parent
 
 
 @dataclass(frozen=True)

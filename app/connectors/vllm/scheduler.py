@@ -39,6 +39,7 @@ from app.connectors.vllm.metadata import (
 )
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
+from app.tracing.traceparent import parse as parse_traceparent
 from app.transfer.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class _Send:
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
+    traceparent: str | None = None
 
 
 @dataclass
@@ -73,6 +75,12 @@ class _State:
 
 def _params(request: Any) -> dict[str, Any]:
     return dict(getattr(request, "kv_transfer_params", None) or {})
+
+
+def _traceparent(p: dict[str, Any]) -> str | None:
+    """The proxy's W3C traceparent (README "Tracing"); one that does not parse is dropped."""
+    tp = parse_traceparent(p.get("traceparent"))
+    return None if tp is None else tp.header
 
 
 class SchedulerSide:
@@ -178,6 +186,7 @@ class SchedulerSide:
                     ids,
                     self.state.local_hits.pop(rid, 0),
                     p.get("router_url"),
+                    _traceparent(p),
                 )
             )
             if not p.get("router_url"):
@@ -214,7 +223,9 @@ class SchedulerSide:
         computes = len(request.prompt_token_ids)
         whole = computes + 1 if p.get("_kvs_truncated") else computes
         timeout = float(p.get("target_timeout_s") or 30.0)
-        return _Send(sid, remote, p.get("router_url"), timeout, whole, ids, computes)
+        send = _Send(sid, remote, p.get("router_url"), timeout, whole, ids, computes)
+        send.traceparent = _traceparent(p)
+        return send
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
@@ -239,6 +250,7 @@ class SchedulerSide:
                         self.num_spec,
                         send.router_url,
                         send.target_timeout_s,
+                        send.traceparent,
                     )
                 )
                 send.admitted = True

@@ -216,6 +216,7 @@ class WorkerSide:
                 blocks(e.block_ids),
                 self.config.prefill_tp,
                 timeout_s=self.config.recv_timeout_s,
+                traceparent=e.traceparent,
             )
         except KVSidecarError as err:
             log.error("request %s: the sidecar did not take it (%s); recomputing", e.req_id, err)
@@ -236,6 +237,7 @@ class WorkerSide:
                 a.remote,
                 mamba_mode=MambaMode(a.mamba_mode),
                 num_spec=a.num_spec,
+                traceparent=a.traceparent,
             )
         except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
             # A refusal also reaches decode (the sidecar tells it, or decode's deadline
