@@ -391,7 +391,7 @@ class SendSide:
             prog.layers_sent += 1
             nbytes = sum(written.values())
             prog.bytes += nbytes
-            if req.traceparent is not None:
+            if req.traceparent is not None and nbytes:  # a layer with nothing of it: no write
                 end = res.started + res.latency_s
                 req.writes.append(
                     LayerWrite(res.step, res.layer, res.group, res.started, end, nbytes)
