@@ -376,9 +376,10 @@ class Sidecar:
             if isinstance(msg, GetFinished):
                 agent = agent_of(self.agents, msg.rank)
                 sending, recving, failed = agent.finished()
-                if self.traces.tracing is not None:  # after this reply went out
+                if self.traces.tracing is not None:
+                    # Off the loop: a long chunked prefill makes hundreds of write spans.
                     ended = agent.reported(sending, recving, failed)
-                    asyncio.get_running_loop().call_soon(self.traces.ended, ended)
+                    asyncio.get_running_loop().run_in_executor(None, self.traces.ended, ended)
                 return Finished(
                     sending=sending,
                     recving=recving,
