@@ -1,9 +1,9 @@
 """Span export with OpenTelemetry, imported lazily: the ``tracing`` extra is optional.
 
 Tracing is on in a process only when the OTel SDK and the OTLP/HTTP exporter are installed and
-``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set (the
-exporter reads those, ``OTEL_SERVICE_NAME`` names the service, ``OTEL_BSP_*`` tune batching,
-``OTEL_SDK_DISABLED=true`` turns it off). Without it, ``start`` still hands out traceparents,
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set
+(``OTEL_SERVICE_NAME`` names the service, ``OTEL_BSP_*`` tune batching, ``OTEL_SDK_DISABLED=true``
+turns it off). Without it, ``start`` still hands out traceparents,
 so the trace context is carried and recorded, and nothing is exported.
 """
 
@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from app.tracing.spans import Attribute, SpanRecord, wall_ns
+from app.tracing.spans import Attribute, SpanRecord, clock_offset_ns, wall_ns
 from app.tracing.traceparent import TraceParent, new_trace
 
 log = logging.getLogger(__name__)
@@ -70,18 +70,26 @@ class Tracing:
         own = TraceParent(f"{sc.trace_id:032x}", f"{sc.span_id:016x}", int(sc.trace_flags))
         return Span(own, span)
 
-    def emit(self, parent: TraceParent, record: SpanRecord, *, kind: Kind = "internal") -> None:
+    def emit(
+        self,
+        parent: TraceParent,
+        record: SpanRecord,
+        *,
+        kind: Kind = "internal",
+        offset_ns: int | None = None,
+    ) -> None:
         """``record`` (and its children, recursively) as ended spans under ``parent``."""
+        offset = clock_offset_ns() if offset_ns is None else offset_ns
         span = self.start(
             record.name,
             parent,
             kind=kind,
             attributes=record.attributes,
-            start_ns=wall_ns(record.start),
+            start_ns=wall_ns(record.start, offset),
         )
         for child in record.children:
-            self.emit(span.traceparent, child)
-        span.end(record.error, end_ns=wall_ns(record.end))
+            self.emit(span.traceparent, child, offset_ns=offset)
+        span.end(record.error, end_ns=wall_ns(record.end, offset))
 
     def shutdown(self) -> None:
         """Export what is buffered and stop the exporter's thread."""

@@ -23,9 +23,12 @@ class SpanRecord:
     error: str | None = None
 
 
-def wall_ns(monotonic_s: float, *, now_ns: int | None = None, mono_ns: int | None = None) -> int:
-    """A ``time.monotonic()`` reading as Unix nanoseconds (what OTLP carries), through the
-    offset between the two clocks now; spans of one process keep their order exactly."""
-    now = time.time_ns() if now_ns is None else now_ns
-    mono = time.monotonic_ns() if mono_ns is None else mono_ns
-    return now - mono + round(monotonic_s * 1e9)
+def clock_offset_ns() -> int:
+    """Unix time minus ``time.monotonic()``, now, in nanoseconds."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def wall_ns(monotonic_s: float, offset_ns: int) -> int:
+    """A ``time.monotonic()`` reading as Unix nanoseconds (what OTLP carries). One offset for
+    all spans of an emission keeps their order exactly."""
+    return offset_ns + round(monotonic_s * 1e9)
