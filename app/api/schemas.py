@@ -223,6 +223,11 @@ class RequestView(_Model):
         "every sender drained or was lost.",
     )
     error: str | None = None
+    traceparent: str | None = Field(
+        None,
+        description="W3C trace context the engine passed with the request (from the proxy); "
+        'this rank\'s spans are its children (README "Tracing").',
+    )
 
 
 class RequestList(_Model):

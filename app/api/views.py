@@ -267,6 +267,7 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
         reported=req.reported,
         quarantined=isinstance(req, RecvRequest) and req.quarantined_at is not None,
         error=req.error or None,
+        traceparent=req.traceparent,
     )
 
 

@@ -154,9 +154,11 @@ class EngineLink:
         mamba_mode: MambaMode = MambaMode.NONE,
         num_spec: int = 0,
         target_timeout_s: float | None = None,
+        traceparent: str | None = None,
     ) -> None:
         """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``
-        (at most ``target_timeout_s``, else the sidecar's send deadline)."""
+        (at most ``target_timeout_s``, else the sidecar's send deadline). ``traceparent``
+        (W3C) makes the send's spans children of that span."""
         self._call(
             AddSend(
                 rank=self.rank,
@@ -167,6 +169,7 @@ class EngineLink:
                 mamba_mode=mamba_mode,
                 num_spec=num_spec,
                 target_timeout_s=target_timeout_s,
+                traceparent=traceparent,
             )
         )
 
@@ -182,7 +185,9 @@ class EngineLink:
         prefill_tp: int,
         *,
         timeout_s: float | None = None,
+        traceparent: str | None = None,
     ) -> None:
+        """Expect a receive; ``traceparent`` (W3C) makes its span a child of that span."""
         self._call(
             ExpectRecv(
                 rank=self.rank,
@@ -191,6 +196,7 @@ class EngineLink:
                 block_ids=[b.tolist() for b in block_ids],
                 prefill_tp=prefill_tp,
                 timeout_s=timeout_s,
+                traceparent=traceparent,
             )
         )
 

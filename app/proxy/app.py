@@ -20,6 +20,7 @@ from app.proxy.errors import NoHealthyInstance, error_response
 from app.proxy.flow import PDFlow, describe, forwarded_headers, read_json_object
 from app.proxy.records import TransferLog
 from app.proxy.targets import Delivery, TargetRendezvous
+from app.tracing.otel import open_tracing
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Spans are exported only when an OTLP endpoint is set (README "Tracing").
+        flow.tracing = open_tracing("kv-sidecar-proxy")
         await checker.probe_all()
         for role, pool in pools.items():
             if not pool.any_healthy:
@@ -99,6 +102,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
             await asyncio.gather(*tasks, return_exceptions=True)
             await flow.close()
             await client.aclose()
+            if flow.tracing is not None:
+                await asyncio.to_thread(flow.tracing.shutdown)  # exports what is buffered
 
     app = FastAPI(title="kv-sidecar proxy", lifespan=lifespan)
 

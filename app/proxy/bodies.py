@@ -5,19 +5,23 @@ from __future__ import annotations
 from typing import Any
 
 
-def decode_body(body: dict[str, Any], transfer_id: str, router_url: str) -> dict[str, Any]:
+def decode_body(
+    body: dict[str, Any], transfer_id: str, router_url: str, traceparent: str | None = None
+) -> dict[str, Any]:
     """The client's request, asking decode to take its prompt's KV from a remote prefill.
 
     Any ``kv_transfer_params`` the client sent are replaced: clients do not steer transfers.
+    ``traceparent`` goes in them too: vLLM passes trace headers on only when its own
+    OpenTelemetry is on, but always hands the connector its ``kv_transfer_params``.
     """
-    return {
-        **body,
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "transfer_id": transfer_id,
-            "router_url": router_url,
-        },
+    params: dict[str, Any] = {
+        "do_remote_prefill": True,
+        "transfer_id": transfer_id,
+        "router_url": router_url,
     }
+    if traceparent is not None:
+        params["traceparent"] = traceparent
+    return {**body, "kv_transfer_params": params}
 
 
 def local_body(body: dict[str, Any]) -> dict[str, Any]:
@@ -33,6 +37,7 @@ def prefill_body(
     target: dict[str, Any] | None = None,
     router_url: str | None = None,
     target_timeout_s: float | None = None,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``target``
     (decode first), or to the target its connector fetches from ``router_url`` (concurrent)."""
@@ -48,6 +53,8 @@ def prefill_body(
     if router_url is not None:
         params["router_url"] = router_url
         params["target_timeout_s"] = target_timeout_s
+    if traceparent is not None:
+        params["traceparent"] = traceparent  # as for decode
     out["kv_transfer_params"] = params
     return out
 

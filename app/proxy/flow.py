@@ -15,6 +15,9 @@
    client that goes away closes both upstream connections, which vLLM turns into aborts.
 5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
    decode as a plain request and no prefill is asked; the record says ``local`` and why.
+6. Tracing (README "Tracing"): the request's server span is a child of the client's
+   ``traceparent`` (or starts a trace); each call to decode and prefill is a client span under
+   it, whose traceparent goes upstream as the header and in ``kv_transfer_params``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,12 @@ from app.proxy.disagg import DisaggCounts
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
 from app.proxy.routing import shape_of
+from app.proxy.spans import TRACE_ID_HEADER, call_span, refused
 from app.proxy.targets import TargetRendezvous
+from app.tracing.otel import Span, Tracing
+from app.tracing.otel import start as start_span
+from app.tracing.traceparent import HEADER as TRACEPARENT
+from app.tracing.traceparent import parse as parse_traceparent
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +113,14 @@ class _Exchange:
         decode: Lease,
         prefill: asyncio.Task[None] | None,
         on_end: Callable[[DecodeOutcome], None],
+        server: Span,
     ):
         self.tracker = tracker
         self.decode = decode
         self.prefill = prefill
         self.upstream: httpx.Response | None = None
+        self.server = server  # the request's span; ``call``: the call to decode under it
+        self.call: Span | None = None
         self._on_end = on_end
         self._ended = False
 
@@ -131,6 +142,12 @@ class _Exchange:
         # client left.
         if self.prefill is not None and (outcome == "client_gone" or t.target_s is None):
             self.prefill.cancel()
+        failure = None if outcome == "ok" else (error or outcome)
+        for span in (self.call, self.server):
+            if span is not None:
+                span.set("http.response.status_code", t.decode_status)
+                span.set("kv.outcome", outcome)
+                span.end(failure)
         if self.upstream is not None:
             await self.upstream.aclose()
 
@@ -157,6 +174,7 @@ class PDFlow:
         self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
         self.disagg = cfg.disagg_rules
         self.counts = DisaggCounts()
+        self.tracing: Tracing | None = None  # the app's lifespan opens it when configured
 
     def target_arrived(self, transfer_id: str) -> None:
         """Decode posted its target (the rendezvous took it): note when."""
@@ -165,14 +183,18 @@ class PDFlow:
             t.target_s = t.since_start()
 
     async def handle(self, request: Request, path: str) -> Response:
+        parent = parse_traceparent(request.headers.get(TRACEPARENT))
+        server = start_span(
+            self.tracing, f"POST {path}", parent, kind="server", attributes={"http.route": path}
+        )
         body = await read_json_object(request)
         if isinstance(body, Response):
-            return body
+            return refused(server, body)
         shape = shape_of(body, path, self.cfg.prefix_block_size)
         try:
             d = self.decode.acquire(shape)
         except NoHealthyInstance as e:
-            return error_response(503, str(e), "service_unavailable")
+            return refused(server, error_response(503, str(e), "service_unavailable"))
         # After decode's pick: whether decode holds the prompt depends on which decode it is.
         decision = self.disagg.decide(shape, d.pick)
         p: Lease | None = None
@@ -181,11 +203,13 @@ class PDFlow:
                 p = self.prefill.acquire(shape)
             except NoHealthyInstance as e:
                 d.release()
-                return error_response(503, str(e), "service_unavailable")
+                return refused(server, error_response(503, str(e), "service_unavailable"))
         self.counts.count(decision)
         tid = uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, None if p is None else p.url)
         t.decode_pick, t.reason = d.pick, decision.reason
+        t.trace = server.traceparent
+        server.set("kv.transfer_id", tid)
         headers = forwarded_headers(request)
         prefill: asyncio.Task[None] | None = None
         if p is not None:
@@ -196,7 +220,7 @@ class PDFlow:
             prefill = self._spawn_prefill(t, p, body, path, headers)
         else:
             log.debug("transfer %s: decode alone (%s)", tid, decision.reason)
-        x = _Exchange(t, d, prefill, partial(self._decode_ended, t))
+        x = _Exchange(t, d, prefill, partial(self._decode_ended, t), server)
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             return await self._answer(x, body, path, headers, disconnected)
@@ -218,15 +242,17 @@ class PDFlow:
         disconnected: asyncio.Task[None],
     ) -> Response:
         t = x.tracker
+        call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
+        tp = call.traceparent.header
         req = self.client.build_request(
             "POST",
             f"{x.decode.url}{path}",
             json=(
-                decode_body(body, t.transfer_id, self.cfg.router_url)
+                decode_body(body, t.transfer_id, self.cfg.router_url, tp)
                 if t.disaggregated
                 else local_body(body)
             ),
-            headers=headers,
+            headers={**headers, TRACEPARENT: tp},
         )
         try:
             upstream = await first_or_none(self.client.send(req, stream=True), disconnected)
@@ -237,7 +263,7 @@ class PDFlow:
             return Response(status_code=CLIENT_GONE)
         x.upstream = upstream
         t.decode_status = upstream.status_code
-        out_headers = {TRANSFER_ID_HEADER: t.transfer_id}
+        out_headers = {TRANSFER_ID_HEADER: t.transfer_id, TRACE_ID_HEADER: x.server.trace_id}
         if "content-type" in upstream.headers:
             out_headers["content-type"] = upstream.headers["content-type"]
         if is_streamed(body):
@@ -306,6 +332,7 @@ class PDFlow:
         answer = error_response(status, msg, kind)
         # The id the proxy's and both sidecars' records know, for the operator's curl.
         answer.headers[TRANSFER_ID_HEADER] = x.tracker.transfer_id
+        answer.headers[TRACE_ID_HEADER] = x.server.trace_id
         return answer
 
     def _decode_ended(self, t: TransferTracker, outcome: DecodeOutcome) -> None:
@@ -370,7 +397,9 @@ class PDFlow:
             return
         t.target_s = t.since_start()
         self.targets.close(tid, "its target already arrived")
-        await self._post_prefill(t, p, prefill_body(body, tid, target=target), path, headers)
+        call = call_span(self.tracing, t, "prefill", p.url, path)
+        out = prefill_body(body, tid, target=target, traceparent=call.traceparent.header)
+        await self._post_prefill(t, p, out, path, headers, call)
 
     async def _prefill_now(
         self,
@@ -382,15 +411,36 @@ class PDFlow:
     ) -> None:
         """Concurrent: the prompt goes to prefill at once; its connector fetches the target."""
         tid = t.transfer_id
+        call = call_span(self.tracing, t, "prefill", p.url, path)
         out = prefill_body(
             body,
             tid,
             router_url=self.cfg.router_url,
             target_timeout_s=self.cfg.target_timeout_s,
+            traceparent=call.traceparent.header,
         )
-        await self._post_prefill(t, p, out, path, headers)
+        await self._post_prefill(t, p, out, path, headers, call)
 
     async def _post_prefill(
+        self,
+        t: TransferTracker,
+        p: Lease,
+        out: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        call: Span,
+    ) -> None:
+        """The call to prefill, timed by ``call`` (ended however the call ends)."""
+        try:
+            await self._send_prefill(
+                t, p, out, path, {**headers, TRACEPARENT: call.traceparent.header}
+            )
+        finally:
+            call.set("http.response.status_code", t.prefill_status)
+            call.set("kv.outcome", t.prefill_outcome or "cancelled")
+            call.end(None if t.prefill_outcome == "ok" else (t.prefill_outcome or "cancelled"))
+
+    async def _send_prefill(
         self,
         t: TransferTracker,
         p: Lease,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from app.proxy.routing import Pick
+from app.tracing.traceparent import TraceParent
 
 DecodeOutcome = Literal["ok", "failed", "unreachable", "timeout", "broken", "client_gone"]
 PrefillOutcome = Literal[
@@ -45,6 +46,8 @@ class TransferRecord:
     # Conditional disaggregation (README "Routing"): through prefill or not, and why.
     disaggregated: bool = True
     reason: str | None = None
+    # The W3C trace this request belongs to (the client's, or one the proxy started).
+    trace_id: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -72,6 +75,7 @@ class TransferTracker:
     decode_pick: Pick | None = None
     prefill_pick: Pick | None = None
     reason: str | None = None
+    trace: TraceParent | None = None  # the proxy's server span: the calls' spans' parent
 
     @property
     def disaggregated(self) -> bool:
@@ -113,6 +117,7 @@ class TransferTracker:
             prefill_pick=self.prefill_pick,
             disaggregated=self.disaggregated,
             reason=self.reason,
+            trace_id=None if self.trace is None else self.trace.trace_id,
         )
 
 

@@ -16,6 +16,7 @@ class SimRequest(msgspec.Struct):
     blocks: list[list[int]]
     remote: RemoteTarget | None = None
     tokens: list[int] = []  # token ids, for pool hashing
+    traceparent: str | None = None  # W3C trace context passed on to the sidecar
 
 
 class Command(msgspec.Struct):

@@ -159,6 +159,7 @@ class SimEngine:
                     req.remote if cmd.target_after_layers < 0 else None,
                     mamba_mode=MambaMode(cmd.mamba_mode),
                     num_spec=cmd.num_spec,
+                    traceparent=req.traceparent,
                 )
             except Exception as e:  # reported to the driver; the sidecar ended it FAILED
                 refused[req.id] = str(e)
@@ -255,6 +256,7 @@ class SimEngine:
                     request_block_ids(req),
                     cmd.prefill_tp,
                     timeout_s=cmd.timeout_s,
+                    traceparent=req.traceparent,
                 )
                 self.expected[req.id] = request_block_ids(req)
             except Exception as e:

@@ -87,6 +87,7 @@ class Request:
     reported: bool = False
     finished_at: float | None = None
     groups: dict[int, GroupProgress] = field(default_factory=dict)
+    traceparent: str | None = None  # W3C trace context the engine passed (README "Tracing")
 
     def finish(self, state: Status, error: str = "") -> bool:
         """Move to a terminal state once; later calls are ignored (first cause wins)."""
@@ -115,6 +116,8 @@ class SendRequest(Request):
     # is written and the signalled layers are kept in ``backlog``.
     waiting: bool = False
     backlog: list[Held] = field(default_factory=list)
+    # Each layer write of it, for its trace; kept only when it has a traceparent.
+    writes: list[LayerWrite] = field(default_factory=list)
 
     def pin(self) -> bool:
         """Before a write: count it, unless the request already ended. Atomic with ``finish``,
@@ -128,6 +131,18 @@ class SendRequest(Request):
     def unpin(self) -> None:
         with _STATE_LOCK:
             self.inflight -= 1
+
+
+@dataclass(frozen=True)
+class LayerWrite:
+    """One layer of one step written for a send (monotonic seconds, submit to landed)."""
+
+    step: int
+    layer: int
+    group: int
+    start: float
+    end: float
+    bytes: int
 
 
 @dataclass
@@ -205,6 +220,7 @@ class LayerResult:
     descriptors: int
     blocks: int
     latency_s: float
+    started: float = 0.0  # monotonic time the write was submitted (0: nothing was written)
 
 
 Writer = Callable[[str, np.ndarray, np.ndarray, np.ndarray], None]
@@ -348,6 +364,7 @@ class StreamThread:
                     charged[i],
                     sum(plan.blocks.values()),
                     latency,
+                    t0,
                 )
             )
 
@@ -429,16 +446,22 @@ class Agent:
         del self.history[:-256]
         return sending, recving, failed
 
-    def totals(
+    def reported(
         self, sending: list[str], recving: list[str], failed: list[FailedRequest]
-    ) -> list[RequestTotals]:
-        """Bytes and duration of each request ``finished`` just reported (for engine stats)."""
+    ) -> list[Request]:
+        """The requests ``finished`` just reported."""
         found: list[Request | None] = [self.recent(rid, SendRequest) for rid in sending]
         found += [self.recent(rid, RecvRequest) for rid in recving]
         found += [
             self.recent(f.request, SendRequest) or self.recent(f.request, RecvRequest)
             for f in failed
         ]
+        return [r for r in found if r is not None]
+
+    def totals(
+        self, sending: list[str], recving: list[str], failed: list[FailedRequest]
+    ) -> list[RequestTotals]:
+        """Bytes and duration of each request ``finished`` just reported (for engine stats)."""
         return [
             RequestTotals(
                 request=r.id,
@@ -447,8 +470,7 @@ class Agent:
                 bytes=r.bytes,
                 duration_s=max(0.0, (r.finished_at or r.created) - r.created),
             )
-            for r in found
-            if r is not None
+            for r in self.reported(sending, recving, failed)
         ]
 
 

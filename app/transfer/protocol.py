@@ -20,6 +20,7 @@ from app.kvcache.bounds import MAX_TP as MAX_TP
 from app.kvcache.bounds import Index, NonNegInt, TpSize
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
+from app.tracing.traceparent import PATTERN as TRACEPARENT_PATTERN
 from app.transfer.planner import MambaMode
 
 PROTOCOL_VERSION = 2
@@ -36,6 +37,9 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 BlockIds = list[list[Index]]
 """Block ids per KV cache group."""
+# The connector passes on only a traceparent it parsed (README "Tracing"); anything else from
+# an engine is a malformed frame.
+TraceParentHeader = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
 
 # What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
 _SHOWN_BYTES = 32
@@ -201,6 +205,8 @@ class AddSend(Msg, tag="add_send"):
     mamba_mode: MambaMode = MambaMode.NONE
     num_spec: NonNegInt = 0
     target_timeout_s: Deadline | None = None
+    # W3C trace context of the prefill request: the send's spans are its children.
+    traceparent: TraceParentHeader | None = None
 
 
 class SetTarget(Msg, tag="set_target"):
@@ -219,6 +225,8 @@ class ExpectRecv(Msg, tag="expect_recv"):
     prefill_tp: TpSize
     prefill_engine: str = ""
     timeout_s: Deadline | None = None
+    # W3C trace context of the decode request: the receive's span is its child.
+    traceparent: TraceParentHeader | None = None
 
 
 class StepSlice(msgspec.Struct, array_like=True):

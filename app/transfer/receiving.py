@@ -85,6 +85,7 @@ class RecvSide:
             deadline=self._clock() + timeout,
             peer=msg.prefill_engine,
             manifest=receive_manifest(agent.desc, msg.prefill_tp),
+            traceparent=msg.traceparent,
         )
         agent.recvs[req.id] = req
         try:

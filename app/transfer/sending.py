@@ -28,6 +28,7 @@ from app.transfer.agent import (
     Held,
     LayerResult,
     LayerTask,
+    LayerWrite,
     SendRequest,
     StepState,
     agent_of,
@@ -111,6 +112,7 @@ class SendSide:
             peer="",
             mamba_mode=msg.mamba_mode,
             num_spec=msg.num_spec,
+            traceparent=msg.traceparent,
         )
         agent.sends[req.id] = req
         try:
@@ -391,7 +393,13 @@ class SendSide:
             req.bytes += sum(written.values())
             prog = req.groups.setdefault(res.group, GroupProgress())
             prog.layers_sent += 1
-            prog.bytes += sum(written.values())
+            nbytes = sum(written.values())
+            prog.bytes += nbytes
+            if req.traceparent is not None and nbytes:  # a layer with nothing of it: no write
+                end = res.started + res.latency_s
+                req.writes.append(
+                    LayerWrite(res.step, res.layer, res.group, res.started, end, nbytes)
+                )
             # Only the final step's layers count: an earlier step's layers may still be on the
             # stream thread when the engine already signals the final step.
             if res.step == req.final_step and req.final_layers_left > 0:

@@ -23,6 +23,7 @@ from app.errors import KVSidecarError
 from app.kvcache.desc import LayoutDesc
 from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
+from app.tracing.otel import open_tracing
 from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
 from app.transfer.auth import load_auth
 from app.transfer.control_server import ControlServer
@@ -66,6 +67,7 @@ from app.transfer.protocol import (
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.registry import Registry, RegistrySettings
 from app.transfer.sending import SendSettings, SendSide
+from app.transfer.traces import TransferTraces
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ class Sidecar:
             drained=self.send.drained,
             control_port=lambda: self.control_port,
         )
+        self.traces = TransferTraces(None, settings.engine_id)  # on at start, if configured
 
     # ---- hooks and views -------------------------------------------------------------------
 
@@ -213,6 +216,7 @@ class Sidecar:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         s = self.settings
+        self.traces.tracing = open_tracing(f"kv-sidecar-{s.role}")
         engine = self.registry.engine = await asyncio.to_thread(
             MooncakeEngine,
             EngineConfig(
@@ -337,6 +341,7 @@ class Sidecar:
             await self.pool.stop()
         if self.engine:
             await asyncio.to_thread(self.engine.close)
+        await asyncio.to_thread(self.traces.close)  # exports the spans still buffered
         self.ctx.term()
         return report
 
@@ -382,6 +387,10 @@ class Sidecar:
             if isinstance(msg, GetFinished):
                 agent = agent_of(self.agents, msg.rank)
                 sending, recving, failed = agent.finished()
+                if self.traces.tracing is not None:
+                    # Off the loop: a long chunked prefill makes hundreds of write spans.
+                    ended = agent.reported(sending, recving, failed)
+                    asyncio.get_running_loop().run_in_executor(None, self.traces.ended, ended)
                 return Finished(
                     sending=sending,
                     recving=recving,

@@ -23,6 +23,8 @@ def test_decode_posts_target_then_prefill_gets_it_then_decode_answers(cluster: C
             "do_remote_prefill": True,
             "transfer_id": tid,
             "router_url": f"{cluster.url}/v1/kv_targets",
+            # The call's trace context, also in the header (vLLM's own OTel may be off).
+            "traceparent": seen_d.headers["traceparent"],
         },
     }
     # The proxy took decode's target, and prefill had the prompt before decode answered.
@@ -43,6 +45,7 @@ def test_decode_posts_target_then_prefill_gets_it_then_decode_answers(cluster: C
             "do_remote_decode": True,
             "transfer_id": tid,
             "remote": posted["target"],
+            "traceparent": seen_p.headers["traceparent"],
         },
     }
     assert seen_p.body["kv_transfer_params"]["remote"]["block_ids"] == TARGET_BLOCKS

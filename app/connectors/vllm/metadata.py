@@ -29,6 +29,7 @@ class Admit:
     num_spec: int = 0
     router_url: str | None = None
     target_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
+    traceparent: str | None = None  # W3C, from kv_transfer_params: the send's spans' parent
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Expect:
     block_ids: BlockIds
     computed: int  # prompt tokens decode's own prefix cache holds: prefill skips them
     router_url: str | None
+    traceparent: str | None = None  # W3C, from kv_transfer_params: the receive span's parent
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from app.connectors.vllm.metadata import (
 )
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
+from app.tracing.traceparent import parse as parse_traceparent
 from app.transfer.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class _Send:
     prompt_len: int  # the whole prompt, as decode has it
     block_ids: BlockIds
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
+    traceparent: str | None
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
@@ -75,6 +77,12 @@ class _State:
 
 def _params(request: Any) -> dict[str, Any]:
     return dict(getattr(request, "kv_transfer_params", None) or {})
+
+
+def _traceparent(p: dict[str, Any]) -> str | None:
+    """The proxy's W3C traceparent (README "Tracing"); one that does not parse is dropped."""
+    tp = parse_traceparent(p.get("traceparent"))
+    return None if tp is None else tp.header
 
 
 class SchedulerSide:
@@ -180,6 +188,7 @@ class SchedulerSide:
                     ids,
                     self.state.local_hits.pop(rid, 0),
                     p.get("router_url"),
+                    _traceparent(p),
                 )
             )
             if not p.get("router_url"):
@@ -219,7 +228,9 @@ class SchedulerSide:
         computes = len(request.prompt_token_ids)
         whole = computes + 1 if p.get("_kvs_truncated") else computes
         timeout = float(p.get("target_timeout_s") or self.config.target_timeout_s)
-        return _Send(sid, remote, p.get("router_url"), timeout, whole, ids, computes)
+        return _Send(
+            sid, remote, p.get("router_url"), timeout, whole, ids, computes, _traceparent(p)
+        )
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
@@ -244,6 +255,7 @@ class SchedulerSide:
                         self.num_spec,
                         send.router_url,
                         send.target_timeout_s,
+                        send.traceparent,
                     )
                 )
                 send.admitted = True
@@ -311,6 +323,8 @@ class SchedulerSide:
             "router_url": self.config.target_url,
             "remote_engine_id": self.config.engine_id,
             "kv_sidecar_request_id": send.sid,
+            # Decode's spans join prefill's trace, whatever the router forwards.
+            **({"traceparent": send.traceparent} if send.traceparent else {}),
         }
 
     def _pool_save(self, request: Any, block_ids: tuple[list[int], ...]) -> bool:

@@ -216,6 +216,7 @@ class WorkerSide:
                 blocks(e.block_ids),
                 self.config.prefill_tp,
                 timeout_s=self.config.recv_timeout_s,
+                traceparent=e.traceparent,
             )
         except KVSidecarError as err:
             log.error("request %s: the sidecar did not take it (%s); recomputing", e.req_id, err)
@@ -240,6 +241,7 @@ class WorkerSide:
                 target_timeout_s=(
                     a.target_timeout_s if a.remote is None and a.router_url is None else None
                 ),
+                traceparent=a.traceparent,
             )
         except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
             # A refusal also reaches decode (the sidecar tells it, or decode's deadline
