@@ -24,13 +24,14 @@ from app.kvcache.desc import LayoutDesc
 from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
 from app.tracing.otel import open_tracing
-from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of, blocks
+from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread, agent_of
 from app.transfer.auth import load_auth
 from app.transfer.control_server import ControlServer
 from app.transfer.links import zmq_links
 from app.transfer.mooncake import EngineConfig, MooncakeEngine
 from app.transfer.peers import Peer, Peers, PeerSettings
 from app.transfer.planner import PairPlanner
+from app.transfer.pool_calls import pool_call
 from app.transfer.protocol import (
     Abort,
     AbortRequest,
@@ -52,7 +53,6 @@ from app.transfer.protocol import (
     Ping,
     Pong,
     PoolLoad,
-    PoolLoaded,
     PoolLookup,
     PoolSave,
     RegisterEngine,
@@ -405,40 +405,10 @@ class Sidecar:
                 await self.abort(msg.rank, msg.request, msg.reason)
                 return Reply()
             if isinstance(msg, PoolLookup | PoolSave | PoolLoad):
-                return await self._pool_call(msg)
+                return await pool_call(self.pool, msg)
         except KVSidecarError as e:
             return Reply(ok=False, error=str(e))
         return Error(reason=f"unexpected message {type(msg).__name__} on the engine link")
-
-    async def _pool_call(self, msg: PoolLookup | PoolSave | PoolLoad) -> Msg:
-        if self.pool is None:
-            return Reply(
-                ok=False,
-                error="the KV pool is not enabled on this sidecar; set "
-                "KVSIDECAR_POOL__ENABLED=true and the master address",
-            )
-        if isinstance(msg, PoolLookup):
-            hit = await self.pool.lookup(msg.rank, msg.token_ids, msg.extra_keys)
-            return Reply(data={"hit_tokens": hit.hit_tokens})
-        if isinstance(msg, PoolSave):
-            saved = await self.pool.save(
-                msg.rank, msg.token_ids, blocks(msg.block_ids), msg.num_computed, msg.extra_keys
-            )
-            return Reply(
-                data={
-                    "stored": saved.stored,
-                    "skipped": saved.skipped,
-                    "backpressure": saved.backpressure,
-                    "failed": saved.failed,
-                    "bytes": saved.bytes,
-                }
-            )
-        loaded = await self.pool.load(
-            msg.rank, msg.token_ids, blocks(msg.block_ids), msg.hit_tokens, msg.extra_keys
-        )
-        return PoolLoaded(
-            loaded=loaded.loaded, bytes=loaded.bytes, failed_blocks=loaded.failed_blocks
-        )
 
     def _stream_for(self, agent: Agent) -> StreamThread:
         assert self.engine is not None
