@@ -142,7 +142,8 @@ def write_tiny_model(
 
 @dataclass
 class Instance:
-    role: str
+    role: str  # prefill or decode
+    name: str  # the role, then role2, role3, ... with several instances of a role
     vllm_port: int
     admin_port: int  # 0 until its sidecar reported the ports it bound
     control_port: int
@@ -161,7 +162,7 @@ class Instance:
 
 @dataclass
 class LocalPD:
-    """Two sidecars, two vLLM API servers (P and D) and the proxy, on loopback."""
+    """Sidecars, vLLM API servers (one P and one D, or xPyD) and the proxy, on loopback."""
 
     model: Path
     work: Path
@@ -176,6 +177,10 @@ class LocalPD:
     # sends only the blocks decode lacks. Off by default: outputs compared with one engine's
     # stay independent of what ran before.
     decode_prefix_caching: bool = False
+    prefill_prefix_caching: bool = False
+    prefills: int = 1  # xPyD: how many prefill and decode instances the proxy spreads over
+    decodes: int = 1
+    proxy_args: Sequence[str] = ()  # more options of the proxy (e.g. its routing policies)
     # Prefill first: how long prefill keeps a send's blocks for decode's target.
     target_timeout_s: float = 10.0
     master: MasterProcess | None = None
@@ -186,17 +191,31 @@ class LocalPD:
         self.work.mkdir(parents=True, exist_ok=True)
         if self.in_process and max(self.prefill_tp, self.decode_tp) > 1:
             raise ConfigError("the in-process agent serves TP 1 only")
-        self.prefill = self._instance("prefill", self.prefill_tp)
-        self.decode = self._instance("decode", self.decode_tp)
+        if min(self.prefills, self.decodes) < 1:
+            raise ConfigError(
+                f"prefills={self.prefills}, decodes={self.decodes}: expected at least one of each"
+            )
+        self.prefill_instances = [
+            self._instance("prefill", i, self.prefill_tp) for i in range(self.prefills)
+        ]
+        self.decode_instances = [
+            self._instance("decode", i, self.decode_tp) for i in range(self.decodes)
+        ]
+        self.prefill, self.decode = self.prefill_instances[0], self.decode_instances[0]
         self.proxy_port = 0  # the proxy binds port 0 and reports the port it got
 
-    def _instance(self, role: str, tp: int) -> Instance:
+    def _instance(self, role: str, index: int, tp: int) -> Instance:
         # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
+        name = role if index == 0 else f"{role}{index + 1}"
         work = self.work
         return Instance(
-            role, free_port(), 0, 0, f"ipc://{work}/{role}.ipc", work / f"{role}.ports", tp
+            role, name, free_port(), 0, 0, f"ipc://{work}/{name}.ipc", work / f"{name}.ports", tp
         )
+
+    @property
+    def instances(self) -> list[Instance]:
+        return [*self.prefill_instances, *self.decode_instances]
 
     @property
     def proxy(self) -> str:
@@ -231,7 +250,7 @@ class LocalPD:
         inst.admin_port = inst.control_port = 0
         clear_port_file(inst.port_file)
         self._spawn(
-            f"sidecar-{inst.role}",
+            f"sidecar-{inst.name}",
             [
                 sys.executable,
                 "-m",
@@ -240,7 +259,7 @@ class LocalPD:
                 "--role",
                 inst.role,
                 "--engine-id",
-                inst.role,
+                inst.name,
                 "--ranks",
                 ",".join(str(r) for r in range(inst.tp)),
                 "--tp-size",
@@ -261,20 +280,23 @@ class LocalPD:
 
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
-        self.start_instances((self.prefill, self.decode))
-        self._spawn_proxy("proxy", self.prefill, self.decode)
-        for inst in (self.prefill, self.decode):
+        self.start_instances(self.instances)
+        self._spawn_proxy("proxy", self.prefill_instances, self.decode_instances)
+        for inst in self.instances:
             self.wait_engine(inst, timeout_s)
         self.proxy_port = self._proxy_port("proxy")
+        self._wait_all_routable(timeout_s=60)
         self.started_s = time.monotonic() - t0
         return self
 
     def start_proxy(self, name: str, prefill: Instance, decode: Instance) -> str:
         """One more proxy over these instances (e.g. the pair the other way round); its URL."""
-        self._spawn_proxy(name, prefill, decode)
+        self._spawn_proxy(name, [prefill], [decode])
         return f"http://127.0.0.1:{self._proxy_port(name)}"
 
-    def _spawn_proxy(self, name: str, prefill: Instance, decode: Instance) -> None:
+    def _spawn_proxy(
+        self, name: str, prefills: Sequence[Instance], decodes: Sequence[Instance]
+    ) -> None:
         ports = self.work / f"{name}.ports"
         clear_port_file(ports)
         self._spawn(
@@ -284,10 +306,8 @@ class LocalPD:
                 "-m",
                 "app.cli.main",
                 "proxy",
-                "--prefill",
-                prefill.url,
-                "--decode",
-                decode.url,
+                *(a for inst in prefills for a in ("--prefill", inst.url)),
+                *(a for inst in decodes for a in ("--decode", inst.url)),
                 "--port",
                 "0",
                 "--port-file",
@@ -298,6 +318,7 @@ class LocalPD:
                 "0",
                 "--decode-hit-fraction",
                 "2",
+                *self.proxy_args,
             ],
         )
 
@@ -307,6 +328,18 @@ class LocalPD:
         port = int(wait_port_file(self.work / f"{name}.ports", ("port",), 60, check=check)["port"])
         self._wait(f"http://127.0.0.1:{port}/health", name, 60)
         return port
+
+    def _wait_all_routable(self, timeout_s: float) -> None:
+        """Until the proxy's own probes found every instance healthy: it probed the ones that
+        started last before they served, and would not route to them until the next probe."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self._check_alive("proxy")
+            body = httpx.get(f"{self.proxy}/health", timeout=5).json()
+            if all(i["healthy"] for role in ("prefill", "decode") for i in body[role]):
+                return
+            time.sleep(0.5)
+        raise DeadlineExceeded(f"the proxy did not find every instance healthy in {timeout_s}s")
 
     def start_instances(self, instances: Sequence[Instance]) -> None:
         """Each instance's sidecar (waited for) and vLLM server (not waited for: wait_engine)."""
@@ -325,10 +358,10 @@ class LocalPD:
                 "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": {
                     "sidecar": inst.ipc,
-                    "engine_id": inst.role,
-                    # The other instance's TP: an instance receives from that one (both are
+                    "engine_id": inst.name,
+                    # The other role's TP: an instance receives from that one (both are
                     # kv_both, so a test may also run the pair the other way round).
-                    "prefill_tp": self.decode_tp if inst is self.prefill else self.prefill_tp,
+                    "prefill_tp": self.decode_tp if inst.role == "prefill" else self.prefill_tp,
                     "recv_timeout_s": self.recv_timeout_s,
                     "link_timeout_s": 3.0,
                     "pool": self.pool,
@@ -339,7 +372,7 @@ class LocalPD:
                 },
             }
             self._spawn(
-                f"vllm-{inst.role}",
+                f"vllm-{inst.name}",
                 [
                     sys.executable,
                     "-m",
@@ -358,7 +391,7 @@ class LocalPD:
                     "--enforce-eager",
                     (
                         "--enable-prefix-caching"
-                        if inst is self.decode and self.decode_prefix_caching
+                        if self._prefix_caching(inst)
                         else "--no-enable-prefix-caching"
                     ),
                     "--max-num-seqs",
@@ -377,14 +410,19 @@ class LocalPD:
                 },
             )
 
+    def _prefix_caching(self, inst: Instance) -> bool:
+        if inst.role == "prefill":
+            return self.prefill_prefix_caching
+        return self.decode_prefix_caching
+
     def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:
-        name = f"vllm-{inst.role}"
+        name = f"vllm-{inst.name}"
         self._wait(f"{inst.url}/health", name, timeout_s)
         if self.in_process:  # the worker hosts the agent: it wrote the ports once serving
             self._read_ports(inst, name)
 
     def _wait_sidecar(self, inst: Instance) -> None:
-        name = f"sidecar-{inst.role}"
+        name = f"sidecar-{inst.name}"
         self._read_ports(inst, name)
         self._wait(f"{inst.admin}/livez", name, 60)
 
