@@ -6,4 +6,6 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check app tests
 .venv/bin/ruff format --check app tests
 .venv/bin/mypy
-.venv/bin/python -m pytest -q "$@"
+# Two workers: the real-engine modules one after another on one, the rest on the other
+# (tests/conftest.py schedules them; README "Tests").
+.venv/bin/python -m pytest -q -n 2 "$@"

@@ -17,6 +17,35 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Modules that start real vLLM engines. Starting one takes both cores for tens of seconds, so
+# under ``pytest -n 2`` (scripts/test.sh) they run one after another on one worker while every
+# other module, whole, runs on the other.
+ENGINE_MODULES = ("tests/connectors/vllm/", "tests/chaos/test_real_engines.py")
+
+
+def work_unit(nodeid: str) -> str:
+    """What one xdist worker runs whole: all real-engine modules together, else the module."""
+    module = nodeid.split("::", 1)[0]
+    return "real-engines" if module.startswith(ENGINE_MODULES) else module
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # The engine modules first: the longest unit of work starts at once (a stable sort).
+    items.sort(key=lambda item: work_unit(item.nodeid) != "real-engines")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # xdist's own loadgroup reads marks it can no longer attach on pytest 9 (node ids are
+    # fixed), so scopes are named here: loadscope, with the engine modules as one scope.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineScopes(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return EngineScopes(config, log)
+
+
 def wait_for(
     what: str, fn: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05
 ) -> Any:

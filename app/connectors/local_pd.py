@@ -289,13 +289,18 @@ class LocalPD:
         self.started_s = time.monotonic() - t0
         return self
 
-    def start_proxy(self, name: str, prefill: Instance, decode: Instance) -> str:
-        """One more proxy over these instances (e.g. the pair the other way round); its URL."""
-        self._spawn_proxy(name, [prefill], [decode])
+    def start_proxy(self, name: str, prefill: Instance, decode: Instance, *options: str) -> str:
+        """One more proxy over these instances (e.g. the pair the other way round), with more
+        ``options`` (they override LocalPD's); its URL."""
+        self._spawn_proxy(name, [prefill], [decode], options)
         return f"http://127.0.0.1:{self._proxy_port(name)}"
 
     def _spawn_proxy(
-        self, name: str, prefills: Sequence[Instance], decodes: Sequence[Instance]
+        self,
+        name: str,
+        prefills: Sequence[Instance],
+        decodes: Sequence[Instance],
+        options: Sequence[str] = (),
     ) -> None:
         ports = self.work / f"{name}.ports"
         clear_port_file(ports)
@@ -319,6 +324,7 @@ class LocalPD:
                 "--decode-hit-fraction",
                 "2",
                 *self.proxy_args,
+                *options,
             ],
         )
 

@@ -15,10 +15,15 @@ import pytest
 
 from app.bench.pd_stats import METRICS
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
-    reason="bench pd creates a network namespace: needs root and iproute2",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None,
+        reason="bench pd creates a network namespace: needs root and iproute2",
+    ),
+    # A run of the benchmark tool, not a check of the product: outside the default suite's 30
+    # minutes, run by .ci/run after it (README "Tests").
+    pytest.mark.bench_run,
+]
 
 
 @pytest.mark.timeout(900)  # four engines started one pair after the other on two cores

@@ -382,6 +382,32 @@ def test_prefill_first_decode_refusal_frees_prefill(pd: LocalPD) -> None:
     assert again.status_code == 409, again.text
 
 
+@pytest.mark.parametrize("pd", ["llama"], indirect=True)
+def test_repeated_long_prompt_served_by_decode_alone(pd: LocalPD) -> None:
+    """Conditional disaggregation on real engines (a second proxy with the default rules): a
+    long prompt goes through prefill once; sent again, decode holds it (its prefix cache) and
+    serves it alone: prefill computes nothing, decode's cache hits, the answer is the same."""
+    url = pd.start_proxy("proxy-disagg", pd.prefill, pd.decode, "--decode-hit-fraction", "0.8")
+    (p,), (reference,) = references(pd, [prompt(300, 74)])
+    records = []
+    for _ in range(2):
+        before = prompt_tokens_by_source(pd.prefill.url), prompt_tokens_by_source(pd.decode.url)
+        assert pd.complete(url, p, MAX_TOKENS) == reference
+        after = prompt_tokens_by_source(pd.prefill.url), prompt_tokens_by_source(pd.decode.url)
+        (record,) = httpx.get(f"{url}/v1/transfers", params={"limit": 1}, timeout=10).json()[
+            "transfers"
+        ]
+        records.append((record, before, after))
+    (first, *_), (second, (p_before, d_before), (p_after, d_after)) = records
+    assert first["disaggregated"] and first["status"] == "ok", first
+    assert not second["disaggregated"] and second["status"] == "local", second
+    assert second["prefill"] is None and "decode holds" in second["reason"], second
+    assert p_after == p_before  # prefill was not asked
+    hit = d_after.get("local_cache_hit", 0) - d_before.get("local_cache_hit", 0)
+    block = int(engine_groups(pd)[0]["block_size"])
+    assert hit == (len(p) - 1) // block * block, (d_before, d_after)
+
+
 @pytest.mark.parametrize("pd", ["llama", "gemma3"], indirect=True)
 def test_prefill_sidecar_killed(pd: LocalPD) -> None:
     """Prefill's sidecar dies before the prefill runs: decode's sidecar gives up at its deadline,
