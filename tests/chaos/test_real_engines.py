@@ -10,7 +10,6 @@ layer written and not ended (``/v1/requests``), never after a fixed sleep.
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -21,12 +20,7 @@ import pytest
 from app.connectors.local_pd import LocalPD, write_tiny_model
 from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_lengths
 from tests.conftest import wait_for
-from tests.connectors.vllm.conftest import (
-    kv_usage,
-    leaked_engine_shm,
-    print_logs_on_failure,
-    prompt,
-)
+from tests.connectors.vllm.conftest import engines_up, kv_usage, prompt
 
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)
@@ -45,16 +39,11 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
         mp.setenv(k, v)  # LocalPD's processes inherit the environment
     # Decode gives up on a transfer after 10 s and recomputes: no scenario waits longer.
     pd = LocalPD(model, root / "run", recv_timeout_s=10.0, kind="llama", extra_vllm_args=VLLM_ARGS)
-    shm_before = set(os.listdir("/dev/shm"))
     try:
-        pd.start()
-        yield Pair(pd)
+        with engines_up(pd):
+            yield Pair(pd)
     finally:
-        pd.close()
         mp.undo()
-        print_logs_on_failure(root / "run")
-    left = leaked_engine_shm(shm_before)
-    assert not left, f"shared memory left behind: {left}"
 
 
 def test_prefill_vllm_killed_mid_prefill(pair: Pair) -> None:

