@@ -1,22 +1,26 @@
-"""The lanes of a ``MooncakeEngine``: one ``TransferEngine`` per peer written to, opened on the
-first write, replaced after a failed one, evicted when idle and over the bound, closed when the
-peer goes (the why is in ``app.transfer.mooncake``'s docstring; a lane itself is in
+"""The local engines of a ``MooncakeEngine``: how they are configured and started
+(``EngineConfig``), and its lanes, one ``TransferEngine`` per peer written to, opened on the first
+write, replaced after a failed one, evicted when idle and over the bound, closed when the peer
+goes (the why is in ``app.transfer.mooncake``'s docstring; a lane itself is in
 ``mooncake_lane``).
 
-``LanePool`` is the base of ``MooncakeEngine`` and shares its state and locks (in the order that
-class documents); it is never used alone.
+``LanePool`` is the base of ``MooncakeEngine``: it builds the state and locks both use, and is
+never used alone. Imports go one way, ``mooncake`` -> ``lane_pool`` -> ``mooncake_lane``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from app.errors import TransferError
+from app.errors import ConfigError, TransferError
 from app.transfer.mooncake_lane import (
     DRAIN_TIMEOUT_S,
+    LANE_QUEUE_LIMIT,
     OK,
     Counters,
     Lane,
@@ -24,8 +28,9 @@ from app.transfer.mooncake_lane import (
     Registered,
 )
 
-if TYPE_CHECKING:
-    from app.transfer.mooncake import EngineConfig
+__all__ = ["EngineConfig", "LanePool", "Wait"]
+
+Wait = Literal["poll", "spin"]
 
 # Lanes open at once. Peers are named by remote messages, so without a bound a stream of fresh
 # names (an attacker's or a churning fleet's) would open an engine each: 3 threads, 6 fds, an RPC
@@ -34,18 +39,69 @@ if TYPE_CHECKING:
 _MAX_LANES = 64
 
 
-class LanePool:
-    """Opening, replacing, evicting and closing the per-peer lanes of a ``MooncakeEngine``."""
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to start the local engines (the receiving one and each lane's) and how to cut writes
+    into submits."""
 
-    # Set by MooncakeEngine.__init__.
-    _config: EngineConfig
-    _engine_cls: Any
-    _admin_lock: threading.Lock
-    _guard: threading.Lock
-    _counters: Counters
-    _spans: dict[int, int]
-    _lanes: OrderedDict[str, Lane]
-    _closed: bool
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"  # "tcp" or "rdma"
+    device_name: str = ""
+    # Per call: descriptors in flight (poll) or in one batch (spin). DESIGN §6: 4096 poisoned
+    # the session, 2048 passed.
+    max_descriptors_per_submit: int = 1024
+    spin_threads: int = 2  # bounded pool that runs write() calls
+    force_tcp: bool = True  # sets MC_FORCE_TCP=1 before initialize when protocol == "tcp"
+    wait: Wait = "poll"
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ConfigError(
+                f"EngineConfig.protocol must be 'tcp' or 'rdma', got {self.protocol!r}"
+            )
+        if not 1 <= self.max_descriptors_per_submit <= LANE_QUEUE_LIMIT:
+            raise ConfigError(
+                f"EngineConfig.max_descriptors_per_submit must be in 1..{LANE_QUEUE_LIMIT} "
+                f"(larger batches poison the session), got {self.max_descriptors_per_submit}"
+            )
+        if self.spin_threads < 1:
+            raise ConfigError(f"EngineConfig.spin_threads must be >= 1, got {self.spin_threads}")
+        if self.wait not in ("poll", "spin"):
+            raise ConfigError(f"EngineConfig.wait must be 'poll' or 'spin', got {self.wait!r}")
+
+
+def _import_engine_class() -> Any:
+    try:
+        from mooncake.engine import TransferEngine
+    except (ImportError, OSError) as exc:
+        raise TransferError(
+            "mooncake.engine could not be imported "
+            f"({type(exc).__name__}: {exc}); install the 'mooncake' extra "
+            "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1 librdmacm1 libnuma1"
+        ) from exc
+    return TransferEngine
+
+
+class LanePool:
+    """Starting local engines, and opening, replacing, evicting and closing the per-peer lanes.
+
+    Locks, always taken in this order: a lane's ``admin``, ``_admin_lock`` (the spans and which
+    engines they are registered on), ``_guard`` (the lane map, ``_closed`` and whatever the
+    subclass publishes under it), a lane's ``cond``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self._config = config
+        self._engine_cls = _import_engine_class()
+        if config.protocol == "tcp" and config.force_tcp:
+            # The engine picks RDMA whenever it finds an HCA unless told otherwise.
+            os.environ["MC_FORCE_TCP"] = "1"
+        self._admin_lock = threading.Lock()
+        self._guard = threading.Lock()
+        self._counters = Counters()
+        self._spans: dict[int, int] = {}  # every engine started registers all of these
+        self._lanes: OrderedDict[str, Lane] = OrderedDict()  # least recently used first
+        self._closed = False
 
     def lane_generation(self, peer: str) -> int:
         """How many times the open lane to ``peer`` has been replaced since it was opened."""

@@ -10,17 +10,18 @@ Two ways to wait for a write (``EngineConfig.wait``):
   half the CPU, and 4-16 KiB ones at the same rate for half the CPU.
 - ``spin``: ``batch_transfer_sync_write`` chunks of at most ``max_descriptors_per_submit``.
 
-Writes go through per-peer lanes (``mooncake_lane.py``, managed by ``lane_pool.py``). The engine
-built at construction only receives: its ``session_id`` is the address peers write to, and no
-failed write replaces it. Writes to peer X go through X's lane, a ``TransferEngine`` of its own
-opened on the first write to X, with every span registered on it as well. A failed write to X
-replaces only that engine (a new one with every span registered, X's other writers drained, the
-new one swapped in, the old one's spans unregistered) and bumps ``lane_generation(X)``; writes
-to other peers stay on their own engines, connections and in-flight budgets and never wait for
-it. The one stall lanes cannot isolate is the old engine's destructor, which holds the GIL
-(below). At most ``lane_pool._MAX_LANES`` lanes are open: opening one more closes the least
-recently used idle one, and ``close_lane`` drops the lane of a peer that is gone. (Mooncake's
-own "TCP lane", below, is its per-peer queue inside one engine.)
+Writes go through per-peer lanes (``mooncake_lane.py``, managed by ``lane_pool.py``, which also
+holds ``EngineConfig`` and starts every local engine). The engine built at construction only
+receives: its ``session_id`` is the address peers write to, and no failed write replaces it. Writes
+to peer X go through X's lane, a ``TransferEngine`` of its own opened on the first write to X, with
+every span registered on it as well. A failed write to X replaces only that engine (a new one with
+every span registered, X's other writers drained, the new one swapped in, the old one's spans
+unregistered) and bumps ``lane_generation(X)``; writes to other peers stay on their own engines,
+connections and in-flight budgets and never wait for it. The one stall lanes cannot isolate is the
+old engine's destructor, which holds the GIL (below). At most ``lane_pool._MAX_LANES`` lanes are
+open: opening one more closes the least recently used idle one, and ``close_lane`` drops the lane
+of a peer that is gone. (Mooncake's own "TCP lane", below, is its per-peer queue inside one
+engine.)
 
 Measured with wheel 0.3.13.post1 over loopback TCP on a 2-core machine:
 
@@ -56,73 +57,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import os
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from app.errors import ConfigError, TransferError
-from app.transfer.lane_pool import LanePool
-from app.transfer.mooncake_lane import (
-    LANE_QUEUE_LIMIT,
-    Counters,
-    Lane,
-    LaneStats,
-    Registered,
-)
+from app.errors import TransferError
+from app.transfer.lane_pool import EngineConfig, LanePool, Wait
+from app.transfer.mooncake_lane import LaneStats, Registered
 
-__all__ = ["EngineConfig", "LaneStats", "MooncakeEngine"]
+# EngineConfig and Wait live with the engines they configure (lane_pool); re-exported here, where
+# callers build a MooncakeEngine.
+__all__ = ["EngineConfig", "LaneStats", "MooncakeEngine", "Wait"]
 
-Wait = Literal["poll", "spin"]
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """How to start the local engines (the receiving one and each lane's) and how to cut writes
-    into submits."""
-
-    host: str = "127.0.0.1"
-    protocol: str = "tcp"  # "tcp" or "rdma"
-    device_name: str = ""
-    # Per call: descriptors in flight (poll) or in one batch (spin). DESIGN §6: 4096 poisoned
-    # the session, 2048 passed.
-    max_descriptors_per_submit: int = 1024
-    spin_threads: int = 2  # bounded pool that runs write() calls
-    force_tcp: bool = True  # sets MC_FORCE_TCP=1 before initialize when protocol == "tcp"
-    wait: Wait = "poll"
-
-    def __post_init__(self) -> None:
-        if self.protocol not in ("tcp", "rdma"):
-            raise ConfigError(
-                f"EngineConfig.protocol must be 'tcp' or 'rdma', got {self.protocol!r}"
-            )
-        if not 1 <= self.max_descriptors_per_submit <= LANE_QUEUE_LIMIT:
-            raise ConfigError(
-                f"EngineConfig.max_descriptors_per_submit must be in 1..{LANE_QUEUE_LIMIT} "
-                f"(larger batches poison the session), got {self.max_descriptors_per_submit}"
-            )
-        if self.spin_threads < 1:
-            raise ConfigError(f"EngineConfig.spin_threads must be >= 1, got {self.spin_threads}")
-        if self.wait not in ("poll", "spin"):
-            raise ConfigError(f"EngineConfig.wait must be 'poll' or 'spin', got {self.wait!r}")
-
-
-def _import_engine_class() -> Any:
-    try:
-        from mooncake.engine import TransferEngine
-    except (ImportError, OSError) as exc:
-        raise TransferError(
-            "mooncake.engine could not be imported "
-            f"({type(exc).__name__}: {exc}); install the 'mooncake' extra "
-            "(mooncake-transfer-engine-non-cuda) and Debian's libibverbs1 librdmacm1 libnuma1"
-        ) from exc
-    return TransferEngine
+_DEFAULT_CONFIG = EngineConfig()  # frozen, so one instance can be every engine's default
 
 
 def _as_u64(name: str, arr: Any) -> npt.NDArray[np.uint64]:
@@ -146,27 +96,15 @@ class MooncakeEngine(LanePool):
     raised (injected ones and failed source checks included), ``reopens`` lane engines replaced.
     ``lane_stats`` has the same per open lane.
 
-    Locks, always taken in this order: a lane's ``admin``, ``_admin_lock`` (the spans and which
-    engines they are registered on), ``_guard`` (the lane map, ``_closed``, the published spans),
-    a lane's ``cond``.
+    The locks, and the order they are taken in, are ``LanePool``'s; ``_guard`` also covers the
+    published spans.
     """
 
-    def __init__(self, config: EngineConfig = EngineConfig()) -> None:
-        self._config = config
-        self._engine_cls = _import_engine_class()
-        if config.protocol == "tcp" and config.force_tcp:
-            # The engine picks RDMA whenever it finds an HCA unless told otherwise.
-            os.environ["MC_FORCE_TCP"] = "1"
-
-        self._admin_lock = threading.Lock()
-        self._guard = threading.Lock()
-        self._counters = Counters()
-        self._spans: dict[int, int] = {}
+    def __init__(self, config: EngineConfig = _DEFAULT_CONFIG) -> None:
+        super().__init__(config)
         # Sorted copies of the spans for the per-write source check; swapped under _guard.
         self._span_starts = np.empty(0, dtype=np.uint64)
         self._span_ends = np.empty(0, dtype=np.uint64)
-        self._lanes: OrderedDict[str, Lane] = OrderedDict()  # least recently used first
-        self._closed = False
         self._inject_remaining = 0  # under _counters.lock
 
         self._recv: Registered | None = Registered(*self._start_engine())

@@ -3,8 +3,8 @@
 A ``Lane`` is one Mooncake ``TransferEngine`` used only for writes to one peer, with that peer's
 in-flight budget, its writers, its generation and its counters. ``Registered`` is an engine plus
 the spans registered on it, so that dropping the engine unregisters exactly what it holds. When a
-lane is opened, reopened or closed is decided by ``MooncakeEngine``; the measurements behind the
-constants here are in its module docstring.
+lane is opened, reopened or closed is decided by ``lane_pool.LanePool``; the measurements behind
+the constants here are in ``mooncake.py``'s module docstring.
 """
 
 from __future__ import annotations

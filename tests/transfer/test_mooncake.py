@@ -6,6 +6,7 @@ too, so every write is checked byte for byte here.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import select
@@ -376,3 +377,24 @@ def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
         EngineConfig(spin_threads=0)
     with pytest.raises(ConfigError, match="'poll' or 'spin'"):
         EngineConfig(wait="busy")  # type: ignore[arg-type]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module a file names in an import, ``from a import b`` counted as ``a`` and ``a.b``."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_engine_modules_import_one_way() -> None:
+    """mooncake -> lane_pool -> mooncake_lane: no module imports one above it, even for typing."""
+    order = ["app.transfer.mooncake", "app.transfer.lane_pool", "app.transfer.mooncake_lane"]
+    root = Path(__file__).resolve().parents[2]
+    for i, module in enumerate(order):
+        bad = _imported_modules(root / f"{module.replace('.', '/')}.py") & set(order[: i + 1])
+        assert not bad, f"{module} imports {sorted(bad)}"
