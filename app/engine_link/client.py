@@ -20,7 +20,7 @@ import logging
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +36,7 @@ from app.transfer.protocol import (
     AddSend,
     AnyMsg,
     BeginStep,
+    EndStep,
     ExpectRecv,
     FailedRequest,
     Finished,
@@ -203,36 +204,48 @@ class EngineLink:
     def begin_step(
         self,
         step: int,
-        slices: Sequence[tuple[str, int, int]],
-        blocks: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        slices: Sequence[StepSlice],
+        *,
+        admits: Sequence[AddSend] = (),
+        expects: Sequence[ExpectRecv] = (),
     ) -> None:
-        """Announce a step's token slices; ``blocks`` gives prefill block ids that grew."""
-        grown = blocks or {}
-        self._call(
+        """Announce a step before its forward pass: admissions and expects first, then its
+        token slices. One-way: returns once queued (DESIGN §2c: nothing on the critical path
+        waits for the sidecar); a refused admission comes back in ``get_finished``."""
+        self._notify(
             BeginStep(
                 rank=self.rank,
                 step=step,
-                slices=[
-                    StepSlice(r, s, e, [list(b) for b in grown[r]] if r in grown else None)
-                    for r, s, e in slices
-                ],
+                slices=list(slices),
+                admits=list(admits),
+                expects=list(expects),
             )
         )
 
-    def layer_ready(self, step: int, layer: int, event: Event | None = None) -> None:
+    def end_step(self, step: int) -> None:
+        """The forward pass of ``step`` ended (one-way; for the per-layer timeline)."""
+        self._notify(EndStep(rank=self.rank, step=step))
+
+    def layer_ready(
+        self, step: int, layer: int, event: Event | None = None, *, at_step_end: bool = False
+    ) -> None:
         """Signal that ``layer``'s KV of ``step`` is written once ``event`` completed (None:
-        already). With a ring the event goes into it and the sidecar waits; without, a
-        pending event is waited for by a thread here. Never blocks on the event itself."""
+        already); ``at_step_end`` when it is signalled only after the forward pass. With a
+        ring the event goes into it and the sidecar waits; without, a pending event is waited
+        for by a thread here. Never blocks on the event itself."""
         if self.ring is not None and layer >= 0:
             slot, seq = self.ring.record(layer, event)
-            msg = LayerReady(rank=self.rank, step=step, layer=layer, slot=slot, seq=seq)
+            msg = LayerReady(
+                rank=self.rank, step=step, layer=layer, slot=slot, seq=seq, at_step_end=at_step_end
+            )
             try:
                 self._signals.put(msg, None)
             except KVSidecarError:
                 self.ring.abandon(layer, slot, seq)  # the sidecar will never release it
                 raise
             return
-        self._signals.put(LayerReady(rank=self.rank, step=step, layer=layer), event)
+        msg = LayerReady(rank=self.rank, step=step, layer=layer, at_step_end=at_step_end)
+        self._signals.put(msg, event)
 
     def get_finished(self) -> FinishedRequests:
         reply = self._call(GetFinished(rank=self.rank))

@@ -24,7 +24,7 @@ from app.sim.kv_io import (
 )
 from app.sim.ranks import CacheParams
 from app.transfer.planner import MambaMode
-from app.transfer.protocol import Status
+from app.transfer.protocol import Status, StepSlice
 
 T = TypeVar("T")
 DEFAULT_SENTINEL = 0x5E471E1
@@ -174,7 +174,7 @@ class SimEngine:
 
     def begin(self, slices: list[tuple[SimRequest, int, int]]) -> None:
         self.step += 1
-        self.link.begin_step(self.step, [(r.id, s, e) for r, s, e in slices])
+        self.link.begin_step(self.step, [StepSlice(r.id, s, e) for r, s, e in slices])
 
     @staticmethod
     def absorb(

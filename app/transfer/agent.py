@@ -30,6 +30,7 @@ from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
 from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 from app.transfer.protocol import FailedRequest, RequestTotals, Status
+from app.transfer.timeline import SendTimeline, StepLog
 from app.transfer.tp_mapping import senders
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,8 @@ _STATE_LOCK = threading.Lock()
 # ``LayerReady.layer`` meaning every layer of the step at once (bulk send after the forward pass,
 # vLLM's ``wait_for_save``): one submission, runs merged across layers.
 ALL_LAYERS = -1
+# Refusals held for an engine that stopped polling get_finished; past it they are only logged.
+_MAX_REFUSED = 4096
 
 
 def receive_manifest(local: LayoutDesc, prefill_tp: int) -> dict[int, frozenset[int]]:
@@ -116,8 +119,8 @@ class SendRequest(Request):
     # is written and the signalled layers are kept in ``backlog``.
     waiting: bool = False
     backlog: list[Held] = field(default_factory=list)
-    # Each layer write of it, for its trace; kept only when it has a traceparent.
-    writes: list[LayerWrite] = field(default_factory=list)
+    # Each layer of each step: signalled, written, landed (admin API, traces).
+    timeline: SendTimeline = field(default_factory=SendTimeline)
 
     def pin(self) -> bool:
         """Before a write: count it, unless the request already ended. Atomic with ``finish``,
@@ -131,18 +134,6 @@ class SendRequest(Request):
     def unpin(self) -> None:
         with _STATE_LOCK:
             self.inflight -= 1
-
-
-@dataclass(frozen=True)
-class LayerWrite:
-    """One layer of one step written for a send (monotonic seconds, submit to landed)."""
-
-    step: int
-    layer: int
-    group: int
-    start: float
-    end: float
-    bytes: int
 
 
 @dataclass
@@ -387,6 +378,10 @@ class Agent:
         self.sends: dict[str, SendRequest] = {}
         self.recvs: dict[str, RecvRequest] = {}
         self.steps: dict[int, StepState] = {}
+        self.step_log = StepLog()  # recent steps and the rank's layer-signal totals
+        # Admissions refused before a record existed (one-way BeginStep): reported as failed
+        # by the next ``finished``.
+        self.refused: list[FailedRequest] = []
         self.groups = {g.index: GroupStats() for g in desc.groups}
         self.stream: StreamThread | None = None
         self.epoch = ""  # the sidecar epoch (generation) this registration belongs to
@@ -444,7 +439,16 @@ class Agent:
                 del table[rid]
                 self.history.append(req)
         del self.history[:-256]
+        failed += self.refused
+        self.refused = []
         return sending, recving, failed
+
+    def refuse(self, rid: str, block_ids: list[list[int]], error: str) -> None:
+        """An admission refused before its record existed: the engine hears of it as failed."""
+        if len(self.refused) >= _MAX_REFUSED:
+            log.error("rank %d: refusal of %s not reported (%s)", self.rank, rid, error)
+            return
+        self.refused.append(FailedRequest(rid, Status.FAILED, block_ids, error))
 
     def reported(
         self, sending: list[str], recving: list[str], failed: list[FailedRequest]

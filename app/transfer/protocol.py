@@ -240,9 +240,17 @@ class StepSlice(msgspec.Struct, array_like=True):
 
 
 class BeginStep(Msg, tag="begin_step"):
+    """A step is about to run: the requests it admits and expects, then its token slices.
+
+    One-way, before the forward pass: the engine never waits for the sidecar here. A refused
+    admission reaches the engine as a failed request in its next ``GetFinished``. ``step`` only
+    counts when ``slices`` is not empty (a decode step announces only expects)."""
+
     rank: Index
     step: NonNegInt
     slices: list[StepSlice]
+    admits: list[AddSend] = []
+    expects: list[ExpectRecv] = []
 
 
 class LayerReady(Msg, tag="layer_ready"):
@@ -254,6 +262,15 @@ class LayerReady(Msg, tag="layer_ready"):
     layer: LayerOrAll
     slot: Annotated[int, msgspec.Meta(ge=-1, lt=MAX_RING_SLOTS)] = -1  # -1: no event
     seq: NonNegInt = 0
+    # Signalled only after the forward pass (vLLM's wait_for_save), not as it was written.
+    at_step_end: bool = False
+
+
+class EndStep(Msg, tag="end_step"):
+    """The forward pass of ``step`` ended (one-way; the per-layer timeline's reference)."""
+
+    rank: Index
+    step: NonNegInt
 
 
 class SidecarInfo(Msg, tag="sidecar_info"):
@@ -353,6 +370,7 @@ AnyMsg = (
     | ExpectRecv
     | BeginStep
     | LayerReady
+    | EndStep
     | GetFinished
     | SidecarInfo
     | Finished

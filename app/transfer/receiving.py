@@ -70,12 +70,19 @@ class RecvSide:
         # prefill engine id -> wakes its fence (``_hold``) when another request joins it
         self._fences: dict[str, asyncio.Event] = {}
 
-    def expect(self, msg: ExpectRecv) -> Msg:
+    def expect(self, msg: ExpectRecv, *, report: bool = False) -> Msg:
+        """Expect a receive. With ``report`` (a one-way ``BeginStep``) a refusal that leaves
+        no record is reported to the engine in its next ``get_finished``."""
         agent = agent_of(self._agents, msg.rank)
+        error = ""
         if not self.admitting:
-            return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
-        if msg.request in agent.recvs:
-            return Reply(ok=False, error=f"request {msg.request} is already expected")
+            error = "sidecar is shutting down; not admitting requests"
+        elif msg.request in agent.recvs:
+            error = f"request {msg.request} is already expected"
+        if error:
+            if report:
+                agent.refuse(msg.request, msg.block_ids, error)
+            return Reply(ok=False, error=error)
         timeout = msg.timeout_s or self._settings.recv_timeout_s
         req = RecvRequest(
             id=msg.request,

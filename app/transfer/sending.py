@@ -28,7 +28,6 @@ from app.transfer.agent import (
     Held,
     LayerResult,
     LayerTask,
-    LayerWrite,
     SendRequest,
     StepState,
     agent_of,
@@ -97,12 +96,18 @@ class SendSide:
 
     # ---- admission -------------------------------------------------------------------------
 
-    async def add(self, msg: AddSend) -> Msg:
+    def _new(self, msg: AddSend, report: bool) -> SendRequest | Reply:
+        """The send's record, or why none was made (reported to the engine if ``report``)."""
         agent = self._agent(msg.rank)
+        error = ""
         if not self.admitting:
-            return Reply(ok=False, error="sidecar is shutting down; not admitting requests")
-        if msg.request in agent.sends:
-            return Reply(ok=False, error=f"request {msg.request} is already in flight")
+            error = "sidecar is shutting down; not admitting requests"
+        elif msg.request in agent.sends:
+            error = f"request {msg.request} is already in flight"
+        if error:
+            if report:
+                agent.refuse(msg.request, msg.block_ids, error)
+            return Reply(ok=False, error=error)
         req = SendRequest(
             id=msg.request,
             rank=msg.rank,
@@ -123,8 +128,23 @@ class SendSide:
             req.waiting = True  # the target comes with SetTarget
             if msg.target_timeout_s is not None:
                 req.deadline = self._clock() + msg.target_timeout_s
-            return Reply()
-        return await self._target(agent, req, msg.remote)
+        return req
+
+    def admit(self, msg: AddSend) -> None:
+        """Admit a send without waiting for anything (a step's one-way ``BeginStep``). A
+        target it came with is claimed in the background; layers signalled meanwhile are
+        held, then written in order. A refusal reaches the engine in ``get_finished``."""
+        got = self._new(msg, report=True)
+        if isinstance(got, SendRequest) and msg.remote is not None:
+            got.waiting = True
+            self._spawn(self._claim_and_replay(self._agent(msg.rank), got, msg.remote))
+
+    async def add(self, msg: AddSend) -> Msg:
+        """Admit a send and, with a target, answer once decode took the claim (or refused)."""
+        got = self._new(msg, report=False)
+        if isinstance(got, Reply) or msg.remote is None:
+            return got if isinstance(got, Reply) else Reply()
+        return await self._target(self._agent(msg.rank), got, msg.remote)
 
     def set_target(self, msg: SetTarget) -> Reply:
         """Decode's target for a send admitted without one. Answers at once; the claim at
@@ -217,11 +237,18 @@ class SendSide:
                 raise KVSidecarError(f"decode rank {d_rank} refused the request: {_why(ack)}")
             self._peers.answered(peer)
 
-    def begin_step(self, msg: BeginStep) -> Msg:
+    def begin_step(self, msg: BeginStep) -> None:
+        """A step's slices (after its admissions): prefill blocks that grew, the step's record."""
         agent = self._agent(msg.rank)
+        if not msg.slices:
+            return
+        record = agent.step_log.begin(msg.step)
         for s in msg.slices:
             req = agent.sends.get(s.request)
-            if s.block_ids is None or req is None or req.state.terminal:
+            if req is None or req.state.terminal:
+                continue
+            req.timeline.steps[msg.step] = record
+            if s.block_ids is None:
                 continue
             ids = blocks(s.block_ids)
             try:
@@ -231,12 +258,13 @@ class SendSide:
                 continue
             req.blocks = ids
         agent.steps[msg.step] = StepState([(s.request, s.start, s.end) for s in msg.slices])
-        return Reply()
 
     # ---- layers ----------------------------------------------------------------------------
 
     async def layer_ready(self, msg: LayerReady) -> None:
         agent = self._agent(msg.rank)
+        now = self._clock()
+        agent.step_log.signalled(msg.step, msg.at_step_end)
         step = agent.steps.get(msg.step)
         slices = step.slices if step else []
         by_peer: dict[str, list[StepRequest]] = {}
@@ -245,6 +273,7 @@ class SendSide:
             req = agent.sends.get(rid)
             if req is None or req.state.terminal:
                 continue
+            req.timeline.signalled(msg.step, msg.layer, msg.at_step_end, now)
             if end >= req.prompt_len and req.final_layers_left < 0:
                 req.final_layers_left = len(agent.desc.placements)
                 req.final_step = msg.step
@@ -395,11 +424,9 @@ class SendSide:
             prog.layers_sent += 1
             nbytes = sum(written.values())
             prog.bytes += nbytes
-            if req.traceparent is not None and nbytes:  # a layer with nothing of it: no write
+            if nbytes:  # a layer with nothing of it: no write
                 end = res.started + res.latency_s
-                req.writes.append(
-                    LayerWrite(res.step, res.layer, res.group, res.started, end, nbytes)
-                )
+                req.timeline.written(res.step, res.layer, res.group, res.started, end, nbytes)
             # Only the final step's layers count: an earlier step's layers may still be on the
             # stream thread when the engine already signals the final step.
             if res.step == req.final_step and req.final_layers_left > 0:

@@ -42,6 +42,7 @@ from app.transfer.protocol import (
     BeginStep,
     Claim,
     Done,
+    EndStep,
     Error,
     ExpectRecv,
     Finished,
@@ -257,7 +258,7 @@ class Sidecar:
             s.engine_ipc,
             self._on_engine,
             name="engine",
-            inline=(GetFinished, BeginStep),
+            inline=(GetFinished, BeginStep, EndStep),
             max_frame_bytes=s.engine_max_frame_bytes,
         )
         await self.engine_server.start()
@@ -383,7 +384,17 @@ class Sidecar:
             if isinstance(msg, ExpectRecv):
                 return self.recv.expect(msg)
             if isinstance(msg, BeginStep):
-                return self.send.begin_step(msg)
+                # Inline, in the order the engine sent it: expects, then admissions, then the
+                # step's slices; the step's LayerReady messages come after.
+                for e in msg.expects:
+                    self.recv.expect(e, report=True)
+                for a in msg.admits:
+                    self.send.admit(a)
+                self.send.begin_step(msg)
+                return Reply()
+            if isinstance(msg, EndStep):
+                agent_of(self.agents, msg.rank).step_log.forward_ended(msg.step, time.monotonic())
+                return Reply()
             if isinstance(msg, GetFinished):
                 agent = agent_of(self.agents, msg.rank)
                 sending, recving, failed = agent.finished()

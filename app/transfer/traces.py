@@ -33,15 +33,22 @@ def transfer_span(req: Request, engine_id: str) -> SpanRecord:
     }
     if req.peer:
         attributes["kv.peer"] = req.peer
-    writes = req.writes if isinstance(req, SendRequest) else []
+    layers = req.timeline.layers.values() if isinstance(req, SendRequest) else ()
+    writes = [t for t in layers if t.submitted is not None and t.landed is not None]
     children = tuple(
         SpanRecord(
             "kv.layer_write",
-            w.start,
-            w.end,
-            {"kv.layer": w.layer, "kv.step": w.step, "kv.group": w.group, "kv.bytes": w.bytes},
+            w.submitted,
+            w.landed,
+            {
+                "kv.layer": w.layer,
+                "kv.step": w.step,
+                "kv.group": w.group if w.group is not None else -1,
+                "kv.bytes": w.bytes,
+            },
         )
-        for w in sorted(writes, key=lambda w: (w.start, w.layer))
+        for w in sorted(writes, key=lambda w: (w.submitted or 0.0, w.layer))
+        if w.submitted is not None and w.landed is not None
     )
     return SpanRecord(
         "kv.send" if send else "kv.recv",

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.sim.ranks import CacheParams
+from app.transfer.protocol import StepSlice
 from tests.devices.harness import PAGE, require_device, require_device_mooncake, start_pair
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,7 +49,7 @@ def test_layers_are_pushed_between_gpu_pairs_only_after_their_events(
         d_ids = torch.arange(9, 13)
         pair.d.expect_receive(rid, PROMPT, [d_ids.numpy()], prefill_tp=1)
         pair.p.add_send_request(rid, PROMPT, [p_ids.numpy()], pair.target([d_ids.numpy()], rid))
-        pair.p.begin_step(1, [(rid, 0, PROMPT)])
+        pair.p.begin_step(1, [StepSlice(rid, 0, PROMPT)])
         layers = sorted(p.placements)
         compute = torch.cuda.Stream()  # non-blocking: reading decode here does not wait on it
         t0 = time.monotonic()

@@ -11,7 +11,7 @@ import torch
 
 from app.sim.fill import request_salt
 from app.sim.kv_io import write_tokens
-from app.transfer.protocol import FailedRequest, Status
+from app.transfer.protocol import FailedRequest, Status, StepSlice
 from tests.devices.harness import SEND_TIMEOUT_S, LateEvent, Pair
 
 pytestmark = pytest.mark.timeout(240)
@@ -35,7 +35,7 @@ def test_a_stuck_event_fails_the_request_within_the_deadline(pair: Pair) -> None
     t0 = time.monotonic()
     pair.d.expect_receive(rid, PROMPT, d_ids, prefill_tp=1)
     pair.p.add_send_request(rid, PROMPT, p_ids, pair.target(d_ids, rid))
-    pair.p.begin_step(2, [(rid, 0, PROMPT)])
+    pair.p.begin_step(2, [StepSlice(rid, 0, PROMPT)])
     try:
         pair.p.layer_ready(2, 0, stuck)
         pair.p.layer_ready(2, 1, fine)

@@ -16,6 +16,7 @@ import torch
 
 from app.sim.fill import request_salt
 from app.sim.kv_io import check_tokens, verify_request, write_tokens
+from app.transfer.protocol import StepSlice
 from tests.devices.harness import PAGE, LateEvent, Pair
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +46,7 @@ def test_each_layer_is_written_only_after_its_event_completed(pair: Pair) -> Non
 
     pair.d.expect_receive(rid, PROMPT, d_ids, prefill_tp=1)
     pair.p.add_send_request(rid, PROMPT, p_ids, pair.target(d_ids, rid))
-    pair.p.begin_step(1, [(rid, 0, PROMPT)])
+    pair.p.begin_step(1, [StepSlice(rid, 0, PROMPT)])
     events = {layer: LateEvent() for layer in layers}
     t0 = time.monotonic()
     for layer in layers:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from app.tracing.spans import SpanRecord
-from app.transfer.agent import LayerWrite, RecvRequest, SendRequest
+from app.transfer.agent import RecvRequest, SendRequest
 from app.transfer.protocol import Status
 from app.transfer.traces import TransferTraces, transfer_span
 
@@ -17,11 +17,14 @@ def _send(state: Status, error: str = "") -> SendRequest:
     req = SendRequest("r", 1, 300, (np.arange(3),), 1e9, "tcp://d:1", created=10.0)
     req.traceparent = TP
     # Recorded as results come back (not in layer order across steps): sorted by start.
-    req.writes = [
-        LayerWrite(1, 0, 0, 10.30, 10.31, 64),
-        LayerWrite(0, 1, 0, 10.12, 10.14, 64),
-        LayerWrite(0, 0, 0, 10.10, 10.11, 64),
-    ]
+    for step, layer, start, end in [
+        (1, 0, 10.30, 10.31),
+        (0, 1, 10.12, 10.14),
+        (0, 0, 10.10, 10.11),
+    ]:
+        req.timeline.signalled(step, layer, False, start - 0.01)
+        req.timeline.written(step, layer, 0, start, end, 64)
+    req.timeline.signalled(1, 1, True, 10.4)  # signalled, never written: no span
     req.bytes = 192
     req.finish(state, error)
     req.finished_at = 10.5

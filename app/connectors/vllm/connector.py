@@ -66,10 +66,16 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         self._w().register_kv_caches(kv_caches)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        # The step begins here: every vLLM model runner calls this before the forward pass,
+        # while 0.32+ calls start_load_kv after it unless the step has synchronous loads.
+        super().bind_connector_metadata(connector_metadata)
         meta = self._meta()
-        if meta is not None:
-            self._w().start_load_kv(meta)
+        if meta is not None and self.worker is not None:
+            self.worker.begin_step(meta)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return  # push: nothing to start; pool loads run after the forward (wait_for_save)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # push: the prefill wrote these layers before the request was scheduled

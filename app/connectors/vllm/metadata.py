@@ -1,4 +1,8 @@
-"""What the scheduler side tells the worker side each step (vLLM connector metadata)."""
+"""What the scheduler side tells the worker side each step (vLLM connector metadata).
+
+The sidecar's own wire messages (``AddSend``, ``ExpectRecv``, ``StepSlice``) travel in it, so
+the worker forwards them as they are: one representation of block ids from the scheduler to
+the sidecar."""
 
 from __future__ import annotations
 
@@ -7,52 +11,36 @@ from dataclasses import dataclass, field
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
-from app.transfer.protocol import RemoteTarget
+from app.transfer.protocol import AddSend, ExpectRecv, StepSlice
 
 BlockIds = list[list[int]]
 
 
 @dataclass(frozen=True)
 class Admit:
-    """A prefill request to admit at the sidecar: ``sid`` is the id both sidecars use.
+    """A prefill request to admit at the sidecar: ``send`` is the message each worker gives
+    its rank's sidecar (its ``rank`` set there; ``send.request`` is the id both sidecars use).
 
-    Without ``remote`` each worker fetches decode's target from ``router_url`` (concurrent
-    dispatch) and hands it to its sidecar rank, or, without a router either (prefill first),
-    decode posts it to the sidecar, which keeps the send at most ``target_timeout_s``."""
+    Without ``send.remote`` each worker fetches decode's target from ``router_url``
+    (concurrent dispatch, waiting at most ``fetch_timeout_s``) and hands it to its sidecar
+    rank, or, without a router either (prefill first), decode posts it to the sidecar, which
+    keeps the send at most ``send.target_timeout_s``."""
 
     req_id: str
-    sid: str
-    prompt_len: int
-    block_ids: BlockIds
-    remote: RemoteTarget | None
-    mamba_mode: str = "none"
-    num_spec: int = 0
+    send: AddSend
     router_url: str | None = None
-    target_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
-    traceparent: str | None = None  # W3C, from kv_transfer_params: the send's spans' parent
+    fetch_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
 
 
 @dataclass(frozen=True)
 class Expect:
-    """A decode request every worker's sidecar rank expects; rank 0 then posts its target."""
+    """A decode request every worker's sidecar rank expects (``recv``, its ``rank`` set
+    there); rank 0 then posts its target to ``router_url``."""
 
     req_id: str
-    sid: str
-    prompt_len: int
-    block_ids: BlockIds
+    recv: ExpectRecv
     computed: int  # prompt tokens decode's own prefix cache holds: prefill skips them
     router_url: str | None
-    traceparent: str | None = None  # W3C, from kv_transfer_params: the receive span's parent
-
-
-@dataclass(frozen=True)
-class Slice:
-    """Prompt tokens ``[start, end)`` of a send computed this step; blocks when they grew."""
-
-    sid: str
-    start: int
-    end: int
-    block_ids: BlockIds | None = None
 
 
 @dataclass(frozen=True)
@@ -69,7 +57,7 @@ class PoolJob:
 @dataclass
 class KVSidecarMetadata(KVConnectorMetadata):
     admits: list[Admit] = field(default_factory=list)
-    slices: list[Slice] = field(default_factory=list)
+    slices: list[StepSlice] = field(default_factory=list)
     expects: list[Expect] = field(default_factory=list)
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)

@@ -37,12 +37,19 @@ from app.connectors.vllm.metadata import (
     Expect,
     KVSidecarMetadata,
     PoolJob,
-    Slice,
 )
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
 from app.tracing.traceparent import parse as parse_traceparent
-from app.transfer.protocol import RemoteTarget, remote_target
+from app.transfer.planner import MambaMode
+from app.transfer.protocol import (
+    MAX_DEADLINE_S,
+    AddSend,
+    ExpectRecv,
+    RemoteTarget,
+    StepSlice,
+    remote_target,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +102,11 @@ class SchedulerSide:
             for g in getattr(kv_cache_config, "kv_cache_groups", ())
             if isinstance(g.kv_cache_spec, MambaSpec)
         ]
-        self.mamba_mode = str(states[0].mamba_cache_mode) if states else "none"
+        mode = str(states[0].mamba_cache_mode) if states else "none"
+        # None: a mode the sidecar cannot plan; every send is refused (decode recomputes).
+        self.mamba_mode = MambaMode(mode) if mode in set(MambaMode) else None
+        if self.mamba_mode is None:
+            log.error("mamba_cache_mode %r is not supported (expected none or align)", mode)
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
         self.lookups = PoolLookups(config) if config.pool else None
@@ -180,17 +191,17 @@ class SchedulerSide:
             # this engine's request id.
             sid = str(p.get("transfer_id") or rid)
             self.state.recvs[rid] = sid
-            self.state.expects.append(
-                Expect(
-                    rid,
-                    sid,
-                    len(request.prompt_token_ids),
-                    ids,
-                    self.state.local_hits.pop(rid, 0),
-                    p.get("router_url"),
-                    _traceparent(p),
-                )
+            recv = ExpectRecv(
+                rank=0,  # each worker sets its own
+                request=sid,
+                prompt_len=len(request.prompt_token_ids),
+                block_ids=ids,
+                prefill_tp=self.config.prefill_tp,
+                timeout_s=self.config.recv_timeout_s,
+                traceparent=_traceparent(p),
             )
+            computed = self.state.local_hits.pop(rid, 0)
+            self.state.expects.append(Expect(rid, recv, computed, p.get("router_url")))
             if not p.get("router_url"):
                 log.warning(
                     "request %s: no router_url in kv_transfer_params; nobody will send", rid
@@ -228,6 +239,17 @@ class SchedulerSide:
         computes = len(request.prompt_token_ids)
         whole = computes + 1 if p.get("_kvs_truncated") else computes
         timeout = float(p.get("target_timeout_s") or self.config.target_timeout_s)
+        if not 0 < timeout <= MAX_DEADLINE_S:
+            log.error(
+                "request %s: target_timeout_s %r out of range (0, %g]; not sent",
+                rid,
+                p.get("target_timeout_s"),
+                MAX_DEADLINE_S,
+            )
+            return None
+        if self.mamba_mode is None:
+            log.error("request %s: the model's mamba_cache_mode is not supported; not sent", rid)
+            return None
         return _Send(
             sid, remote, p.get("router_url"), timeout, whole, ids, computes, _traceparent(p)
         )
@@ -244,20 +266,7 @@ class SchedulerSide:
             send = st.sends.get(new.req_id)
             if send is not None and not send.admitted:
                 send.block_ids = [list(map(int, g)) for g in new.block_ids]
-                meta.admits.append(
-                    Admit(
-                        new.req_id,
-                        send.sid,
-                        send.prompt_len,
-                        _copy(send.block_ids),  # the send's own list grows with later steps
-                        send.remote,
-                        self.mamba_mode,
-                        self.num_spec,
-                        send.router_url,
-                        send.target_timeout_s,
-                        send.traceparent,
-                    )
-                )
+                meta.admits.append(self._admit(new.req_id, send))
                 send.admitted = True
                 st.unfinished_sends.add(new.req_id)
         cached = out.scheduled_cached_reqs
@@ -280,12 +289,29 @@ class SchedulerSide:
             # carries them (they are final before this step runs).
             start = computed[rid] if send.sliced else 0
             grown = _copy(send.block_ids) if send.grown else None
-            meta.slices.append(Slice(send.sid, start, end, grown))
+            meta.slices.append(StepSlice(send.sid, start, end, grown))
             send.grown, send.sliced = False, True
         for rid in out.preempted_req_ids or ():
             # A preempted prefill lost its blocks: the send cannot finish; decode recomputes.
             self._abort_send(rid, "prefill request preempted")
         return meta
+
+    def _admit(self, req_id: str, send: _Send) -> Admit:
+        assert self.mamba_mode is not None  # _send admits none otherwise
+        prefill_first = send.remote is None and send.router_url is None
+        msg = AddSend(
+            rank=0,  # each worker sets its own
+            request=send.sid,
+            prompt_len=send.prompt_len,
+            block_ids=_copy(send.block_ids),  # the send's own list grows with later steps
+            remote=send.remote,
+            mamba_mode=self.mamba_mode,
+            num_spec=self.num_spec,
+            # Prefill first: nobody fetches the target, the sidecar bounds the wait.
+            target_timeout_s=send.target_timeout_s if prefill_first else None,
+            traceparent=send.traceparent,
+        )
+        return Admit(req_id, msg, send.router_url, send.target_timeout_s)
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]

@@ -23,7 +23,7 @@ import msgspec
 
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
+from app.connectors.vllm.metadata import Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
 from app.connectors.vllm.stats import KVSidecarStats
@@ -32,8 +32,6 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.service import InProcessAgent
-from app.transfer.agent import blocks
-from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
@@ -56,13 +54,13 @@ def allow_amx() -> None:
 def decode_target(e: Expect, info: dict[str, Any], tp_size: int) -> RemoteTarget:
     """Where prefill writes an expected request: this sidecar (``sidecar_info``) and its blocks."""
     return RemoteTarget(
-        request_id=e.sid,
+        request_id=e.recv.request,
         host=str(info["host"]),
         port=int(info["port"] or 0),  # none (0) is refused by prefill's remote_target
         engine_id=str(info["engine_id"]),
         epoch=str(info["epoch"]),
         tp_size=tp_size,
-        block_ids=e.block_ids,
+        block_ids=e.recv.block_ids,
         computed=e.computed,
     )
 
@@ -132,9 +130,12 @@ class WorkerSide:
             config.sidecar, config.engine_id, rank, timeout_s=config.link_timeout_s
         )
         self.layer_index: dict[str, int] = {}
+        # Indices of the layers vLLM calls save_kv_layer for (attention, MLA).
+        self.attention_layers: frozenset[int] = frozenset()
         self._step = 0
         self._active = False
         self._signalled: set[int] = set()
+        self._warned_at_end = False
         self._vllm_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (sends)
         self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
         self._vllm_finished: set[str] = set()
@@ -167,6 +168,9 @@ class WorkerSide:
             exported=self._exported,
         )
         self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
+        self.attention_layers = frozenset(
+            i for i, layer in enumerate(reg.layers) if reg.groups[layer.group].kind != "mamba"
+        )
         try:
             compat = self.link.register_engine(reg)
         finally:
@@ -184,73 +188,43 @@ class WorkerSide:
             compat,
         )
 
-    def start_load_kv(self, meta: KVSidecarMetadata) -> None:
-        for e in meta.expects:
-            self._expect(e)
-        for a in meta.admits:
-            self._admit(a)
+    def begin_step(self, meta: KVSidecarMetadata) -> None:
+        """Before the forward pass (vLLM's ``bind_connector_metadata``): one one-way message
+        with the step's expects, admissions and slices. vLLM 0.32+ runs ``start_load_kv``
+        only after the forward pass, where every ``save_kv_layer`` would already have found
+        the step unannounced."""
         self._active = bool(meta.slices)
         self._signalled = set()
+        if not (meta.slices or meta.admits or meta.expects):
+            return
         if self._active:
             self._step += 1
-            try:
-                self.link.begin_step(
-                    self._step,
-                    [(s.sid, s.start, s.end) for s in meta.slices],
-                    {s.sid: s.block_ids for s in meta.slices if s.block_ids is not None},
-                )
-            except KVSidecarError as e:
-                # The forward pass goes on without the sidecar; decode recomputes on its own
-                # once its sidecar gives up waiting.
-                log.error("step %d not announced to the sidecar: %s", self._step, e)
-                self._active = False
-
-    def _expect(self, e: Expect) -> None:
-        """Before the forward pass (and so before rank 0 posts the target): no ``Claim`` can
-        reach a rank that does not know the request yet."""
-        self._recv_ids[e.sid] = e.req_id
+        rank = self.rank
+        expects = [msgspec.structs.replace(e.recv, rank=rank) for e in meta.expects]
+        admits = [msgspec.structs.replace(a.send, rank=rank) for a in meta.admits]
         try:
-            self.link.expect_receive(
-                e.sid,
-                e.prompt_len,
-                blocks(e.block_ids),
-                self.config.prefill_tp,
-                timeout_s=self.config.recv_timeout_s,
-                traceparent=e.traceparent,
-            )
+            self.link.begin_step(self._step, meta.slices, admits=admits, expects=expects)
         except KVSidecarError as err:
-            log.error("request %s: the sidecar did not take it (%s); recomputing", e.req_id, err)
-            self._recv_ids.pop(e.sid, None)
+            # The forward pass goes on without the sidecar: these requests end here (decode
+            # recomputes once its own sidecar gives up waiting).
+            log.error("step %d not announced to the sidecar: %s", self._step, err)
+            self._active = False
+            self._sent.update(a.request for a in admits)
+            for a in meta.admits:
+                self._vllm_ids[a.send.request] = a.req_id
             with self._lock:
-                self._failed_recvs.append(e.req_id)
+                self._failed_recvs.extend(e.req_id for e in meta.expects)
             return
-        if self.rank == 0 and e.router_url:
-            self._to_post.append(e)
-
-    def _admit(self, a: Admit) -> None:
-        self._vllm_ids[a.sid] = a.req_id
-        try:
-            self.link.add_send_request(
-                a.sid,
-                a.prompt_len,
-                blocks(a.block_ids),
-                a.remote,
-                mamba_mode=MambaMode(a.mamba_mode),
-                num_spec=a.num_spec,
-                # Prefill first: nobody here fetches the target, the sidecar bounds the wait.
-                target_timeout_s=(
-                    a.target_timeout_s if a.remote is None and a.router_url is None else None
-                ),
-                traceparent=a.traceparent,
-            )
-        except (KVSidecarError, ValueError) as e:  # ValueError: a mamba mode we lack
-            # A refusal also reaches decode (the sidecar tells it, or decode's deadline
-            # passes); the blocks go back to vLLM once the request finishes here.
-            log.error("request %s: the sidecar did not take the send: %s", a.req_id, e)
-            self._sent.add(a.sid)
-            return
-        if a.remote is None and a.router_url:
-            self._fetches.submit(self._fetch, a.router_url, a.sid, a.target_timeout_s)
+        for exp in meta.expects:
+            self._recv_ids[exp.recv.request] = exp.req_id
+            # Posted after the forward pass: no Claim can reach a rank that does not know the
+            # request yet, and vLLM has zeroed the blocks by then.
+            if rank == 0 and exp.router_url:
+                self._to_post.append(exp)
+        for a in meta.admits:
+            self._vllm_ids[a.send.request] = a.req_id
+            if a.send.remote is None and a.router_url:
+                self._fetches.submit(self._fetch, a.router_url, a.send.request, a.fetch_timeout_s)
 
     def _fetch(self, router_url: str, sid: str, timeout_s: float) -> None:
         """Wait for decode's target and hand it to this rank's sidecar; without one, end the
@@ -282,12 +256,27 @@ class WorkerSide:
 
     def wait_for_save(self, meta: KVSidecarMetadata | None) -> None:
         if self._active:
+            if not self._signalled and self.attention_layers and not self._warned_at_end:
+                # The push degraded to a bulk write after the forward pass (the step was not
+                # announced before it, or vLLM never called save_kv_layer).
+                self._warned_at_end = True
+                log.warning(
+                    "step %d: no attention layer was signalled during the forward pass; all "
+                    "%d are sent only now, after it (not layer by layer). Is "
+                    "bind_connector_metadata called before the forward pass?",
+                    self._step,
+                    len(self.attention_layers),
+                )
             # Layers vLLM never calls save_kv_layer for (state layers) are final now.
             event = self._event()  # after the whole forward pass: covers every layer left
             for index in range(len(self.layer_index)):
                 if index not in self._signalled:
-                    self.link.layer_ready(self._step, index, event)
+                    self.link.layer_ready(self._step, index, event, at_step_end=True)
             self._active = False
+            try:
+                self.link.end_step(self._step)
+            except KVSidecarError as e:
+                log.warning("end of step %d not told to the sidecar: %s", self._step, e)
         if meta is None:
             return
         if self._to_post:
@@ -311,7 +300,7 @@ class WorkerSide:
         for e in expects:
             assert e.router_url is not None
             target = decode_target(e, info, self.config.tp_size)
-            self._posts.submit(post_target, e.router_url, e.sid, target)
+            self._posts.submit(post_target, e.router_url, e.recv.request, target)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sends ended, loads ended, loads among them that failed).

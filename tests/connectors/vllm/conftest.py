@@ -13,14 +13,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
 import numpy as np
 import pytest
 import torch
+import zmq
 
 from app.connectors.local_pd import LocalPD, write_tiny_model
+from app.transfer.protocol import decode
 
 SSM_DTYPE_ARGS = {
     "f32": ("--mamba-ssm-cache-dtype", "float32"),
@@ -269,3 +272,30 @@ def router() -> Iterator[TargetCatcher]:
     catcher = TargetCatcher()
     yield catcher
     catcher.server.shutdown()
+
+
+class Silent:
+    """A bound ROUTER that reads frames and answers none."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.bind(endpoint)
+        self.endpoint = endpoint
+
+    def received(self, timeout_s: float = 2.0) -> list[Any]:
+        """Every message that arrived (decoded), waiting up to ``timeout_s`` for the first."""
+        out = []
+        while self.sock.poll(int(timeout_s * 1000)):
+            *_, payload = self.sock.recv_multipart()
+            out.append(decode(payload))
+            timeout_s = 0.1
+        return out
+
+
+@pytest.fixture
+def silent(tmp_path: Path) -> Iterator[Silent]:
+    s = Silent(f"ipc://{tmp_path}/silent.ipc")
+    yield s
+    s.sock.close(linger=0)
+    s.ctx.term()

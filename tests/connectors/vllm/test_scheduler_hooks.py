@@ -8,48 +8,18 @@ request's admission makes no sidecar call at all (its workers expect it).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import pytest
-import zmq
 from vllm.v1.request import RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
-from app.transfer.protocol import AbortRequest, decode
+from app.transfer.protocol import AbortRequest
+from tests.connectors.vllm.conftest import Silent
 
 LINK_TIMEOUT_S = 1.0
 HOOK_BUDGET_S = 0.05  # far below one link timeout: the hook did not wait on the socket
-
-
-class Silent:
-    """A bound ROUTER that reads frames and answers none."""
-
-    def __init__(self, endpoint: str) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.bind(endpoint)
-        self.endpoint = endpoint
-
-    def received(self, timeout_s: float = 2.0) -> list[Any]:
-        """Every message that arrived (decoded), waiting up to ``timeout_s`` for the first."""
-        out = []
-        while self.sock.poll(int(timeout_s * 1000)):
-            *_, payload = self.sock.recv_multipart()
-            out.append(decode(payload))
-            timeout_s = 0.1
-        return out
-
-
-@pytest.fixture
-def silent(tmp_path: Path) -> Iterator[Silent]:
-    s = Silent(f"ipc://{tmp_path}/silent.ipc")
-    yield s
-    s.sock.close(linger=0)
-    s.ctx.term()
 
 
 def request(rid: str, params: dict[str, Any] | None = None) -> SimpleNamespace:
@@ -105,7 +75,7 @@ def test_decode_admission_makes_no_sidecar_call(silent: Silent) -> None:
         _, took = timed(side.update_state_after_alloc, req, Blocks(), count)
         assert took < HOOK_BUDGET_S
         (expect,) = side.state.expects  # the workers expect it on their own ranks
-        assert (expect.sid, expect.prompt_len) == ("t", 64)
+        assert (expect.recv.request, expect.recv.prompt_len) == ("t", 64)
         # An abort goes one-way: it does not wait for the silent sidecar either.
         req.status = RequestStatus.FINISHED_ABORTED
         _, took = timed(side.request_finished, req, ([1, 2, 3, 4],))

@@ -38,7 +38,7 @@ def test_decode_expect_carries_the_traceparent(given: str, passed: str | None) -
     count, _ = side.get_num_new_matched_tokens(req, 0)
     side.update_state_after_alloc(req, Blocks(), count)
     (expect,) = side.state.expects
-    assert (expect.sid, expect.traceparent) == ("t", passed)
+    assert (expect.recv.request, expect.recv.traceparent) == ("t", passed)
 
 
 @pytest.mark.parametrize(("given", "passed"), [(TP, TP), (TP.upper(), None)])
@@ -59,4 +59,4 @@ def test_prefill_admit_carries_the_traceparent(given: str, passed: str | None) -
         preempted_req_ids=None,
     )
     (admit,) = side.build_connector_meta(out).admits
-    assert (admit.sid, admit.traceparent) == ("t", passed)
+    assert (admit.send.request, admit.send.traceparent) == ("t", passed)
