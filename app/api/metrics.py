@@ -108,10 +108,24 @@ class SidecarCollector(Collector):
                 if r.quarantined_at is not None
             ),
         )
+        yield from self._layer_signals()
         yield from self._sockets()
         yield from self._mooncake()
         yield from self._peers()
         yield from self._pool()
+
+    def _layer_signals(self) -> Iterator[Metric]:
+        signals = CounterMetricFamily(
+            "kvsidecar_layer_signals",
+            "Layers the engine signalled, per rank: during the forward pass (written while it "
+            "computes) or only at the step's end (after it; a push that is not layer-wise).",
+            labels=["rank", "when"],
+        )
+        for rank, agent in sorted(self.sidecar.agents.items()):
+            log = agent.step_log
+            signals.add_metric([str(rank), "forward"], log.in_forward)
+            signals.add_metric([str(rank), "step_end"], log.at_step_end)
+        yield signals
 
     def _groups(self) -> Iterator[Metric]:
         labels = ["group", "spec"]

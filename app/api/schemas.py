@@ -97,6 +97,15 @@ class RankStatus(_Model):
         default=0, description="Layer tasks waiting for the stream thread."
     )
     stream_queue_capacity: int = 0
+    layers_signalled_in_forward: int = Field(
+        default=0, description="Layers the engine signalled during a forward pass (layer-wise)."
+    )
+    layers_signalled_at_step_end: int = Field(
+        default=0,
+        description="Layers signalled only after a forward pass: state layers always; "
+        "attention layers here mean the push was not layer-wise.",
+    )
+    last_step: StepView | None = Field(default=None, description="The last step announced.")
 
 
 class StatusResponse(_Model):
@@ -190,6 +199,30 @@ class GroupProgressView(_Model):
     )
 
 
+class LayerTimelineView(_Model):
+    step: int
+    layer: int = Field(description="The engine's layer index (-1: every layer at once).")
+    group: int | None = Field(description="KV cache group; null until written.")
+    signalled_at: float = Field(description="When the engine signalled it, Unix time.")
+    at_step_end: bool = Field(
+        description="Signalled only after the forward pass (vLLM's wait_for_save), not as it "
+        "was written: state layers always; attention layers only when the push degraded."
+    )
+    submitted_at: float | None = Field(description="Its write submitted; null if none yet.")
+    landed_at: float | None = Field(description="Its write landed at decode; null if not yet.")
+    bytes: int
+
+
+class StepView(_Model):
+    step: int
+    began_at: float | None = Field(description="The engine announced it, Unix time.")
+    forward_ended_at: float | None = Field(
+        description="The engine's forward pass ended (its wait_for_save), Unix time."
+    )
+    layers_in_forward: int = Field(description="Layers signalled during the forward pass.")
+    layers_at_step_end: int = Field(description="Layers signalled only after it.")
+
+
 class RequestView(_Model):
     id: str
     rank: int
@@ -227,6 +260,19 @@ class RequestView(_Model):
         None,
         description="W3C trace context the engine passed with the request (from the proxy); "
         'this rank\'s spans are its children (README "Tracing").',
+    )
+    created_at: float | None = Field(None, description="Admitted on this rank, Unix time.")
+    ended_at: float | None = Field(
+        None, description="Reached its final state, Unix time; null until then."
+    )
+    layers: list[LayerTimelineView] | None = Field(
+        None,
+        description="Send, in GET /v1/requests/{id} only: each layer of each step, signalled, "
+        "submitted, landed and bytes.",
+    )
+    steps: list[StepView] | None = Field(
+        None,
+        description="Send, in GET /v1/requests/{id} only: the forward steps it was in.",
     )
 
 

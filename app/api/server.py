@@ -224,7 +224,8 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         if not found:
             raise HTTPException(404, detail=_unknown(request_id))
         now = time.monotonic()
-        return RequestLookup(id=request_id, entries=[views.request_view(r, now) for r in found])
+        entries = [views.request_view(r, now, timeline=True) for r in found]
+        return RequestLookup(id=request_id, entries=entries)
 
     @app.post(
         "/v1/requests/{request_id}/abort",

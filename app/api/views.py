@@ -23,6 +23,7 @@ from app.api.schemas import (
     GroupProgressView,
     GroupsResponse,
     GroupView,
+    LayerTimelineView,
     MooncakeStatus,
     PeersResponse,
     PeerView,
@@ -35,6 +36,7 @@ from app.api.schemas import (
     RequestState,
     RequestView,
     StatusResponse,
+    StepView,
     StreamView,
     Versions,
 )
@@ -49,6 +51,7 @@ from app.transfer.agent import (
 )
 from app.transfer.protocol import PROTOCOL_VERSION, Status
 from app.transfer.sidecar import Sidecar
+from app.transfer.timeline import StepRecord
 
 
 def _dist_version(*names: str) -> str | None:
@@ -115,7 +118,46 @@ def _rank_status(sidecar: Sidecar, rank: int) -> RankStatus:
         recvs_ended=ended["recv"],
         stream_queue_depth=queue_depth(stream.queue) if stream else 0,
         stream_queue_capacity=stream.queue.maxsize if stream else 0,
+        layers_signalled_in_forward=agent.step_log.in_forward,
+        layers_signalled_at_step_end=agent.step_log.at_step_end,
+        last_step=_step_view(last, _wall()) if (last := agent.step_log.last()) else None,
     )
+
+
+def _wall() -> float:
+    """Add to a monotonic time to get Unix time (read now: both clocks at one moment)."""
+    return time.time() - time.monotonic()
+
+
+def _step_view(rec: StepRecord, wall: float) -> StepView:
+    return StepView(
+        step=rec.step,
+        began_at=rec.began + wall,
+        forward_ended_at=None if rec.forward_ended is None else rec.forward_ended + wall,
+        layers_in_forward=rec.in_forward,
+        layers_at_step_end=rec.at_step_end,
+    )
+
+
+def _timeline(req: SendRequest, wall: float) -> tuple[list[LayerTimelineView], list[StepView]]:
+    def at(t: float | None) -> float | None:
+        return None if t is None else t + wall
+
+    layers = [
+        LayerTimelineView(
+            step=t.step,
+            layer=t.layer,
+            group=t.group,
+            signalled_at=t.signalled + wall,
+            at_step_end=t.at_step_end,
+            submitted_at=at(t.submitted),
+            landed_at=at(t.landed),
+            bytes=t.bytes,
+        )
+        for t in sorted(req.timeline.layers.values(), key=lambda t: (t.step, t.layer))
+    ]
+    steps = [_step_view(rec, wall) for _, rec in sorted(req.timeline.steps.items())]
+    return layers, steps
 
 
 def status(sidecar: Sidecar) -> StatusResponse:
@@ -208,8 +250,10 @@ def groups(sidecar: Sidecar) -> GroupsResponse:
     )
 
 
-def request_view(req: Request, now: float | None = None) -> RequestView:
+def request_view(req: Request, now: float | None = None, timeline: bool = False) -> RequestView:
+    """One request on one rank; with ``timeline`` a send's per-layer and per-step times."""
     now = time.monotonic() if now is None else now
+    wall = _wall()
     final = req.state.terminal
     groups: list[GroupProgressView] = []
     senders = targets = None
@@ -245,6 +289,9 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
                     delivered=None,
                 )
             )
+    layers = steps = None
+    if timeline and isinstance(req, SendRequest):
+        layers, steps = _timeline(req, wall)
     return RequestView(
         id=req.id,
         rank=req.rank,
@@ -268,6 +315,10 @@ def request_view(req: Request, now: float | None = None) -> RequestView:
         quarantined=isinstance(req, RecvRequest) and req.quarantined_at is not None,
         error=req.error or None,
         traceparent=req.traceparent,
+        created_at=req.created + wall,
+        ended_at=None if req.finished_at is None else req.finished_at + wall,
+        layers=layers,
+        steps=steps,
     )
 
 
