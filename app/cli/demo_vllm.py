@@ -3,7 +3,8 @@
 A tiny random-weight model (written once), two vLLM OpenAI servers with ``KVSidecarConnector``,
 two sidecars, the proxy, Mooncake over loopback. Each prompt is answered once by the prefill
 engine alone (the reference, on decode's compute path: ``LocalPD.reference``) and once through
-the proxy; the summary says whether they match and what moved.
+the proxy; the summary says whether they match and what moved, and shows the last request's
+layers against prefill's forward pass (``layer_timeline``), as a table and a PNG.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from app.cli import layer_timeline
 from app.connectors.local_pd import TINY_MODELS, LocalPD, prompt_tokens_by_source, write_tiny_model
 from app.errors import ConfigError
 
@@ -54,6 +56,10 @@ def run_vllm_demo(
         # Decode computes each prompt's last token itself; anything more is a failed transfer
         # that vLLM recomputed (the output is still right, so only this counter shows it).
         computed = int(after.get("local_compute", 0) - before.get("local_compute", 0))
+        # The last request's layers against prefill's forward pass, from both sidecars.
+        rid = answers[-1]["kv_transfer_params"]["kv_sidecar_request_id"]
+        tl = layer_timeline.fetch(pd.prefill.admin, pd.decode.admin, rid)
+        png = layer_timeline.plot(tl, root / "layer-timeline.png")
         transfers = httpx.get(f"{pd.proxy}/v1/transfers", timeout=10).json()["transfers"]
         groups = httpx.get(f"{pd.prefill.admin}/v1/groups", timeout=10).json()["groups"]
         outputs = [a["choices"][0]["token_ids"] for a in answers]
@@ -75,6 +81,8 @@ def run_vllm_demo(
                 }
                 for t in transfers[-requests:]
             ],
+            "layer_timeline": tl.as_dict(),
+            "timeline_png": None if png is None else str(png),
             "logs": str(root / "run"),
         }
     finally:
@@ -94,6 +102,11 @@ def print_summary(summary: dict[str, Any], as_json: bool) -> None:
             str(i), str(out), *(f"{t[k] or 0:.1f}" for k in ("target_ms", "prefill_ms", "total_ms"))
         )
     console.print(table)
+    layer_timeline.print_table(console, layer_timeline.from_dict(summary["layer_timeline"]))
+    if summary["timeline_png"]:
+        console.print(f"layer timeline drawn to {summary['timeline_png']}")
+    else:
+        console.print("no layer timeline PNG: install matplotlib (the 'bench' extra)")
     s = summary
     console.print(
         f"{s['matches_reference']}/{s['requests']} equal the prefill engine's own output; "

@@ -149,7 +149,7 @@ class EngineLink:
         self,
         request: str,
         prompt_len: int,
-        block_ids: Sequence[np.ndarray],
+        block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         remote: RemoteTarget | None,
         *,
         mamba_mode: MambaMode = MambaMode.NONE,
@@ -165,7 +165,7 @@ class EngineLink:
                 rank=self.rank,
                 request=request,
                 prompt_len=prompt_len,
-                block_ids=[b.tolist() for b in block_ids],
+                block_ids=_wire_ids(block_ids),
                 remote=remote,
                 mamba_mode=mamba_mode,
                 num_spec=num_spec,
@@ -182,7 +182,7 @@ class EngineLink:
         self,
         request: str,
         prompt_len: int,
-        block_ids: Sequence[np.ndarray],
+        block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         prefill_tp: int,
         *,
         timeout_s: float | None = None,
@@ -194,7 +194,7 @@ class EngineLink:
                 rank=self.rank,
                 request=request,
                 prompt_len=prompt_len,
-                block_ids=[b.tolist() for b in block_ids],
+                block_ids=_wire_ids(block_ids),
                 prefill_tp=prefill_tp,
                 timeout_s=timeout_s,
                 traceparent=traceparent,
@@ -278,7 +278,7 @@ class EngineLink:
         self,
         request: str,
         token_ids: Sequence[int],
-        block_ids: Sequence[np.ndarray],
+        block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         num_computed: int,
         extra_keys: Sequence[str] = (),
     ) -> dict[str, int]:
@@ -288,7 +288,7 @@ class EngineLink:
                 rank=self.rank,
                 request=request,
                 token_ids=list(token_ids),
-                block_ids=[b.tolist() for b in block_ids],
+                block_ids=_wire_ids(block_ids),
                 num_computed=num_computed,
                 extra_keys=list(extra_keys),
             ),
@@ -301,7 +301,7 @@ class EngineLink:
         self,
         request: str,
         token_ids: Sequence[int],
-        block_ids: Sequence[np.ndarray],
+        block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         hit_tokens: int,
         extra_keys: Sequence[str] = (),
     ) -> PoolLoaded:
@@ -311,7 +311,7 @@ class EngineLink:
                 rank=self.rank,
                 request=request,
                 token_ids=list(token_ids),
-                block_ids=[b.tolist() for b in block_ids],
+                block_ids=_wire_ids(block_ids),
                 hit_tokens=hit_tokens,
                 extra_keys=list(extra_keys),
             ),
@@ -334,6 +334,11 @@ class EngineLink:
             self.client.close()
         if self.ring is not None:
             self.ring.close(unlink=unlink)
+
+
+def _wire_ids(block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]]) -> list[list[int]]:
+    """Block ids per group as the wire carries them (lists), from arrays or lists."""
+    return [b.tolist() if isinstance(b, np.ndarray) else [int(x) for x in b] for b in block_ids]
 
 
 class _Signals:

@@ -61,6 +61,9 @@ async def test_not_ready_until_the_engine_registers(
                 "recvs_ended": 0,
                 "stream_queue_depth": 0,
                 "stream_queue_capacity": 0,
+                "layers_signalled_in_forward": 0,
+                "layers_signalled_at_step_end": 0,
+                "last_step": None,
             }
         ]
         assert (await client.get("/v1/regions")).json() == {"ranks": []}

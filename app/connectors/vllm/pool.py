@@ -15,7 +15,6 @@ from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import PoolJob
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError
-from app.transfer.agent import blocks
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +44,8 @@ class PoolJobs:
         return out
 
     def _load(self, job: PoolJob) -> None:
-        ids = blocks(job.block_ids)
         try:
-            reply = self.link.pool_load(job.req_id, job.token_ids, ids, job.tokens)
+            reply = self.link.pool_load(job.req_id, job.token_ids, job.block_ids, job.tokens)
             failed = any(reply.failed_blocks)
         except KVSidecarError as e:
             log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
@@ -58,9 +56,8 @@ class PoolJobs:
                 self._failed.add(job.req_id)
 
     def _save(self, job: PoolJob) -> None:
-        ids = blocks(job.block_ids)
         try:
-            self.link.pool_save(job.req_id, job.token_ids, ids, job.tokens)
+            self.link.pool_save(job.req_id, job.token_ids, job.block_ids, job.tokens)
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
         with self._lock:
