@@ -99,6 +99,9 @@ class Sidecar:
         self._observers: dict[ObserverKind, list[Observer]] = {"layer": [], "handshake": []}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: list[asyncio.Task[None]] = []
+        # Set by every engine message (the only way requests are admitted): the deadline
+        # watcher sleeps on it while nothing is in flight, so an idle sidecar does not poll.
+        self._engine_spoke = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._auth = load_auth(settings)
         self._peers = Peers(
@@ -371,6 +374,7 @@ class Sidecar:
     # ---- engine link -----------------------------------------------------------------------
 
     async def _on_engine(self, msg: AnyMsg, ident: bytes) -> Msg | None:
+        self._engine_spoke.set()
         try:
             if isinstance(msg, LayerReady):
                 await self.send.layer_ready(msg)
@@ -512,6 +516,10 @@ class Sidecar:
     async def _watch_deadlines(self) -> None:
         """Deadlines: every wait ends, in EXPIRED, even when the peer vanished."""
         while True:
+            self._engine_spoke.clear()
+            if not self._live_requests():
+                await self._engine_spoke.wait()
+                continue
             await asyncio.sleep(0.05)
             now = time.monotonic()
             for agent in list(self.agents.values()):
