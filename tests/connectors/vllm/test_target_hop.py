@@ -48,7 +48,7 @@ def test_decode_builds_the_target_prefill_reads() -> None:
     assert decode.get_num_new_matched_tokens(req, 1) == (1, True)
     decode.update_state_after_alloc(req, Blocks(), 1)
     (expect,) = decode.state.expects
-    assert (expect.req_id, expect.sid, expect.computed) == ("d-req", "t", 1)
+    assert (expect.req_id, expect.recv.request, expect.computed) == ("d-req", "t", 1)
     posted = decode_target(expect, INFO, 1)
     assert posted == TARGET
 
