@@ -7,6 +7,13 @@ transfer path:
 - ``MooncakeConnectorWorker.__init__`` asks ``torch.accelerator.current_device_index()``, which
   raises when torch has no accelerator; while the connector is built it answers 0 (the value
   only feeds ``current_platform.set_device``, a no-op on CPU).
+- The connector is built, and its KV caches registered, on a thread of its own
+  (``pd_cores.run_on_transfer_thread``): named ``kvs-mooncake`` and, with
+  ``KVS_BENCH_TRANSFER_CPUS`` set (the dedicated-core regime), pinned to those CPUs. Every
+  thread Mooncake's transfer engine and the connector start (sender pool, listener and receiver
+  loops, bootstrap server) inherits both, so they run on the transfer core and their CPU time
+  can be read per thread; built on the worker's own thread they would inherit its OpenMP
+  binding to the compute core.
 - With ``KVS_BENCH_EVENTS`` set, the connector appends one JSON line per event to that file:
   ``p_finished`` (P's scheduler ``request_finished``), ``sent`` (a sender finished writing a
   request's blocks: bytes, seconds, descriptors) and ``d_landed`` (D's receiver marked a request's
@@ -26,6 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector im
     MooncakeConnector,
     MooncakeConnectorWorker,
 )
+
+from app.bench.pd_cores import run_on_transfer_thread
 
 EVENTS_ENV = "KVS_BENCH_EVENTS"
 
@@ -84,7 +93,9 @@ class BenchMooncakeConnector(MooncakeConnector):
         if not accel.is_available():
             accel.current_device_index = lambda: 0
         try:
-            super().__init__(*args, **kwargs)
+            run_on_transfer_thread(
+                lambda: super(BenchMooncakeConnector, self).__init__(*args, **kwargs)
+            )
         finally:
             accel.current_device_index = original
         worker = self.connector_worker
@@ -93,6 +104,12 @@ class BenchMooncakeConnector(MooncakeConnector):
             worker.__class__ = _StampedWorker
             worker.finished_recving_reqs = landed
             _stamp_sends(worker)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        # Mooncake registers the memory here; any thread it starts for that goes with the rest.
+        run_on_transfer_thread(
+            lambda: super(BenchMooncakeConnector, self).register_kv_caches(kv_caches)
+        )
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         _stamp_finished(request)

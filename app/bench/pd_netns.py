@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from app.bench.pd_bench import PDOptions
+from app.bench.pd_cores import binding
 from app.errors import ConfigError
 
 CHILD = ("-m", "app.bench.pd_bench")  # what runs in the namespace (tests swap it)
@@ -65,7 +66,8 @@ def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
             signal.signal(s, stop)
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-        env |= core_binding()
+        # The regime's binding (pd_cores): every process of both systems inherits it.
+        env |= binding(opts.regime, os.sched_getaffinity(0)).env()
         child = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, *CHILD, str(spec)],
             env=env,
@@ -87,16 +89,3 @@ def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
         for s, h in previous.items():
             signal.signal(s, h)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-
-
-def core_binding() -> dict[str, str]:
-    """How both systems share the cores: every engine's OpenMP threads on all of them.
-
-    vLLM's automatic binding reserves a core per rank for its scheduler and one more when a KV
-    connector is set, which leaves nothing for the forward pass on two cores; so the binding is
-    explicit and the same for all four engines. Sidecars, proxies, taps and Mooncake's threads
-    are not pinned: the OS schedules them on the same cores.
-    """
-    cores = sorted(os.sched_getaffinity(0))
-    spec = ",".join(str(c) for c in cores)
-    return {"VLLM_CPU_OMP_THREADS_BIND": spec, "OMP_NUM_THREADS": str(len(cores))}

@@ -1,7 +1,9 @@
-"""Pure logic of ``bench pd``: workloads, trial order, link rate, histograms, medians and ratios."""
+"""Pure logic of ``bench pd``: workloads, trial order, link rate, histograms, references, failed
+loads, spreads and ratios."""
 
 from __future__ import annotations
 
+import math
 import re
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -11,7 +13,23 @@ from typing import Any
 from app.errors import ConfigError
 
 # Per-trial metrics, in the order the table shows them; "bytes" is per trial (all its prompts).
-METRICS = ("ttft_ms", "p_start_ms", "p_prefill_ms", "exposed_ms", "exposed_derived_ms", "bytes")
+METRICS = (
+    "ttft_ms",
+    "p_start_ms",
+    "p_prefill_ms",
+    "exposed_ms",
+    "exposed_d_done_ms",
+    "exposed_after_forward_ms",
+    "layer_write_ms",
+    "exposed_derived_ms",
+    "bytes",
+    "transfer_cpu_ms",
+    "cpu_ms_per_request",
+    "cpu_s_per_gib",
+)
+# Observed on kv-sidecar only (its per-layer timeline): Mooncake's connector has no per-layer
+# writes and no view of P's forward.
+SIDECAR_ONLY = ("exposed_after_forward_ms", "layer_write_ms")
 TRANSFER_SHARE = 0.25  # default rate: the transfer takes this share of P's prefill time
 _HISTOGRAMS = (
     "vllm:e2e_request_latency_seconds",
@@ -164,25 +182,123 @@ def p_times(
     }
 
 
-def _median(values: Iterable[float]) -> float | None:
-    vs = [v for v in values if v == v]  # NaN: not observed in that trial
-    return statistics.median(vs) if vs else None
+def spread(values: Iterable[float]) -> dict[str, Any]:
+    """min, median and max of the observed values (NaN: not observed), and how many there were;
+    ``None`` for all three when there were none."""
+    vs = sorted(v for v in values if v == v)
+    if not vs:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    return {"min": vs[0], "median": statistics.median(vs), "max": vs[-1], "n": len(vs)}
 
 
-def summarize(trials: Sequence[Mapping[str, Any]], systems: Sequence[str]) -> list[dict[str, Any]]:
-    """Per (link, workload, metric): each system's median over its counted trials, and the ratio
-    first system / second system."""
+def _ratio(a: float | None, b: float | None) -> float | None:
+    # A ratio of negative times (KV at D before P's answer) would read backwards.
+    return a / b if a is not None and b is not None and a > 0 and b > 0 else None
+
+
+def paired_ratios(mine: Sequence[Mapping[str, Any]], a: str, b: str, metric: str) -> list[float]:
+    """``a``'s value over ``b``'s, per repetition where both trials counted: the spread of the
+    ratio itself, not only the ratio of the medians."""
+
+    def values(system: str) -> dict[int, float]:
+        return {t["rep"]: float(t[metric]) for t in mine if t["counted"] and t["system"] == system}
+
+    va, vb = values(a), values(b)
+    ratios = (_ratio(va[rep], vb[rep]) for rep in sorted(va.keys() & vb.keys()))
+    return [r for r in ratios if r is not None]
+
+
+def summarize(
+    trials: Sequence[Mapping[str, Any]],
+    systems: Sequence[str],
+    aa: tuple[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Per (link, workload, metric): each system's min, median and max over its counted trials,
+    with n; the ratio first system / second (of the medians, and its spread over paired
+    repetitions); with ``aa`` = (system, its second measurement pass), the same ratio of one
+    system against itself: the noise floor."""
+    names = list(dict.fromkeys([*systems, *(aa or ())]))
     rows: list[dict[str, Any]] = []
     keys = dict.fromkeys((t["link"], t["workload"]) for t in trials)
     for link, workload in keys:
         mine = [t for t in trials if t["link"] == link and t["workload"] == workload]
         for metric in METRICS:
             row: dict[str, Any] = {"link": link, "workload": workload, "metric": metric}
-            for s in systems:
-                row[s] = _median(t[metric] for t in mine if t["system"] == s and t["counted"])
+            row["spread"] = {}
+            for s in names:
+                sp = spread(t[metric] for t in mine if t["system"] == s and t["counted"])
+                row["spread"][s] = sp
+                row[s] = sp["median"]  # the figure; the spread says how far to trust it
                 row[f"{s}_n"] = sum(1 for t in mine if t["system"] == s and t["counted"])
-            a, b = row[systems[0]], row[systems[1]]
-            # A ratio of negative times (KV at D before P's answer) would read backwards.
-            row["ratio"] = a / b if a is not None and b is not None and a > 0 and b > 0 else None
+            a, b = systems[0], systems[1]
+            row["ratio"] = _ratio(row[a], row[b])
+            row["ratio_spread"] = spread(paired_ratios(mine, a, b, metric))
+            row["aa"] = None
+            if aa is not None:
+                row["aa"] = {
+                    "systems": list(aa),
+                    "ratio": _ratio(row[aa[0]], row[aa[1]]),
+                    "ratio_spread": spread(paired_ratios(mine, aa[0], aa[1], metric)),
+                }
             rows.append(row)
     return rows
+
+
+def match_reference(output: Sequence[int], refs: Mapping[str, Sequence[int]]) -> str | None:
+    """Which reference ``output`` equals, if any (the same set of references for both systems).
+
+    Computed by one engine alone, no transfer: ``n-1``, the engine's own continuation after a
+    prefill of the prompt's first N − 1 tokens and its last token as a decode step (how
+    kv-sidecar's decode computes: it loads N − 1 rows); ``n``, the engine's answer to the whole
+    prompt (rows from a prefill of N tokens, as vLLM's MooncakeConnector's prefill computes
+    them). Greedy outputs of a random model can differ between the two roundings; wrong KV
+    matches neither."""
+    for name, ref in refs.items():
+        if list(output) == list(ref):
+            return name
+    return None
+
+
+@dataclass(frozen=True)
+class Iteration:
+    """One engine step as vLLM logged it (``--enable-logging-iteration-details``)."""
+
+    at: float  # time.time() of the log record
+    context_requests: int
+    context_tokens: int  # prompt tokens the step computed (vLLM: requests with no output yet)
+    generation_requests: int
+    generation_tokens: int
+
+
+_ITERATION = re.compile(
+    r"^(\d+\.\d+) .*?Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
+    r"(\d+) generation requests, (\d+) generation tokens",
+    re.M,
+)
+
+
+def parse_iterations(log_text: str) -> list[Iteration]:
+    """vLLM's per-step lines in an engine log written with ``ITERATION_LOG_FORMAT``."""
+    return [
+        Iteration(float(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]))
+        for m in _ITERATION.finditer(log_text)
+    ]
+
+
+def failed_loads(computed_tokens: int, prompt_tokens: int, prompts: int) -> int:
+    """How many of a trial's ``prompts`` (``prompt_tokens`` each) decode computed itself instead
+    of loading, from the prompt tokens decode's steps computed in the trial.
+
+    A load leaves decode a token or so per prompt (the last one, for its logits); a failed one
+    (vLLM's ``kv_load_failure_policy=recompute``) leaves it the prompt from the first bad
+    block. Up to an eighth of a prompt each counts as loaded; what decode computed beyond that
+    allowance, in prompts of (N − allowance) tokens, rounded up, failed. vLLM's
+    ``prompt_tokens_by_source`` cannot tell: it books the tokens to be loaded when the request
+    is first scheduled, before the load ran or failed."""
+    if prompts <= 0 or prompt_tokens <= 0:
+        return 0
+    allow = prompt_tokens // 8
+    excess = computed_tokens - prompts * allow
+    if excess <= 0:
+        return 0
+    return min(prompts, math.ceil(excess / max(1, prompt_tokens - allow)))

@@ -10,25 +10,39 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from app.bench.pd_cores import MOONCAKE_THREAD, descendants, named_threads_cpu_s, process_cpu_s
+from app.bench.pd_observe import (
+    LogTail,
+    mooncake_transfers,
+    sidecar_transfers,
+    write_logging_config,
+)
+from app.bench.pd_stats import Iteration
 from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
 SIDECAR, MOONCAKE = "kv-sidecar", "mooncake"
 SYSTEMS = (SIDECAR, MOONCAKE)
+SIDECAR_PROCESSES = ("sidecar-prefill", "sidecar-decode")  # LocalPD's names
 
 
 def engine_args(max_model_len: int) -> list[str]:
-    """Extra vLLM flags for both systems (LocalPD's own come first; argparse keeps the last)."""
-    return ["--max-model-len", str(max(max_model_len, MAX_MODEL_LEN))]
+    """Extra vLLM flags for both systems (LocalPD's own come first; argparse keeps the last).
+    vLLM logs every step's computed tokens: what tells a load from a recomputed prompt."""
+    return [
+        "--max-model-len",
+        str(max(max_model_len, MAX_MODEL_LEN)),
+        "--enable-logging-iteration-details",
+    ]
 
 
 class MooncakePD(LocalPD):
@@ -101,12 +115,15 @@ def _vllm_command(model: Path, port: int, ktc: dict[str, Any]) -> list[str]:
 
 @dataclasses.dataclass
 class System:
-    """One running P/D system: its front door, its P (direct and through the tap), its D."""
+    """One running P/D system: its front door, its P (direct and through the tap), its D. A
+    second ``System`` on the same ``pd`` (``twin``) measures the same system again: A/A."""
 
     name: str
     pd: LocalPD
     front: str = ""
     tap: str = ""
+    _d_log: LogTail | None = None
+    _cpu_pids: list[int] | None = None
 
     @property
     def prefill(self) -> str:
@@ -116,6 +133,9 @@ class System:
     def decode(self) -> str:
         return self.pd.decode.url
 
+    def twin(self, name: str) -> System:
+        return System(name, self.pd, self.front, self.tap)
+
     def taps(self, t0: float, t1: float) -> list[dict[str, Any]]:
         rows = httpx.get(f"{self.tap}/bench/taps", timeout=10).json()["taps"]
         return [r for r in rows if t0 <= r["arrived"] <= t1 and r["path"] == "/v1/completions"]
@@ -123,53 +143,38 @@ class System:
     def transfers(self, t0: float, t1: float) -> dict[str, Any]:
         """What the transfer agents saw in ``[t0, t1]``: bytes, landing times at D, count."""
         if isinstance(self.pd, MooncakePD):
-            return _mooncake_transfers(self.pd.events, t0, t1)
-        return _sidecar_transfers(self.pd, t0, t1)
+            return mooncake_transfers(self.pd.events, t0, t1)
+        return sidecar_transfers(self.pd.prefill.admin, self.pd.decode.admin, t0, t1)
+
+    def decode_steps(self, t0: float, t1: float) -> list[Iteration]:
+        """D's engine steps in ``[t0, t1]`` as vLLM logged them (what D computed)."""
+        if self._d_log is None:
+            self._d_log = LogTail(self.pd.work / f"vllm-{self.pd.decode.name}.log")
+        return self._d_log.between(t0, t1)
+
+    def process_groups(self) -> dict[str, list[int]]:
+        """Every process this system started, by name (the roots of their trees)."""
+        return {f"{self.name}/{n}": [p.pid] for n, p in self.pd.procs.items()}
+
+    def transfer_cpu_s(self) -> float:
+        """CPU seconds its transfer path has used so far (see ``CPU_SCOPE``)."""
+        mooncake = isinstance(self.pd, MooncakePD)
+        if self._cpu_pids is None:  # every process is up by the first trial
+            roots = ("vllm-prefill", "vllm-decode") if mooncake else SIDECAR_PROCESSES
+            self._cpu_pids = descendants(self.pd.procs[r].pid for r in roots)
+        if mooncake:
+            return named_threads_cpu_s(self._cpu_pids, MOONCAKE_THREAD)[0]
+        return process_cpu_s(self._cpu_pids)
 
 
-def _mooncake_transfers(events: Path, t0: float, t1: float) -> dict[str, Any]:
-    rows = [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
-    rows = [r for r in rows if t0 <= r["t"] <= t1]
-    return {
-        "bytes": sum(int(r["bytes"]) for r in rows if r["ev"] == "sent"),
-        "landed": sorted(r["t"] for r in rows if r["ev"] == "d_landed"),
-        "p_finished": sorted(r["t"] for r in rows if r["ev"] == "p_finished"),
-        "records": rows,
-    }
-
-
-def _entries(admin: str, side: str) -> list[dict[str, Any]]:
-    """The sidecar's requests with wall-clock times. The API gives ages as of some moment while
-    it answered; the middle of the call stands for it, off by at most half the call (``err``):
-    on a busy host a call took over 100 ms, and "now" taken before it put requests before the
-    trial that held them."""
-    before = time.time()
-    params = {"side": side, "ended": "true"}
-    rows = httpx.get(f"{admin}/v1/requests", params=params, timeout=10).json()["requests"]
-    after = time.time()
-    now, err = (before + after) / 2, (after - before) / 2
-    for r in rows:
-        r["created"] = now - float(r["age_s"])
-        r["ended"] = None if r["duration_s"] is None else r["created"] + float(r["duration_s"])
-        r["err"] = err
-    return list(rows)
-
-
-def _sidecar_transfers(pd: LocalPD, t0: float, t1: float) -> dict[str, Any]:
-    def within(r: dict[str, Any]) -> bool:
-        return bool(t0 - r["err"] - 0.01 <= r["created"] <= t1 + r["err"])
-
-    sends = [r for r in _entries(pd.prefill.admin, "send") if within(r)]
-    recvs = [r for r in _entries(pd.decode.admin, "recv") if within(r)]
-    return {
-        "bytes": sum(int(r["bytes"] or 0) for r in sends),
-        "landed": sorted(r["ended"] for r in recvs if r["state"] == "DONE" and r["ended"]),
-        "p_finished": [],  # not observable from outside kv-sidecar's connector: the tap's end
-        "records": [
-            {k: r[k] for k in ("id", "side", "state", "created", "ended", "err", "bytes", "error")}
-            for r in sends + recvs
-        ],
-    }
+CPU_SCOPE = {
+    SIDECAR: "the two sidecar processes (P's, D's) and their children, every thread",
+    MOONCAKE: "inside the vLLM engines (the connector runs in each worker process): the threads "
+    f"named {MOONCAKE_THREAD}, i.e. every thread MooncakeConnector started: its transfer "
+    "engine's, the sender pool, the sender listener and receiver loops, the bootstrap server "
+    "(mooncake_peer builds the connector on a thread of that name); not the connector's hooks "
+    "on the worker's own thread, as kv-sidecar's connector hooks are not counted either",
+}
 
 
 def _spawn_front(pd: LocalPD, name: str, args: list[str]) -> str:
@@ -184,6 +189,8 @@ def _spawn_front(pd: LocalPD, name: str, args: list[str]) -> str:
 def start_systems(model: Path, work: Path, max_model_len: int) -> list[System]:
     """Both systems, engines starting side by side; returns once every front answers."""
     args = engine_args(max_model_len)
+    # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
     side = LocalPD(model, work / "kv-sidecar", kind="llama", extra_vllm_args=args)
     moon = MooncakePD(model, work / "mooncake", kind="llama", extra_vllm_args=args)
     systems = [System(SIDECAR, side), System(MOONCAKE, moon)]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -11,9 +13,11 @@ import typer
 from rich.console import Console
 
 from app.bench.pd_bench import QUICK_MODEL, PDOptions
-from app.bench.pd_netns import core_binding, run_in_namespace
+from app.bench.pd_cores import REGIMES, binding
+from app.bench.pd_netns import run_in_namespace
 from app.bench.pd_report import plot, print_summary
 from app.bench.pd_stats import Workload, parse_rate, parse_size, parse_workloads
+from app.bench.pd_systems import SYSTEMS
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")
@@ -47,6 +51,18 @@ def pd_command(
     out: Annotated[Path, typer.Option(help="Folder for pd.json, pd.png and logs.")] = Path(
         "bench-pd-out"
     ),
+    regime: Annotated[
+        str,
+        typer.Option(
+            help="shared: every engine's OpenMP on all cores, the rest unpinned; dedicated: "
+            "OpenMP one thread on core 0, the transfer path (sidecars, proxies, taps, "
+            "Mooncake's threads) on core 1, as on an accelerator host."
+        ),
+    ] = "shared",
+    aa: Annotated[
+        str,
+        typer.Option(help="Measure this system twice per round (A/A: the noise floor), or 'none'."),
+    ] = SYSTEMS[0],
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """P/D side by side: TTFT, P start delay, prefill, exposed transfer and bytes, per system."""
@@ -54,6 +70,11 @@ def pd_command(
         raise ConfigError(f"--link {link!r}: expected one of {', '.join(LINKS)}")
     if reps < 1:
         raise ConfigError("--reps must be at least 1")
+    if aa not in (*SYSTEMS, "none"):
+        raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
+    if regime not in REGIMES:
+        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     opts = PDOptions(
         workloads=parse_workloads(sizes, concurrent),
         reps=reps,
@@ -62,25 +83,26 @@ def pd_command(
         burst=parse_size(burst) if burst else None,
         max_tokens=max_tokens,
         out=str(out.resolve()),
+        regime=regime,
+        aa=None if aa == "none" else aa,
     )
     if quick:
-        opts = PDOptions(
+        opts = dataclasses.replace(
+            opts,
             workloads=(Workload(512),),
             reps=1,
             link="unshaped",
-            max_tokens=max_tokens,
+            rate_bps=None,
+            burst=None,
             quick=True,
-            out=opts.out,
             model={**opts.model, **QUICK_MODEL},
         )
     if layers is not None:
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
-    binding = core_binding()
-    console = Console(stderr=as_json)
-    console.print(
-        f"cores: every engine's OpenMP threads bound to {binding['VLLM_CPU_OMP_THREADS_BIND']} "
-        "(same for both systems); sidecars, proxies, taps and Mooncake threads unpinned"
-    )
+    stream = sys.stderr if as_json else sys.stdout
+    # Written to a file or a pipe: the whole table (spreads, ratios, A/A) on one line per row.
+    console = Console(stderr=as_json, width=None if stream.isatty() else 200)
+    console.print(bound.describe())
     result = run_in_namespace(opts)
     try:
         result["plot"] = str(plot(result, out / "pd.png"))
@@ -90,7 +112,10 @@ def pd_command(
     if as_json:
         print(
             json.dumps(
-                {k: result[k] for k in ("summary", "links", "calibration", "not_counted", "plot")}
+                {
+                    k: result[k]
+                    for k in ("summary", "links", "calibration", "not_counted", "plot", "binding")
+                }
             )
         )
     else:
