@@ -263,7 +263,7 @@ class SendSide:
 
     async def layer_ready(self, msg: LayerReady) -> None:
         agent = self._agent(msg.rank)
-        now = self._clock()
+        now = time.monotonic()  # the stream thread's clock: the timeline's times compare
         agent.step_log.signalled(msg.step, msg.at_step_end)
         step = agent.steps.get(msg.step)
         slices = step.slices if step else []

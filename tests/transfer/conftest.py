@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import queue
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,7 +24,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
 from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
-from app.transfer.agent import Agent, RecvRequest, SendRequest
+from app.transfer.agent import Agent, LayerTask, RecvRequest, SendRequest
 from app.transfer.links import PeerLink
 from app.transfer.peers import Peer, Peers, PeerSettings
 from app.transfer.planner import PairPlanner
@@ -33,16 +34,19 @@ from app.transfer.protocol import (
     AddSend,
     AgentMetadata,
     AnyMsg,
+    BeginStep,
     Claim,
     Done,
     ExpectRecv,
     Hello,
+    LayerReady,
     Msg,
     Ping,
     Pong,
     RemoteTarget,
     Role,
     Status,
+    StepSlice,
 )
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.sending import SendSettings, SendSide
@@ -457,3 +461,39 @@ async def prefill(layout: LayoutDesc) -> AsyncIterator[Prefill]:
     p = make_prefill(layout)
     yield p
     await p.tasks.cancel()
+
+
+class Stream:
+    """The stream thread's queue, read by the test instead of a thread."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[LayerTask | None] = queue.Queue()
+
+    def put(self, task: LayerTask, timeout: float) -> None:
+        self.queue.put(task, timeout=timeout)
+
+    def tasks(self) -> list[LayerTask]:
+        out = []
+        while not self.queue.empty():
+            task = self.queue.get_nowait()
+            assert task is not None
+            out.append(task)
+        return out
+
+
+@pytest.fixture
+def stream(prefill: Prefill) -> Stream:
+    s = Stream()
+    prefill.agent.stream = s  # type: ignore[assignment]
+    return s
+
+
+async def step(prefill: Prefill, n: int, start: int, end: int, rid: str = "r1") -> None:
+    """Engine step ``n`` computed ``[start, end)`` of ``rid`` and signalled both layers."""
+    prefill.side.begin_step(BeginStep(rank=0, step=n, slices=[StepSlice(rid, start, end)]))
+    for layer in (0, 1):
+        await prefill.side.layer_ready(LayerReady(rank=0, step=n, layer=layer))
+
+
+def planned(task: LayerTask) -> list[tuple[str, int, int]]:
+    return [(s.request_id, s.start, s.end) for b in task.batches for s in b.steps]

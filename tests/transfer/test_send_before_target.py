@@ -6,7 +6,6 @@ or on an abort, telling nobody (decode never heard of it)."""
 
 from __future__ import annotations
 
-import queue
 from typing import Any
 
 import pytest
@@ -17,52 +16,13 @@ from app.transfer.agent import LayerTask, StreamThread
 from app.transfer.protocol import (
     Abort,
     Ack,
-    BeginStep,
     Claim,
     Done,
     Hello,
-    LayerReady,
     SetTarget,
     Status,
-    StepSlice,
 )
-from tests.transfer.conftest import D_ENDPOINT, Prefill, target
-
-
-class Stream:
-    """The stream thread's queue, read by the test instead of a thread."""
-
-    def __init__(self) -> None:
-        self.queue: queue.Queue[LayerTask | None] = queue.Queue()
-
-    def put(self, task: LayerTask, timeout: float) -> None:
-        self.queue.put(task, timeout=timeout)
-
-    def tasks(self) -> list[LayerTask]:
-        out = []
-        while not self.queue.empty():
-            task = self.queue.get_nowait()
-            assert task is not None
-            out.append(task)
-        return out
-
-
-@pytest.fixture
-def stream(prefill: Prefill) -> Stream:
-    s = Stream()
-    prefill.agent.stream = s  # type: ignore[assignment]
-    return s
-
-
-async def step(prefill: Prefill, n: int, start: int, end: int, rid: str = "r1") -> None:
-    """Engine step ``n`` computed ``[start, end)`` of ``rid`` and signalled both layers."""
-    prefill.side.begin_step(BeginStep(rank=0, step=n, slices=[StepSlice(rid, start, end)]))
-    for layer in (0, 1):
-        await prefill.side.layer_ready(LayerReady(rank=0, step=n, layer=layer))
-
-
-def planned(task: LayerTask) -> list[tuple[str, int, int]]:
-    return [(s.request_id, s.start, s.end) for b in task.batches for s in b.steps]
+from tests.transfer.conftest import D_ENDPOINT, Prefill, Stream, planned, step, target
 
 
 async def set_target(prefill: Prefill, rid: str = "r1", **kw: Any) -> Any:
