@@ -25,8 +25,8 @@ from tests.connectors.vllm.conftest import engines_up, kv_usage, prompt
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)
 MANY = (100, 700)
-# Prefill's engine, its sidecar dead, still calls it every step and waits out each call (3 s
-# for BeginStep, 3 s for GetFinished): a prompt of two or three steps keeps that short.
+# Prefill's engine, its sidecar dead, still calls it every step and waits out its GetFinished
+# (3 s; the step's BeginStep is one-way): a prompt of two or three steps keeps that short.
 SHORT = (500, 700)
 
 
@@ -162,7 +162,7 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     """64 requests through the proxy, prefill's sidecar dies once sends are flowing: decode's
     sidecar ends every request (the lease, or its deadline for those prefill never claimed),
     decode recomputes, and every client gets the reference answer. Prefill's engine, which
-    waits out two calls to its dead sidecar every step, is not waited for: its requests still
+    waits out a call to its dead sidecar every step, is not waited for: its requests still
     running are counted in the row. Runs last: the pair is not restarted."""
     sc = Scenario(pair, "real: P sidecar SIGKILL, 64 in flight")
     sc.launch(64, seed_lengths(84, *MANY), salt=400)
