@@ -99,7 +99,7 @@ class SimInstance:
             if (cmd.drop_ended and not slices) or all(e.lost for e in self.engines):
                 break  # nothing left to compute, or no sidecar left to tell
             for e in self.engines:
-                e.guarded("begin_step", partial(e.begin, [] if cmd.bulk else slices))
+                e.guarded("begin_step", partial(e.begin, [] if cmd.bulk else slices), heard=False)
             for layer in self.engines[0].layers:
                 for e in self.engines:
                     if cmd.fill:
@@ -125,7 +125,7 @@ class SimInstance:
             # Bulk: the whole prompt after the last layer, as one more pass of layer signals.
             whole = [(r, 0, r.prompt_len) for r in live]
             for e in self.engines:
-                e.guarded("begin_step", partial(e.begin, whole))
+                e.guarded("begin_step", partial(e.begin, whole), heard=False)
                 if cmd.bulk_one_signal:
                     e.signal(ALL_LAYERS)
                     continue
