@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -443,12 +443,31 @@ class Agent:
         self.refused = []
         return sending, recving, failed
 
-    def refuse(self, rid: str, block_ids: list[list[int]], error: str) -> None:
-        """An admission refused before its record existed: the engine hears of it as failed."""
-        if len(self.refused) >= _MAX_REFUSED:
+    def refusal(
+        self,
+        rid: str,
+        block_ids: list[list[int]],
+        *,
+        admitting: bool,
+        held: Mapping[str, Request],
+        known: str,
+        report: bool,
+    ) -> str:
+        """Why a new send or receive ``rid`` is refused before it has a record ("" if it is
+        not): the sidecar stops admitting, or ``held`` (this rank's sends or receives) has it
+        already, ``known`` saying how. With ``report`` (a one-way admission) the engine hears
+        of the refusal as a failed request in its next ``finished``."""
+        if not admitting:
+            error = "sidecar is shutting down; not admitting requests"
+        elif rid in held:
+            error = f"request {rid} is {known}"
+        else:
+            return ""
+        if report and len(self.refused) < _MAX_REFUSED:
+            self.refused.append(FailedRequest(rid, Status.FAILED, block_ids, error))
+        elif report:
             log.error("rank %d: refusal of %s not reported (%s)", self.rank, rid, error)
-            return
-        self.refused.append(FailedRequest(rid, Status.FAILED, block_ids, error))
+        return error
 
     def reported(
         self, sending: list[str], recving: list[str], failed: list[FailedRequest]

@@ -74,14 +74,15 @@ class RecvSide:
         """Expect a receive. With ``report`` (a one-way ``BeginStep``) a refusal that leaves
         no record is reported to the engine in its next ``get_finished``."""
         agent = agent_of(self._agents, msg.rank)
-        error = ""
-        if not self.admitting:
-            error = "sidecar is shutting down; not admitting requests"
-        elif msg.request in agent.recvs:
-            error = f"request {msg.request} is already expected"
+        error = agent.refusal(
+            msg.request,
+            msg.block_ids,
+            admitting=self.admitting,
+            held=agent.recvs,
+            known="already expected",
+            report=report,
+        )
         if error:
-            if report:
-                agent.refuse(msg.request, msg.block_ids, error)
             return Reply(ok=False, error=error)
         timeout = msg.timeout_s or self._settings.recv_timeout_s
         req = RecvRequest(

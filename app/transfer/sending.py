@@ -99,14 +99,15 @@ class SendSide:
     def _new(self, msg: AddSend, report: bool) -> SendRequest | Reply:
         """The send's record, or why none was made (reported to the engine if ``report``)."""
         agent = self._agent(msg.rank)
-        error = ""
-        if not self.admitting:
-            error = "sidecar is shutting down; not admitting requests"
-        elif msg.request in agent.sends:
-            error = f"request {msg.request} is already in flight"
+        error = agent.refusal(
+            msg.request,
+            msg.block_ids,
+            admitting=self.admitting,
+            held=agent.sends,
+            known="already in flight",
+            report=report,
+        )
         if error:
-            if report:
-                agent.refuse(msg.request, msg.block_ids, error)
             return Reply(ok=False, error=error)
         req = SendRequest(
             id=msg.request,

@@ -34,7 +34,6 @@ def transfer_span(req: Request, engine_id: str) -> SpanRecord:
     if req.peer:
         attributes["kv.peer"] = req.peer
     layers = req.timeline.layers.values() if isinstance(req, SendRequest) else ()
-    writes = [t for t in layers if t.submitted is not None and t.landed is not None]
     children = tuple(
         SpanRecord(
             "kv.layer_write",
@@ -47,8 +46,8 @@ def transfer_span(req: Request, engine_id: str) -> SpanRecord:
                 "kv.bytes": w.bytes,
             },
         )
-        for w in sorted(writes, key=lambda w: (w.submitted or 0.0, w.layer))
-        if w.submitted is not None and w.landed is not None
+        for w in sorted(layers, key=lambda w: (w.submitted or 0.0, w.layer))
+        if w.submitted is not None and w.landed is not None  # signalled, never written
     )
     return SpanRecord(
         "kv.send" if send else "kv.recv",

@@ -202,6 +202,8 @@ class WorkerSide:
         rank = self.rank
         expects = [msgspec.structs.replace(e.recv, rank=rank) for e in meta.expects]
         admits = [msgspec.structs.replace(a.send, rank=rank) for a in meta.admits]
+        for a in meta.admits:
+            self._vllm_ids[a.send.request] = a.req_id
         try:
             self.link.begin_step(self._step, meta.slices, admits=admits, expects=expects)
         except KVSidecarError as err:
@@ -210,8 +212,6 @@ class WorkerSide:
             log.error("step %d not announced to the sidecar: %s", self._step, err)
             self._active = False
             self._sent.update(a.request for a in admits)
-            for a in meta.admits:
-                self._vllm_ids[a.send.request] = a.req_id
             with self._lock:
                 self._failed_recvs.extend(e.req_id for e in meta.expects)
             return
@@ -222,7 +222,6 @@ class WorkerSide:
             if rank == 0 and exp.router_url:
                 self._to_post.append(exp)
         for a in meta.admits:
-            self._vllm_ids[a.send.request] = a.req_id
             if a.send.remote is None and a.router_url:
                 self._fetches.submit(self._fetch, a.router_url, a.send.request, a.fetch_timeout_s)
 
