@@ -7,6 +7,7 @@ passed to the sidecar with ``Sidecar.add_observer``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -185,6 +186,22 @@ class SidecarCollector(Collector):
         capacity = GaugeMetricFamily(
             "kvsidecar_stream_queue_capacity", "Bound of the stream queue.", labels=["rank"]
         )
+        held = GaugeMetricFamily(
+            "kvsidecar_held_sends",
+            "Sends waiting for decode's target (bounded by max_held_sends).",
+            labels=["rank"],
+        )
+        held_blocks = GaugeMetricFamily(
+            "kvsidecar_held_blocks",
+            "Engine blocks pinned by sends waiting for decode's target (max_held_blocks).",
+            labels=["rank"],
+        )
+        held_age = GaugeMetricFamily(
+            "kvsidecar_held_oldest_age_seconds",
+            "Age of the oldest send waiting for decode's target (0: none).",
+            labels=["rank"],
+        )
+        now = time.monotonic()
         ended: dict[tuple[str, str], int] = {}
         live: dict[tuple[str, str], int] = {
             (side, st.name): 0 for side in ("send", "recv") for st in Status if not st.terminal
@@ -199,11 +216,15 @@ class SidecarCollector(Collector):
             if agent.stream is not None:
                 queue.add_metric([str(rank)], queue_depth(agent.stream.queue))
                 capacity.add_metric([str(rank)], agent.stream.queue.maxsize)
+            waiting = agent.held_sends()
+            held.add_metric([str(rank)], len(waiting))
+            held_blocks.add_metric([str(rank)], sum(r.block_count for r in waiting))
+            held_age.add_metric([str(rank)], max((now - r.created for r in waiting), default=0.0))
         for key, n in sorted(ended.items()):
             total.add_metric(list(key), n)
         for key, n in sorted(live.items()):
             inflight.add_metric(list(key), n)
-        yield from (total, inflight, queue, capacity)
+        yield from (total, inflight, queue, capacity, held, held_blocks, held_age)
 
     def _sockets(self) -> Iterator[Metric]:
         frames = CounterMetricFamily(

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BeforeValidator
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 try:  # what uvicorn's "auto" picks when it is installed
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _HTTPProtocol
@@ -30,6 +29,7 @@ except ImportError:  # pragma: no cover - h11 always ships with uvicorn
     from uvicorn.protocols.http.h11_impl import H11Protocol as _HTTPProtocol  # type: ignore[assignment]
 
 from app.api import views
+from app.api.guards import BodyLimit, InflightLimit
 from app.api.metrics import SidecarMetrics
 from app.api.schemas import (
     AbortBody,
@@ -51,7 +51,6 @@ from app.api.schemas import (
 )
 from app.config import SidecarSettings, env_var_for
 from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
-from app.transfer.control import LogThrottle
 from app.transfer.protocol import remote_target
 from app.transfer.sidecar import Sidecar
 
@@ -62,10 +61,9 @@ log = logging.getLogger(__name__)
 _MAX_INFLIGHT = 64
 # An idle connection (before its first request or between requests) is closed after this long.
 _IDLE_TIMEOUT_S = 5
-# Never limited: a sidecar busy serving its API is still alive, and a liveness probe that fails
-# under load gets a healthy process restarted.
-_EXEMPT = frozenset({"/livez"})
-_OVERLOAD_LOG_INTERVAL_S = 5.0
+# A body (a target, an abort reason) is a few KiB and comes in one packet: a client still
+# sending after this long is stuck or hostile, and holds a slot of the write limit meanwhile.
+_BODY_TIMEOUT_S = 10.0
 
 _RequestId = Annotated[str, Path(description="The request id the engine admitted.")]
 
@@ -296,14 +294,13 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
                 raise HTTPException(409, detail=f"send {tid!r} already ended")
             return KVTargetResponse(transfer_id=tid, ranks=ended)
         try:
-            remote = remote_target(body.target)
+            outcome = sidecar.set_target(tid, remote_target(body.target))
         except KVSidecarError as e:
             raise HTTPException(400, detail=str(e)) from None
-        refused = {
-            rank: why for rank, why in sidecar.set_target(tid, remote).items() if why is not None
-        }
-        taken = sorted(set(holders) - set(refused))
+        refused = {rank: why for rank, why in outcome.items() if why is not None}
+        taken = sorted(set(outcome) - set(refused))
         if refused or not taken:
+            # Not held any more: it ended and was reported, so no target can be taken.
             why = "; ".join(f"rank {r}: {w}" for r, w in sorted(refused.items()))
             raise HTTPException(409, detail=why or f"send {tid!r} already ended")
         return KVTargetResponse(transfer_id=tid, ranks=taken)
@@ -330,48 +327,6 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
 
 def _unknown(rid: str) -> str:
     return f"request {rid} is not known to this sidecar (neither in flight nor recently ended)"
-
-
-class _InflightLimit:
-    """ASGI wrapper: 503 past ``limit`` requests in flight, except for ``_EXEMPT`` paths.
-
-    uvicorn's own ``limit_concurrency`` counts open connections, idle keep-alive ones included:
-    63 idle sockets turned /livez into 503 for as long as they stayed open. This counts requests.
-    """
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self._app = app
-        self._limit = limit
-        self._inflight = 0
-        self._throttle = LogThrottle(_OVERLOAD_LOG_INTERVAL_S)
-        self.refused = 0
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in _EXEMPT:
-            await self._app(scope, receive, send)
-            return
-        if self._inflight >= self._limit:
-            self.refused += 1
-            self._log_refusal()
-            body = {"detail": f"the admin API has {self._inflight} requests in flight; retry"}
-            await JSONResponse(body, 503, headers={"Retry-After": "1"})(scope, receive, send)
-            return
-        self._inflight += 1
-        try:
-            await self._app(scope, receive, send)
-        finally:
-            self._inflight -= 1
-
-    def _log_refusal(self) -> None:
-        # One line per interval: whoever overloads the API must not flood the log as well.
-        held = self._throttle.allow()
-        if held is None:
-            return
-        log.warning(
-            "admin API: %d requests in flight, answered 503 (%d more since the last line)",
-            self._inflight,
-            held,
-        )
 
 
 class _IdleBoundedHTTP(_HTTPProtocol):
@@ -414,7 +369,8 @@ class AdminServer:
         self.sidecar = sidecar
         self.settings = settings
         self.app = create_app(sidecar, settings)
-        self.inflight_limit = _InflightLimit(self.app, _MAX_INFLIGHT)
+        self.body_limit = BodyLimit(self.app, settings.admin_max_body_bytes, _BODY_TIMEOUT_S)
+        self.inflight_limit = InflightLimit(self.body_limit, _MAX_INFLIGHT)
         self.host = settings.admin_host
         self.port = settings.admin_port
         self._server: _EmbeddedServer | None = None
@@ -440,7 +396,7 @@ class AdminServer:
             log_level=self.settings.log_level,
             access_log=self.settings.log_level == "debug",
             lifespan="off",
-            # Not uvicorn's limit_concurrency: it counts idle connections (see _InflightLimit).
+            # Not uvicorn's limit_concurrency: it counts idle connections (see InflightLimit).
             limit_concurrency=None,
             timeout_keep_alive=_IDLE_TIMEOUT_S,
             timeout_graceful_shutdown=2,

@@ -15,12 +15,13 @@ and what is allowed (:class:`app.errors.ConfigError`); :func:`settings_table` fe
 configuration table (``python -m app.config`` prints it as Markdown).
 
 The package: ``values`` (names, limits, value checks), ``sources`` (the config file), ``schema``
-(the settings classes), ``loading`` (``load_settings`` and its error sentences), ``table`` (the
-README table).
+(the settings), ``pool`` (their ``[pool]`` table), ``loading`` (``load_settings`` and its error
+sentences), ``table`` (the README table).
 """
 
 from app.config.loading import format_settings_error, load_settings
-from app.config.schema import PoolSettings, SidecarSettings
+from app.config.pool import PoolSettings
+from app.config.schema import SidecarSettings
 from app.config.sources import read_config_file
 from app.config.table import render_settings_table, settings_table
 from app.config.values import (

@@ -1,4 +1,4 @@
-"""The settings schema: ``SidecarSettings`` and its ``[pool]`` table, with their checks."""
+"""The settings schema: ``SidecarSettings``, with its checks (the ``[pool]`` table: ``pool``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     field_validator,
@@ -24,6 +22,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from app.config.pool import PoolSettings
 from app.config.sources import _ConfigFileSource
 from app.config.values import (
     _ENGINE_ID_RE,
@@ -38,59 +37,9 @@ from app.config.values import (
     _default_engine_id,
     _is_loopback,
     _is_wildcard,
-    _parse_size,
     available_presets,
     env_var_for,
 )
-
-
-class PoolSettings(BaseModel):
-    """The shared KV pool on Mooncake Store (DESIGN §9)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    enabled: bool = Field(
-        default=False,
-        description="Store and load KV blocks in the shared Mooncake Store pool.",
-    )
-    master_address: str = Field(
-        default="127.0.0.1:50051",
-        description="host:port of the mooncake_master RPC service (its default port is 50051).",
-    )
-    metadata_server: str = Field(
-        default="P2PHANDSHAKE",
-        description=(
-            "Metadata service of the store's transfer engine: P2PHANDSHAKE (no extra service) "
-            "or the master's HTTP metadata URL, e.g. http://mooncake-master:8080/metadata."
-        ),
-    )
-    global_segment_bytes: int = Field(
-        default=1 << 30,
-        ge=0,
-        description=(
-            "Memory this sidecar contributes to the pool (bytes, or 4GiB / 512MB); "
-            "0 makes it a client that only reads and writes other members' memory."
-        ),
-    )
-    local_buffer_bytes: int = Field(
-        default=256 << 20,
-        ge=1 << 20,
-        description="Registered staging buffer for pool puts and gets (bytes, at least 1MiB).",
-    )
-
-    @field_validator("global_segment_bytes", "local_buffer_bytes", mode="before")
-    @classmethod
-    def _sizes(cls, value: object) -> object:
-        return _parse_size(value)
-
-    @field_validator("master_address")
-    @classmethod
-    def _check_master_address(cls, value: str) -> str:
-        host, sep, port = value.strip().rpartition(":")
-        if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError("must be host:port, e.g. 127.0.0.1:50051 or mooncake-master:50051")
-        _check_host(host)
-        return value.strip()
 
 
 class SidecarSettings(BaseSettings):
@@ -181,6 +130,13 @@ class SidecarSettings(BaseSettings):
     )
 
     # --- control plane --------------------------------------------------------------------------
+    admin_max_body_bytes: int = Field(
+        default=1 << 20,
+        ge=1 << 10,
+        le=64 << 20,
+        description="Largest request body the admin API reads (a decode target of a long "
+        "prompt is tens of KiB); larger ones get 413.",
+    )
     control_host: str = Field(
         default="127.0.0.1",
         description="Bind address of the ZMQ ROUTER socket peers handshake with.",
@@ -280,6 +236,26 @@ class SidecarSettings(BaseSettings):
         gt=0,
         le=_MAX_DEADLINE_S,
         description="Prefill: deadline for all of a request's writes to land.",
+    )
+    max_target_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Prefill: longest a send waits for decode's target, whatever a request's "
+        "target_timeout_s asks (longer asks are clamped to this).",
+    )
+    max_held_sends: int = Field(
+        default=256,
+        ge=1,
+        le=1 << 20,
+        description="Prefill: sends a rank holds waiting for decode's target; one more is refused "
+        "at once (decode recomputes it).",
+    )
+    max_held_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="Prefill: engine blocks those held sends may pin on a rank, all groups "
+        "counted; unset: no bound but the engine's cache.",
     )
     recv_timeout_s: float = Field(
         default=60.0,

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic.fields import FieldInfo
 
-from app.config.schema import PoolSettings, SidecarSettings
+from app.config.pool import PoolSettings
+from app.config.schema import SidecarSettings
 from app.config.values import env_var_for
 
 # Defaults that are computed at start; the table shows what they mean, not this host's value.

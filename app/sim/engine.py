@@ -280,6 +280,12 @@ class SimInstance:
                 e.guarded("abort", partial(e.link.abort, r.id, "aborted by engine"))
         return {"aborted_at": time.monotonic()}
 
+    def hold(self, cmd: Command) -> dict[str, Any]:
+        """Admit sends without decode's target on every rank and return at once: they wait
+        for a target posted to the sidecar (tests of the prefill-first flow's admin path)."""
+        held = msgspec.structs.replace(cmd, target_after_layers=max(cmd.target_after_layers, 0))
+        return {"refused": [e.admit(held) for e in self.engines]}
+
     def reports(self, cmd: Command) -> dict[str, Any]:
         """Each rank's ledger of terminal states, after one more poll of its sidecar."""
         for e in self.engines:
@@ -361,6 +367,7 @@ def main(argv: list[str] | None = None) -> None:
             "sentinel": sim.sentinel,
             "abort": sim.abort,
             "reports": sim.reports,
+            "hold": sim.hold,
         }
         while True:
             cmd = msgspec.json.decode(sock.recv(), type=Command)

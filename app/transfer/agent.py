@@ -122,6 +122,15 @@ class SendRequest(Request):
     # Each layer of each step: signalled, written, landed (admin API, traces).
     timeline: SendTimeline = field(default_factory=SendTimeline)
 
+    @property
+    def held(self) -> bool:
+        """Admitted without a target and none taken yet: its blocks wait on decode."""
+        return self.waiting and not self.peer and not self.state.terminal
+
+    @property
+    def block_count(self) -> int:
+        return sum(int(ids.size) for ids in self.blocks)
+
     def pin(self) -> bool:
         """Before a write: count it, unless the request already ended. Atomic with ``finish``,
         so once a request is terminal, ``inflight`` only goes down."""
@@ -401,6 +410,10 @@ class Agent:
             (r for r in reversed(self.history) if r.id == rid and isinstance(r, kind)), None
         )
 
+    def held_sends(self) -> list[SendRequest]:
+        """Sends waiting for decode's target (prefill first, concurrent dispatch)."""
+        return [r for r in list(self.sends.values()) if r.held]
+
     def all_requests(self) -> list[Request]:
         return [*self.sends.values(), *self.recvs.values()]
 
@@ -452,15 +465,19 @@ class Agent:
         held: Mapping[str, Request],
         known: str,
         report: bool,
+        over: str = "",
     ) -> str:
         """Why a new send or receive ``rid`` is refused before it has a record ("" if it is
         not): the sidecar stops admitting, or ``held`` (this rank's sends or receives) has it
-        already, ``known`` saying how. With ``report`` (a one-way admission) the engine hears
-        of the refusal as a failed request in its next ``finished``."""
+        already, ``known`` saying how, or it would go ``over`` a limit (the caller's sentence).
+        With ``report`` (a one-way admission) the engine hears of the refusal as a failed
+        request in its next ``finished``."""
         if not admitting:
             error = "sidecar is shutting down; not admitting requests"
         elif rid in held:
             error = f"request {rid} is {known}"
+        elif over:
+            error = over
         else:
             return ""
         if report and len(self.refused) < _MAX_REFUSED:

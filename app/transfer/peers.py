@@ -27,6 +27,7 @@ from app.transfer.protocol import (
     Ping,
     Pong,
     Rejected,
+    tcp_endpoint,
 )
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,7 @@ class Peers:
 
     async def target(self, host: str, port: int, epoch: str) -> Peer:
         """The decode peer of a target, handshaken for the epoch the target names."""
-        endpoint = f"tcp://{host}:{port}"
+        endpoint = tcp_endpoint(host, port)
         peer = self._entry(endpoint)
         async with peer.lock:
             if not peer.planners or (epoch and epoch != peer.epoch):

@@ -37,6 +37,18 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Deadline = Annotated[float, msgspec.Meta(gt=0, le=MAX_DEADLINE_S)]
 BlockIds = list[list[Index]]
 """Block ids per KV cache group."""
+# A host as the settings take one (``advertise_host``): a DNS name of RFC 1123 labels, a dotted
+# IPv4 address or an IPv6 literal. Anything else (spaces, a scheme, a path) would be refused by
+# libzmq only once a connection is tried, or would connect somewhere unintended.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_NAME = rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*"
+_IPV6 = r"(?=.{2,45}$)[0-9A-Fa-f.]*:[0-9A-Fa-f.]*:[0-9A-Fa-f:.]*"  # two colons at least
+HOST_PATTERN = rf"^(?:{_NAME}|{_IPV6})$"
+Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
+# Ids are ours (uuids, engine ids, epochs): a few dozen characters. The bound keeps a stranger's
+# megabyte id out of records, answers and logs.
+MAX_ID_CHARS = 256
+Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 # The connector passes on only a traceparent it parsed (README "Tracing"); anything else from
 # an engine is a malformed frame.
 TraceParentHeader = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
@@ -181,11 +193,11 @@ class RemoteTarget(msgspec.Struct):
     here, so both ends read one definition and a bad field is named before anything is sent.
     """
 
-    request_id: str  # the id both sidecars know the transfer by (the proxy's transfer id)
-    host: str
+    request_id: Id  # the id both sidecars know the transfer by (the proxy's transfer id)
+    host: Host
     port: Port
-    engine_id: str
-    epoch: str
+    engine_id: Id
+    epoch: Id
     tp_size: TpSize
     block_ids: BlockIds
     # Prompt tokens decode already holds (its own prefix cache): prefill sends from here on.
@@ -442,6 +454,27 @@ def _unsupported(version: object) -> ProtocolError:
         f"protocol version {repr(version)[:40]} is not supported; this sidecar speaks "
         f"{PROTOCOL_VERSION}"
     )
+
+
+def tcp_endpoint(host: str, port: int) -> str:
+    """The ZMQ endpoint of a control port (an IPv6 literal in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def check_target(target: RemoteTarget, groups: int, most_blocks: int) -> None:
+    """A target's block ids against the send it is for: one list per KV cache group, none
+    longer than ``most_blocks`` (a block holds at least one token). Raises ProtocolError."""
+    if len(target.block_ids) != groups:
+        raise ProtocolError(
+            f"target for {target.request_id}: expected block ids for {groups} KV cache "
+            f"groups (the send's), got {len(target.block_ids)}"
+        )
+    longest = max((len(ids) for ids in target.block_ids), default=0)
+    if longest > most_blocks:
+        raise ProtocolError(
+            f"target for {target.request_id}: expected at most {most_blocks} block ids per "
+            f"group for this prompt, got {longest}"
+        )
 
 
 def remote_target(obj: object) -> RemoteTarget:

@@ -17,6 +17,8 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from app.devices import CpuEvent, Event
 from app.devices.events import Gate, RefusedEvent, RingWait
 from app.errors import DeadlineExceeded, KVSidecarError, OutOfBoundsError
@@ -48,6 +50,8 @@ from app.transfer.protocol import (
     Reply,
     SetTarget,
     Status,
+    check_target,
+    tcp_endpoint,
 )
 
 log = logging.getLogger(__name__)
@@ -66,6 +70,9 @@ class SendSettings:
     engine_id: str
     send_timeout_s: float
     ack_timeout_s: float
+    max_target_timeout_s: float = 120.0
+    max_held_sends: int = 256
+    max_held_blocks: int | None = None
 
 
 class SendSide:
@@ -106,6 +113,7 @@ class SendSide:
             held=agent.sends,
             known="already in flight",
             report=report,
+            over=self._over_hold_limit(agent, msg),
         )
         if error:
             return Reply(ok=False, error=error)
@@ -128,8 +136,32 @@ class SendSide:
         if msg.remote is None:
             req.waiting = True  # the target comes with SetTarget
             if msg.target_timeout_s is not None:
-                req.deadline = self._clock() + msg.target_timeout_s
+                wait = min(msg.target_timeout_s, self._settings.max_target_timeout_s)
+                req.deadline = self._clock() + wait
         return req
+
+    def _over_hold_limit(self, agent: Agent, msg: AddSend) -> str:
+        """Why a send admitted without a target would hold too much ("" if it would not): a
+        held send pins prefill's blocks until decode answers, so strangers' prompts or a slow
+        decode must not pin the whole cache."""
+        if msg.remote is not None:
+            return ""
+        s = self._settings
+        held = agent.held_sends()
+        if len(held) >= s.max_held_sends:
+            return (
+                f"rank {agent.rank} already holds {len(held)} sends waiting for decode's target "
+                f"(max_held_sends={s.max_held_sends}); decode recomputes this one"
+            )
+        if s.max_held_blocks is not None:
+            pinned = sum(r.block_count for r in held) + sum(len(ids) for ids in msg.block_ids)
+            if pinned > s.max_held_blocks:
+                return (
+                    f"rank {agent.rank}: holding this send would pin {pinned} blocks waiting "
+                    f"for decode's target (max_held_blocks={s.max_held_blocks}); decode "
+                    "recomputes it"
+                )
+        return ""
 
     def admit(self, msg: AddSend) -> None:
         """Admit a send without waiting for anything (a step's one-way ``BeginStep``). A
@@ -159,10 +191,20 @@ class SendSide:
             return Reply(ok=False, error=f"send {msg.request} already ended {req.state.name}")
         if not req.waiting or req.peer:
             return Reply(ok=False, error=f"send {msg.request} already has a target ({req.peer})")
+        # The target is the send's from here on, before anything awaits: of two posts racing,
+        # the second finds it taken.
+        req.peer = tcp_endpoint(msg.remote.host, msg.remote.port)
         # The wait for a target had a deadline of its own; the writes get the whole send's.
         req.deadline = max(req.deadline, self._clock() + self._settings.send_timeout_s)
         self._spawn(self._claim_and_replay(agent, req, msg.remote))
         return Reply()
+
+    def check_target(self, rank: int, rid: str, target: RemoteTarget) -> None:
+        """Raise ProtocolError unless ``target`` fits send ``rid`` on ``rank`` (one block id
+        list per group, none longer than the prompt could need); a send not held passes."""
+        req = self._agent(rank).sends.get(rid)
+        if req is not None:
+            check_target(target, len(req.blocks), req.prompt_len + req.num_spec + 1)
 
     async def _claim_and_replay(self, agent: Agent, req: SendRequest, t: RemoteTarget) -> None:
         reply = await self._target(agent, req, t)
@@ -173,7 +215,7 @@ class SendSide:
 
     async def _target(self, agent: Agent, req: SendRequest, t: RemoteTarget) -> Msg:
         """Point ``req`` at decode's blocks and claim them there."""
-        req.peer = f"tcp://{t.host}:{t.port}"
+        req.peer = tcp_endpoint(t.host, t.port)
         req.d_blocks = blocks(t.block_ids)
         req.target_epoch = t.epoch
         req.skip = t.computed
@@ -192,8 +234,9 @@ class SendSide:
             req.d_ranks = {d: g for d, g in groups.items() if g}
             check_block_ids(next(iter(peer.descs.values())), req.d_blocks, "decode")
             await self._claim(peer, req, t.block_ids)
-        except (KVSidecarError, ValueError) as e:
-            return self._refuse(req, str(e))
+        except (KVSidecarError, ValueError, zmq.ZMQError, OSError) as e:
+            # A transport error too: the send must end, or it would hold its blocks unclaimed.
+            return self._refuse(req, f"target {req.peer}: {e or type(e).__name__}")
         return Reply()
 
     def _refuse(self, req: SendRequest, error: str) -> Reply:

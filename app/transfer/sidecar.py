@@ -122,6 +122,9 @@ class Sidecar:
                 engine_id=settings.engine_id,
                 send_timeout_s=settings.send_timeout_s,
                 ack_timeout_s=settings.ack_timeout_s,
+                max_target_timeout_s=settings.max_target_timeout_s,
+                max_held_sends=settings.max_held_sends,
+                max_held_blocks=settings.max_held_blocks,
             ),
             self.agents,
             self._peers,
@@ -363,12 +366,15 @@ class Sidecar:
 
     def set_target(self, rid: str, remote: RemoteTarget) -> dict[int, str | None]:
         """Decode's target for a send admitted without one, on every rank that holds it (the
-        prefill-first flow, where decode posts it here). Rank -> None if taken, else why not."""
+        prefill-first flow, where decode posts it here). Rank -> None if taken, else why not;
+        raises ProtocolError when the target does not fit the send."""
+        holding = [rank for rank, agent in sorted(self.agents.items()) if rid in agent.sends]
+        for rank in holding:  # all checked before any takes it: a bad target is nobody's
+            self.send.check_target(rank, rid, remote)
         out: dict[int, str | None] = {}
-        for rank, agent in sorted(self.agents.items()):
-            if rid in agent.sends:
-                reply = self.send.set_target(SetTarget(rank=rank, request=rid, remote=remote))
-                out[rank] = None if reply.ok else reply.error
+        for rank in holding:
+            reply = self.send.set_target(SetTarget(rank=rank, request=rid, remote=remote))
+            out[rank] = None if reply.ok else reply.error
         return out
 
     # ---- engine link -----------------------------------------------------------------------

@@ -151,7 +151,25 @@ class Pair:
         while httpx.get(f"{self.pd.proxy}/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the proxy never saw the restarted instance"
             time.sleep(0.2)
+        self.close_breaker(role)
         return time.monotonic() - t0
+
+    def close_breaker(self, role: str, timeout_s: float = 60.0) -> None:
+        """Wait until the proxy's breaker of ``role`` is closed with no failure counted. The
+        scenario that killed the instance left failures there: an open or half-open breaker
+        answers the next scenario's concurrent requests 503 (one trial request at a time), so
+        a trial request is sent here whenever the breaker lets one through."""
+        deadline = time.monotonic() + timeout_s
+        for i in range(10_000):
+            (state,) = httpx.get(f"{self.pd.proxy}/health", timeout=5).json()[role]
+            if state["breaker"] == "closed" and state["consecutive_failures"] == 0:
+                return
+            assert time.monotonic() < deadline, f"the proxy's {role} breaker stays {state}"
+            if state["breaker"] != "open":
+                # Long enough for the proxy to send it through prefill.
+                with contextlib.suppress(httpx.HTTPError, AssertionError):
+                    self.pd.completion(self.pd.proxy, prompt(400, 900 + i), 1, timeout_s=60)
+            time.sleep(0.5)
 
 
 @dataclass

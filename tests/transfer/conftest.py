@@ -438,14 +438,16 @@ def send_settings(send_timeout_s: float = 30.0) -> SendSettings:
     return SendSettings(engine_id=P_ENGINE, send_timeout_s=send_timeout_s, ack_timeout_s=1.0)
 
 
-def make_prefill(layout: LayoutDesc, send_timeout_s: float = 30.0) -> Prefill:
+def make_prefill(
+    layout: LayoutDesc, send_timeout_s: float = 30.0, settings: SendSettings | None = None
+) -> Prefill:
     net, clock, tasks, lost = Net(), Clock(), Tasks(), Lost()
     stub = DecodeStub(layout)
     net.answers[D_ENDPOINT] = stub
     peers = make_peers(net, clock, layout, lost)
     agents = {0: Agent(None, layout, P_ENGINE)}
     side = SendSide(
-        send_settings(send_timeout_s),
+        settings or send_settings(send_timeout_s),
         agents,
         peers,
         spawn=tasks.spawn,
