@@ -17,6 +17,9 @@ from app.proxy import Flow, Policy, ProxyConfig, create_proxy
 
 log = logging.getLogger(__name__)
 
+# The flags below that are new read their defaults from here, so they are written once.
+_DEFAULTS = ProxyConfig(("http://p",), ("http://d",), "http://proxy")
+
 
 class _ProxyServer(uvicorn.Server):
     """uvicorn that calls ``on_started`` once it serves and ``on_stopped`` once it stopped
@@ -146,6 +149,16 @@ def proxy_command(
     health_interval: Annotated[
         float, typer.Option(help="Seconds between health probes of each instance.")
     ] = 5.0,
+    max_body_bytes: Annotated[
+        int, typer.Option(help="Largest request body read (413 past it).")
+    ] = _DEFAULTS.max_body_bytes,
+    max_inflight: Annotated[
+        int, typer.Option(help="Requests in flight before 503 with Retry-After.")
+    ] = _DEFAULTS.max_inflight,
+    max_model_len: Annotated[
+        int,
+        typer.Option(help="Longest sequence the engines serve (caps max_tokens in routing)."),
+    ] = _DEFAULTS.max_model_len,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -175,6 +188,9 @@ def proxy_command(
             target_timeout_s=target_timeout,
             request_timeout_s=request_timeout,
             health_interval_s=health_interval,
+            max_body_bytes=max_body_bytes,
+            max_inflight=max_inflight,
+            max_model_len=max_model_len,
         )
     except ConfigError:
         sock.close()

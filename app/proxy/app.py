@@ -13,6 +13,7 @@ import httpx
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
+from app.api.guards import BodyLimit, InflightLimit
 from app.proxy.balancer import HealthChecker, Pool, Routing, is_connection_failure
 from app.proxy.breaker import BreakerSettings
 from app.proxy.config import ProxyConfig
@@ -61,6 +62,18 @@ def _pools(cfg: ProxyConfig) -> dict[str, Pool]:
     }
 
 
+# Transfer ids are the proxy's own uuids (36 characters).
+MAX_TRANSFER_ID = 256
+# Never refused for load: probes and scrapes (a busy proxy is still alive), and the engines'
+# target rendezvous, which moves the transfers of requests already admitted.
+_UNLIMITED = ("/health", "/metrics", "/v1/kv_targets")
+_REFUSAL_KIND = {408: "timeout", 413: "invalid_request_error", 503: "service_unavailable"}
+
+
+def _refusal(status: int, message: str) -> Response:
+    return error_response(status, message, _REFUSAL_KIND.get(status, "service_unavailable"))
+
+
 def create_proxy(cfg: ProxyConfig) -> FastAPI:
     """The proxy app; it probes every instance once before serving, then every interval."""
     pools = _pools(cfg)
@@ -106,6 +119,15 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 await asyncio.to_thread(flow.tracing.shutdown)  # exports what is buffered
 
     app = FastAPI(title="kv-sidecar proxy", lifespan=lifespan)
+    # Added last is outermost: the in-flight count covers the time a body takes to arrive.
+    app.add_middleware(
+        BodyLimit,
+        max_bytes=cfg.max_body_bytes,
+        timeout_s=cfg.body_timeout_s,
+        setting="--max-body-bytes",
+        respond=_refusal,
+    )
+    app.add_middleware(InflightLimit, limit=cfg.max_inflight, exempt=_UNLIMITED, respond=_refusal)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -122,8 +144,13 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         if isinstance(body, Response):
             return body
         tid, target, error = body.get("transfer_id"), body.get("target"), body.get("error")
-        if not isinstance(tid, str) or not tid:
-            return error_response(400, "transfer_id: expected a string", "invalid_request_error")
+        if not isinstance(tid, str) or not 0 < len(tid) <= MAX_TRANSFER_ID:
+            # Not echoed: a stranger's megabyte id stays out of the answer and the log.
+            return error_response(
+                400,
+                f"transfer_id: expected a string of 1 to {MAX_TRANSFER_ID} characters",
+                "invalid_request_error",
+            )
         if isinstance(target, dict):
             delivery = targets.deliver(tid, target)
         elif target is None and error is not None:
@@ -147,6 +174,12 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
 
         Waits up to ``timeout_s``; 409 when the transfer stopped waiting (decode ended), with
         the reason, so prefill frees its blocks at once instead of at its deadline."""
+        if len(transfer_id) > MAX_TRANSFER_ID:
+            return error_response(
+                400,
+                f"transfer_id: expected at most {MAX_TRANSFER_ID} characters",
+                "invalid_request_error",
+            )
         got = await targets.fetch(transfer_id, timeout_s)
         if isinstance(got, Delivery):
             kind = _REFUSED_KIND.get(got.status, "gateway_timeout")

@@ -80,6 +80,14 @@ class ProxyConfig:
     health_interval_s: float = 5.0
     health_timeout_s: float = 3.0
     transfer_log_size: int = 1000
+    # Bounds on what clients can make the proxy hold: a body (413 past it, 408 when it is not
+    # whole within body_timeout_s) and requests in flight (503 with Retry-After past it).
+    max_body_bytes: int = 8 << 20
+    body_timeout_s: float = 30.0
+    max_inflight: int = 1024
+    # The longest sequence any instance serves: a request's max_tokens counts for routing up
+    # to what fits after its prompt, so a huge one cannot weigh on an instance for good.
+    max_model_len: int = 131_072
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -121,10 +129,18 @@ class ProxyConfig:
             "health_interval_s",
             "health_timeout_s",
             "breaker_probe_interval_s",
+            "body_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("breaker_failures", "prefix_block_size", "prefix_index_blocks"):
+        for name in (
+            "breaker_failures",
+            "prefix_block_size",
+            "prefix_index_blocks",
+            "max_body_bytes",
+            "max_inflight",
+            "max_model_len",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.min_prefill_tokens < 0:

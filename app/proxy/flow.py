@@ -190,7 +190,7 @@ class PDFlow:
         body = await read_json_object(request)
         if isinstance(body, Response):
             return refused(server, body)
-        shape = shape_of(body, path, self.cfg.prefix_block_size)
+        shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len)
         try:
             d = self.decode.acquire(shape)
         except NoHealthyInstance as e:

@@ -116,13 +116,21 @@ def _max_tokens(body: dict[str, Any], path: str) -> int:
     return DEFAULT_CHAT_MAX_TOKENS if "chat" in path else DEFAULT_COMPLETION_MAX_TOKENS
 
 
-def shape_of(body: dict[str, Any], path: str, block_size: int) -> RequestShape:
-    """A request's size and hash chain from its body; a batch of prompts is hashed by its first."""
+def shape_of(
+    body: dict[str, Any], path: str, block_size: int, max_model_len: int = 1 << 62
+) -> RequestShape:
+    """A request's size and hash chain from its body; a batch of prompts is hashed by its first.
+    ``max_tokens`` counts up to what fits after the prompt in ``max_model_len``."""
+
+    def fitting(max_tokens: int, prompt_tokens: int) -> int:
+        return min(max_tokens, max(max_model_len - prompt_tokens, 0))
+
     if "chat" in path:
         text = _chat_text(body.get("messages"))
+        tokens = len(text) // CHARS_PER_TOKEN
         return RequestShape(
-            len(text) // CHARS_PER_TOKEN,
-            _max_tokens(body, path),
+            tokens,
+            fitting(_max_tokens(body, path), tokens),
             _text_chain(text, block_size),
             block_size,
         )
@@ -135,7 +143,8 @@ def shape_of(body: dict[str, Any], path: str, block_size: int) -> RequestShape:
         prompts = [p for p in prompt if isinstance(p, str) or _is_token_ids(p)]
     else:
         prompts = []
-    tokens = sum(len(p) // CHARS_PER_TOKEN if isinstance(p, str) else len(p) for p in prompts)
+    sizes = [len(p) // CHARS_PER_TOKEN if isinstance(p, str) else len(p) for p in prompts]
+    tokens = sum(sizes)
     chain: tuple[int, ...] = ()
     if prompts:
         first = prompts[0]
@@ -145,7 +154,8 @@ def shape_of(body: dict[str, Any], path: str, block_size: int) -> RequestShape:
             else _token_chain(first, block_size)
         )
     # Every prompt of a batch generates its own answer.
-    return RequestShape(tokens, _max_tokens(body, path) * max(1, len(prompts)), chain, block_size)
+    answers = fitting(_max_tokens(body, path), max(sizes, default=0)) * max(1, len(prompts))
+    return RequestShape(tokens, answers, chain, block_size)
 
 
 class PrefixIndex:
