@@ -26,7 +26,7 @@ from app.bench.pd_observe import (
     write_logging_config,
 )
 from app.bench.pd_stats import Iteration
-from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD
+from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD, vllm_env
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
@@ -70,8 +70,7 @@ class MooncakePD(LocalPD):
                 f"vllm-{inst.role}",
                 [*_vllm_command(self.model, inst.vllm_port, ktc), *self.extra_vllm_args],
                 {
-                    "VLLM_CPU_KVCACHE_SPACE": "1",
-                    "VLLM_LOGGING_LEVEL": "WARNING",
+                    **vllm_env(1),
                     # D starts no bootstrap server, but must not collide with P's if it did.
                     "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(
                         self.bootstrap_port if producer else free_port()
