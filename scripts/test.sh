@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/ruff check app tests
 .venv/bin/ruff format --check app tests
 .venv/bin/mypy
-# Two workers: the real-engine modules one after another on one, the rest on the other
-# (tests/conftest.py schedules them; README "Tests").
-.venv/bin/python -m pytest -q -n 2 "$@"
+# Everything without real vLLM engines on two workers, then the real-engine modules in one
+# process: beside the other worker's tests the engines took twice as long (README "Tests").
+.venv/bin/python -m pytest -q -n 2 --ignore=tests/connectors/vllm "$@"
+.venv/bin/python -m pytest -q tests/connectors/vllm "$@"

@@ -24,7 +24,7 @@ from tests.connectors.vllm.conftest import engines_up, kv_usage, prompt
 
 # Each scenario kills and restarts real engines (minutes here): CI runs them apart from the
 # default suite, which must stay under 30 minutes on a two-core machine (README "Tests").
-pytestmark = pytest.mark.real_chaos
+pytestmark = pytest.mark.slow_engines
 
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)

@@ -24,6 +24,7 @@ import zmq
 
 from app.connectors.local_pd import LocalPD, write_tiny_model
 from app.transfer.protocol import decode
+from tests.conftest import wait_for
 
 SSM_DTYPE_ARGS = {
     "f32": ("--mamba-ssm-cache-dtype", "float32"),
@@ -107,6 +108,18 @@ def print_logs_on_failure(run: Path) -> None:
         text = log.read_text(errors="replace")
         if "Traceback" in text:
             print(f"---- {log.name} (tail) ----\n{text[-2500:]}")
+
+
+def last_transfer(proxy: str) -> dict[str, Any]:
+    """The proxy's record of its last request, once both sides ended: the client's answer
+    (decode's) may come before prefill's, as the KV lands during prefill's forward pass."""
+
+    def settled() -> dict[str, Any] | None:
+        records = httpx.get(f"{proxy}/v1/transfers", params={"limit": 1}, timeout=10).json()
+        (record,) = records["transfers"]
+        return None if record["status"] == "pending" else dict(record)
+
+    return dict(wait_for("the last transfer to settle", settled, timeout_s=60))
 
 
 def kv_usage(url: str) -> float:

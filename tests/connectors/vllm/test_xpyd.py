@@ -4,13 +4,11 @@ behind the proxy's cache-aware prefill routing and token-based decode routing.""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import httpx
 import pytest
 
 from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
-from tests.connectors.vllm.conftest import engines_up, prompt
+from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 
 PREFIX = 512  # tokens the three prompts of the family share
 SUFFIX = 600
@@ -41,12 +39,6 @@ def computed(pd: LocalPD) -> float:
     )
 
 
-def last_record(pd: LocalPD) -> dict[str, Any]:
-    records = httpx.get(f"{pd.proxy}/v1/transfers", params={"limit": 1}, timeout=10).json()
-    (record,) = records["transfers"]
-    return dict(record)
-
-
 def test_second_round_goes_to_the_prefill_holding_the_prefix(xpyd: LocalPD) -> None:
     """Three prompts share a 512-token prefix; an unrelated one goes between them. Sent twice,
     in the second round each prompt goes to the prefill that served it (the family's), whose
@@ -75,7 +67,7 @@ def test_second_round_goes_to_the_prefill_holding_the_prefix(xpyd: LocalPD) -> N
         picks.append({})
         for name in order:
             answer = xpyd.completion(xpyd.proxy, prompts[name], MAX_TOKENS)
-            r = last_record(xpyd)
+            r = last_transfer(xpyd.proxy)
             assert r["status"] == "ok" and r["disaggregated"], r
             hit = r["prefill_pick"]["hit_tokens"]
             if hit == 0:
