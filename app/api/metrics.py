@@ -97,6 +97,11 @@ class SidecarCollector(Collector):
             ),
             ("leases_lost", "Peers declared lost because they were silent past the lease."),
             ("generations", "Engine re-registrations that started a new generation (epoch)."),
+            (
+                "unconfirmed_sends",
+                "Prefill sends whose writes outlived their deadline: decode was told nothing "
+                "and the engine got the blocks back only once Mooncake answered the writes.",
+            ),
         ):
             yield CounterMetricFamily(f"kvsidecar_{name}", help_text, value=sc.counters[name])
         yield GaugeMetricFamily(

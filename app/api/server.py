@@ -50,7 +50,7 @@ from app.api.schemas import (
     StatusResponse,
 )
 from app.config import SidecarSettings, env_var_for
-from app.errors import ConfigError, DeadlineExceeded, KVSidecarError
+from app.errors import AuthError, ConfigError, DeadlineExceeded, KVSidecarError
 from app.transfer.protocol import remote_target
 from app.transfer.sidecar import Sidecar
 
@@ -88,6 +88,10 @@ class _TokenCheck:
     async def __call__(
         self, creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
     ) -> None:
+        self.check(creds)
+
+    def check(self, creds: HTTPAuthorizationCredentials | None) -> None:
+        """Raise 401 unless ``creds`` carry the token."""
         if creds is None:
             raise HTTPException(
                 status.HTTP_401_UNAUTHORIZED,
@@ -262,23 +266,41 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         entries = [views.request_view(r, now) for r in views.find_request(sidecar, request_id)]
         return AbortResponse(id=request_id, aborted=live, entries=entries)
 
+    token_check = None if token is None else _TokenCheck(token.get_secret_value())
+
     @app.post(
         "/v1/kv_targets",
         response_model=KVTargetResponse,
         tags=["requests"],
         responses={
             400: _error("Neither a usable target nor an error."),
+            401: _error("A target not signed by decode's sidecar, or an error without the token."),
             404: _error("No rank holds a send by that id."),
             409: _error("The send already ended or already has a target."),
-            **mutating.get("responses", {}),
         },
-        dependencies=mutating.get("dependencies", []),
     )
-    async def post_kv_target(body: KVTargetBody) -> KVTargetResponse:
+    async def post_kv_target(
+        body: KVTargetBody,
+        creds: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> KVTargetResponse:
         """Prefill first: decode's connector says where a send this sidecar holds goes (the
         ``router_url`` prefill's answer named), or why it cannot take it (the send ends
-        ABORTED at once and prefill's blocks go back)."""
+        ABORTED at once and prefill's blocks go back).
+
+        A target is authenticated by decode's sidecar's signature (the engines hold no admin
+        token); an error ends a transfer like an abort and needs the admin token when set."""
         tid = body.transfer_id
+        remote = None
+        if body.target is not None:
+            try:  # before anything about the send is told
+                remote = remote_target(body.target)
+                sidecar.verify_target(remote)
+            except AuthError as e:
+                raise HTTPException(401, detail=str(e)) from None
+            except KVSidecarError as e:
+                raise HTTPException(400, detail=str(e)) from None
+        elif token_check is not None:
+            token_check.check(creds)
         holders = [r.rank for r in views.find_request(sidecar, tid) if views.side_of(r) == "send"]
         if not holders:
             raise HTTPException(
@@ -286,7 +308,7 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
                 detail=f"no send {tid!r} on this sidecar: this is not prefill's sidecar for it, "
                 "or the prompt was not sent with do_remote_decode",
             )
-        if body.target is None:
+        if remote is None:
             if body.error is None:
                 raise HTTPException(400, detail="expected a target (an object) or an error")
             ended = [rank for rank in holders if await _abort_quietly(rank, tid, body.error)]
@@ -294,7 +316,7 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
                 raise HTTPException(409, detail=f"send {tid!r} already ended")
             return KVTargetResponse(transfer_id=tid, ranks=ended)
         try:
-            outcome = sidecar.set_target(tid, remote_target(body.target))
+            outcome = sidecar.set_target(tid, remote)
         except KVSidecarError as e:
             raise HTTPException(400, detail=str(e)) from None
         refused = {rank: why for rank, why in outcome.items() if why is not None}

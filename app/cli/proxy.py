@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -14,10 +15,11 @@ import uvicorn
 from app.errors import ConfigError
 from app.ports import clear_port_file, write_port_file
 from app.proxy import Flow, Policy, ProxyConfig, create_proxy
+from app.proxy.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FLAG
 
 log = logging.getLogger(__name__)
 
-# The flags below that are new read their defaults from here, so they are written once.
+# Every flag that sets a ProxyConfig field reads its default from here: written once.
 _DEFAULTS = ProxyConfig(("http://p",), ("http://d",), "http://proxy")
 
 
@@ -53,6 +55,25 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ConfigError(f"the proxy cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
+def read_admin_token(path: Path | None, env: Mapping[str, str]) -> str | None:
+    """The admin token from ``path`` (a mounted Secret) or ``env``; None when neither is set."""
+    from_env = env.get(ADMIN_TOKEN_ENV) or None
+    if path is None:
+        return from_env
+    if from_env is not None:
+        raise ConfigError(
+            f"{ADMIN_TOKEN_FLAG} and {ADMIN_TOKEN_ENV} are both set: set one, so that which "
+            "token is used is never a guess"
+        )
+    try:
+        token = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{ADMIN_TOKEN_FLAG} {str(path)!r}: cannot read it: {e}") from e
+    if not token:
+        raise ConfigError(f"{ADMIN_TOKEN_FLAG} {str(path)!r} is empty: expected the token")
+    return token
+
+
 def proxy_command(
     prefill: Annotated[
         list[str], typer.Option("--prefill", help="Prefill vLLM base URL (repeatable).")
@@ -72,63 +93,63 @@ def proxy_command(
             help="cache_aware (prompt blocks already routed there minus --prefill-alpha x "
             "tokens in flight), round_robin or least_outstanding (README, Routing)."
         ),
-    ] = Policy.CACHE_AWARE,
+    ] = _DEFAULTS.prefill_policy,
     decode_policy: Annotated[
         Policy,
         typer.Option(
             help="tokens (fewest prompt + max_tokens in flight), round_robin or least_outstanding."
         ),
-    ] = Policy.TOKENS,
+    ] = _DEFAULTS.decode_policy,
     policy: Annotated[
         Policy | None,
         typer.Option(help="round_robin or least_outstanding for both roles (overrides both)."),
-    ] = None,
+    ] = _DEFAULTS.policy,
     prefill_alpha: Annotated[
         float,
         typer.Option(help="cache_aware: weight of a token in flight against a cached token."),
-    ] = 1.0,
+    ] = _DEFAULTS.prefill_alpha,
     prefix_block_size: Annotated[
         int, typer.Option(help="cache_aware: prompt tokens per hashed block.")
-    ] = 16,
+    ] = _DEFAULTS.prefix_block_size,
     prefix_index_blocks: Annotated[
         int,
         typer.Option(
             help="Blocks remembered per instance (LRU): cache_aware prefill, and decode for "
             "--decode-hit-fraction."
         ),
-    ] = 10_000,
+    ] = _DEFAULTS.prefix_index_blocks,
     min_prefill_tokens: Annotated[
         int,
         typer.Option(
             help="A prompt shorter than this goes to decode alone, no prefill (0: never)."
         ),
-    ] = 256,
+    ] = _DEFAULTS.min_prefill_tokens,
     decode_hit_fraction: Annotated[
         float,
         typer.Option(
             help="A prompt of which the picked decode holds at least this fraction (blocks the "
             "proxy routed there before) goes to decode alone (above 1: never)."
         ),
-    ] = 0.8,
+    ] = _DEFAULTS.decode_hit_fraction,
     breaker_failures: Annotated[
         int,
         typer.Option(
             help="Consecutive failures (connection, transport, 5xx) that take an instance out."
         ),
-    ] = 3,
+    ] = _DEFAULTS.breaker_failures,
     breaker_probe_interval: Annotated[
         float,
         typer.Option(
             help="Seconds before an instance taken out is probed (GET /health, then one request)."
         ),
-    ] = 5.0,
+    ] = _DEFAULTS.breaker_probe_interval_s,
     flow: Annotated[
         Flow,
         typer.Option(
             help="concurrent: the prompt goes to prefill and decode at once; decode_first: to "
             "prefill once decode posted its target."
         ),
-    ] = Flow.CONCURRENT,
+    ] = _DEFAULTS.flow,
     public_url: Annotated[
         str | None,
         typer.Option(
@@ -141,14 +162,14 @@ def proxy_command(
         typer.Option(
             help="Seconds prefill (or, decode first, the proxy) waits for decode's target."
         ),
-    ] = 30.0,
+    ] = _DEFAULTS.target_timeout_s,
     request_timeout: Annotated[
         float,
         typer.Option(help="Seconds an upstream may take per read (a whole non-streamed answer)."),
-    ] = 600.0,
+    ] = _DEFAULTS.request_timeout_s,
     health_interval: Annotated[
         float, typer.Option(help="Seconds between health probes of each instance.")
-    ] = 5.0,
+    ] = _DEFAULTS.health_interval_s,
     max_body_bytes: Annotated[
         int, typer.Option(help="Largest request body read (413 past it).")
     ] = _DEFAULTS.max_body_bytes,
@@ -159,11 +180,19 @@ def proxy_command(
         int,
         typer.Option(help="Longest sequence the engines serve (caps max_tokens in routing)."),
     ] = _DEFAULTS.max_model_len,
+    admin_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            help="File holding the bearer token GET /v1/transfers needs (else the token in "
+            f"{ADMIN_TOKEN_ENV}; with neither, only loopback clients may read transfers)."
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level {log_level!r}: expected debug, info, warning or error")
+    admin_token = read_admin_token(admin_token_file, os.environ)
     if port_file is not None:
         clear_port_file(port_file)  # an earlier run's port is not ours
     sock = _bind(host, port)
@@ -191,6 +220,7 @@ def proxy_command(
             max_body_bytes=max_body_bytes,
             max_inflight=max_inflight,
             max_model_len=max_model_len,
+            admin_token=admin_token,
         )
     except ConfigError:
         sock.close()

@@ -53,6 +53,8 @@ from app.transfer.protocol import (
     RequestTotals,
     SetTarget,
     SidecarInfo,
+    SignedTargets,
+    SignTargets,
     StepSlice,
 )
 
@@ -107,7 +109,7 @@ class EngineLink:
             reply = self.client.request(msg, timeout or self.timeout_s)
         if isinstance(reply, Reply) and not reply.ok:
             raise EngineLinkError(reply.error or "sidecar refused the call")
-        if not isinstance(reply, Reply | Finished | PoolLoaded):
+        if not isinstance(reply, Reply | Finished | PoolLoaded | SignedTargets):
             raise EngineLinkError(
                 f"unexpected reply {type(reply).__name__}: {getattr(reply, 'reason', '')}"
             )
@@ -144,6 +146,12 @@ class EngineLink:
         reply = self._call(SidecarInfo())
         assert isinstance(reply, Reply)
         return dict(reply.data)
+
+    def sign_targets(self, targets: Sequence[RemoteTarget]) -> list[RemoteTarget]:
+        """``targets`` (naming this sidecar) signed by it, in order (app.transfer.target_auth)."""
+        reply = self._call(SignTargets(targets=list(targets)))
+        assert isinstance(reply, SignedTargets)
+        return reply.targets
 
     def add_send_request(
         self,

@@ -1,4 +1,5 @@
-"""The proxy's FastAPI app: OpenAI-compatible routes, the target callback, health, records."""
+"""The proxy's FastAPI app: OpenAI-compatible routes, the target callback, health, records,
+metrics."""
 
 from __future__ import annotations
 
@@ -14,18 +15,22 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from app.api.guards import BodyLimit, InflightLimit
+from app.proxy.admin import admin_refusal
 from app.proxy.balancer import HealthChecker, Pool, Routing, is_connection_failure
+from app.proxy.bodies import TRANSFER_TOKEN_HEADER
 from app.proxy.breaker import BreakerSettings
 from app.proxy.config import ProxyConfig
 from app.proxy.errors import NoHealthyInstance, error_response
-from app.proxy.flow import PDFlow, describe, forwarded_headers, read_json_object
+from app.proxy.exchange import describe, forwarded_headers, read_json_object
+from app.proxy.flow import PDFlow
+from app.proxy.metrics import CONTENT_TYPE, CountInflight, ProxyMetrics
 from app.proxy.records import TransferLog
 from app.proxy.targets import Delivery, TargetRendezvous
 from app.tracing.otel import open_tracing
 
 log = logging.getLogger(__name__)
 
-_REFUSED_KIND = {404: "not_found", 409: "conflict"}
+_REFUSED_KIND = {401: "authentication_error", 404: "not_found", 409: "conflict"}
 
 
 def _health_body(pools: dict[str, Pool], flow: PDFlow) -> tuple[int, dict[str, Any]]:
@@ -86,7 +91,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         # Engines are reached directly; an HTTP(S)_PROXY meant for the outside must not apply.
         trust_env=False,
     )
-    flow = PDFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client)
+    metrics = ProxyMetrics(pools)
+    flow = PDFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client, metrics)
     checker = HealthChecker(
         list(pools.values()), client, cfg.health_interval_s, cfg.health_timeout_s
     )
@@ -127,6 +133,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         setting="--max-body-bytes",
         respond=_refusal,
     )
+    # Inside the limit: the gauge counts what the limit let in.
+    app.add_middleware(CountInflight, gauge=metrics.in_flight, exempt=_UNLIMITED)
     app.add_middleware(InflightLimit, limit=cfg.max_inflight, exempt=_UNLIMITED, respond=_refusal)
 
     @app.post("/v1/completions")
@@ -151,10 +159,11 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 f"transfer_id: expected a string of 1 to {MAX_TRANSFER_ID} characters",
                 "invalid_request_error",
             )
+        token = request.headers.get(TRANSFER_TOKEN_HEADER)
         if isinstance(target, dict):
-            delivery = targets.deliver(tid, target)
+            delivery = targets.deliver(tid, token, target)
         elif target is None and error is not None:
-            delivery = targets.fail(tid, str(error))
+            delivery = targets.fail(tid, token, str(error))
         else:
             return error_response(
                 400,
@@ -169,18 +178,22 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         return JSONResponse({"ok": True})
 
     @app.get("/v1/kv_targets/{transfer_id}")
-    async def kv_target(transfer_id: str, timeout_s: float = Query(30.0, gt=0, le=600)) -> Response:
+    async def kv_target(
+        request: Request, transfer_id: str, timeout_s: float | None = Query(None, gt=0, le=600)
+    ) -> Response:
         """Prefill's connector (concurrent flow): decode's target, once it was posted.
 
-        Waits up to ``timeout_s``; 409 when the transfer stopped waiting (decode ended), with
-        the reason, so prefill frees its blocks at once instead of at its deadline."""
+        Waits up to ``timeout_s`` (default: the proxy's target timeout); 409 when the transfer
+        stopped waiting (decode ended), with the reason, so prefill frees its blocks at once
+        instead of at its deadline; 401 without the transfer's token."""
         if len(transfer_id) > MAX_TRANSFER_ID:
             return error_response(
                 400,
                 f"transfer_id: expected at most {MAX_TRANSFER_ID} characters",
                 "invalid_request_error",
             )
-        got = await targets.fetch(transfer_id, timeout_s)
+        token = request.headers.get(TRANSFER_TOKEN_HEADER)
+        got = await targets.fetch(transfer_id, token, timeout_s or cfg.target_timeout_s)
         if isinstance(got, Delivery):
             kind = _REFUSED_KIND.get(got.status, "gateway_timeout")
             return error_response(got.status, got.message, kind)
@@ -211,15 +224,26 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         headers = {k: r.headers[k] for k in ("content-type",) if k in r.headers}
         return Response(r.content, status_code=r.status_code, headers=headers)
 
+    @app.get("/metrics")
+    async def metrics_text() -> Response:
+        """Prometheus text exposition (names prefixed ``kvproxy_``)."""
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.get("/v1/transfers")
-    async def list_transfers(limit: int | None = Query(None, ge=0)) -> JSONResponse:
-        """The last transfers, oldest first (at most ``limit``)."""
+    async def list_transfers(request: Request, limit: int | None = Query(None, ge=0)) -> Response:
+        """The last transfers, oldest first (at most ``limit``); operators only (admin.py)."""
+        denied = admin_refusal(request, cfg.admin_token)
+        if denied is not None:
+            return denied
         return JSONResponse(
             {"transfers": [dataclasses.asdict(r) for r in transfers.records(limit)]}
         )
 
     @app.get("/v1/transfers/{transfer_id}")
-    async def get_transfer(transfer_id: str) -> JSONResponse:
+    async def get_transfer(request: Request, transfer_id: str) -> Response:
+        denied = admin_refusal(request, cfg.admin_token)
+        if denied is not None:
+            return denied
         record = transfers.get(transfer_id)
         if record is None:
             return error_response(404, f"no recent transfer {transfer_id!r}", "not_found")

@@ -1,12 +1,45 @@
-"""The request bodies the proxy sends to decode and prefill (pure functions)."""
+"""The request bodies the proxy sends to decode and prefill, and what it reads back of
+decode's answer (pure functions)."""
 
 from __future__ import annotations
 
+import json
+import secrets
 from typing import Any
+
+# The contract's names, defined once beside the connectors (which must not import the proxy):
+# a per-transfer secret the proxy puts in both engines' ``kv_transfer_params`` and their
+# connectors send back in a header on ``/v1/kv_targets``, so only the two engines of a
+# transfer can post or fetch its target; and decode's report, in its final
+# ``kv_transfer_params``, of whether the KV came (``"failed"``: it recomputed the prompt).
+from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
+
+__all__ = [
+    "KV_LOAD_PARAM",
+    "TRANSFER_TOKEN_HEADER",
+    "TRANSFER_TOKEN_PARAM",
+    "decode_body",
+    "is_streamed",
+    "kv_load_of",
+    "local_body",
+    "new_transfer_token",
+    "prefill_body",
+]
+
+KV_LOADS = ("ok", "failed")
+
+
+def new_transfer_token() -> str:
+    """256 random bits, URL-safe (43 characters)."""
+    return secrets.token_urlsafe(32)
 
 
 def decode_body(
-    body: dict[str, Any], transfer_id: str, router_url: str, traceparent: str | None = None
+    body: dict[str, Any],
+    transfer_id: str,
+    router_url: str,
+    token: str,
+    traceparent: str | None = None,
 ) -> dict[str, Any]:
     """The client's request, asking decode to take its prompt's KV from a remote prefill.
 
@@ -18,6 +51,7 @@ def decode_body(
         "do_remote_prefill": True,
         "transfer_id": transfer_id,
         "router_url": router_url,
+        TRANSFER_TOKEN_PARAM: token,
     }
     if traceparent is not None:
         params["traceparent"] = traceparent
@@ -34,6 +68,7 @@ def prefill_body(
     body: dict[str, Any],
     transfer_id: str,
     *,
+    token: str,
     target: dict[str, Any] | None = None,
     router_url: str | None = None,
     target_timeout_s: float | None = None,
@@ -47,7 +82,11 @@ def prefill_body(
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
-    params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": transfer_id}
+    params: dict[str, Any] = {
+        "do_remote_decode": True,
+        "transfer_id": transfer_id,
+        TRANSFER_TOKEN_PARAM: token,
+    }
     if target is not None:
         params["remote"] = target
     if router_url is not None:
@@ -61,3 +100,18 @@ def prefill_body(
 
 def is_streamed(body: dict[str, Any]) -> bool:
     return bool(body.get("stream", False))
+
+
+def kv_load_of(content: bytes) -> str | None:
+    """``kv_transfer_params.kv_load`` of decode's whole (non-streamed) answer: ``"ok"``,
+    ``"failed"``, or None when absent or not JSON."""
+    # Most answers do not carry it: they are not parsed at all.
+    if KV_LOAD_PARAM.encode() not in content:
+        return None
+    try:
+        answer = json.loads(content)
+    except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested past parsing
+        return None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    value = params.get(KV_LOAD_PARAM) if isinstance(params, dict) else None
+    return value if value in KV_LOADS else None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from app.errors import ConfigError
 from app.proxy.disagg import DisaggRules
+
+# Where ``kv-sidecar proxy`` reads the admin token when no --admin-token-file is given.
+ADMIN_TOKEN_ENV = "KVSIDECAR_PROXY_ADMIN_TOKEN"
+ADMIN_TOKEN_FLAG = "--admin-token-file"
 
 
 class Policy(StrEnum):
@@ -88,6 +92,8 @@ class ProxyConfig:
     # The longest sequence any instance serves: a request's max_tokens counts for routing up
     # to what fits after its prompt, so a huge one cannot weigh on an instance for good.
     max_model_len: int = 131_072
+    # Bearer token GET /v1/transfers needs; None: only loopback clients may read them.
+    admin_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -157,6 +163,15 @@ class ProxyConfig:
             raise ConfigError(f"prefill_alpha must not be negative, got {self.prefill_alpha}")
         if self.transfer_log_size < 1:
             raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
+        if self.admin_token is not None:
+            # Stripped as HTTP strips a header's value (a file's newline would never match).
+            object.__setattr__(self, "admin_token", self.admin_token.strip())
+            if not self.admin_token:
+                raise ConfigError(
+                    f"the admin token ({ADMIN_TOKEN_FLAG} or {ADMIN_TOKEN_ENV}) is blank: "
+                    "expected a secret, e.g. the output of "
+                    "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
+                )
 
     @property
     def disagg_rules(self) -> DisaggRules:

@@ -1,7 +1,8 @@
 """The P/D flows for one client request (DESIGN §2, README "Request flows").
 
 1. The client's body goes to a decode instance with ``kv_transfer_params = {do_remote_prefill,
-   transfer_id, router_url}``; decode's answer is the client's answer, relayed as it comes.
+   transfer_id, router_url, transfer_token}``; decode's answer is the client's answer, relayed
+   as it comes.
    Decode's connector posts its target to ``router_url`` once its blocks are allocated.
 2. Concurrent (the default): the prompt goes to a prefill instance at the same time
    (``max_tokens=1``, not streamed, ``{do_remote_decode, transfer_id, router_url}``). Prefill
@@ -15,7 +16,9 @@
    client that goes away closes both upstream connections, which vLLM turns into aborts.
 5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
    decode as a plain request and no prefill is asked; the record says ``local`` and why.
-6. Tracing (README "Tracing"): the request's server span is a child of the client's
+6. Each disaggregated transfer has a secret token (bodies.py) in both bodies'
+   ``kv_transfer_params``; the connectors send it back on ``/v1/kv_targets`` (targets.py).
+7. Tracing (README "Tracing"): the request's server span is a child of the client's
    ``traceparent`` (or starts a trace); each call to decode and prefill is a client span under
    it, whose traceparent goes upstream as the header and in ``kv_transfer_params``.
 """
@@ -27,23 +30,38 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.types import Receive
 
-from app.proxy.balancer import Lease, Pool, is_connection_failure
-from app.proxy.bodies import decode_body, is_streamed, local_body, prefill_body
-from app.proxy.breaker import decode_ok
+from app.proxy.balancer import Pool, is_connection_failure
+from app.proxy.bodies import (
+    decode_body,
+    is_streamed,
+    kv_load_of,
+    local_body,
+    new_transfer_token,
+    prefill_body,
+)
 from app.proxy.config import Flow, ProxyConfig
-from app.proxy.disagg import DisaggCounts
+from app.proxy.disagg import Decision, DisaggCounts
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
+from app.proxy.exchange import (
+    Exchange,
+    PrefillJob,
+    describe,
+    first_or_none,
+    forwarded_headers,
+    read_json_object,
+    until_disconnected,
+)
+from app.proxy.metrics import REFUSED, ProxyMetrics
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
 from app.proxy.routing import shape_of
 from app.proxy.spans import TRACE_ID_HEADER, call_span, refused
@@ -55,101 +73,9 @@ from app.tracing.traceparent import parse as parse_traceparent
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-# Passed on to the engines: vLLM's --api-key checks Authorization.
-FORWARDED_HEADERS = ("authorization",)
 TRANSFER_ID_HEADER = "x-kv-transfer-id"
 # nginx's code for "the client closed the request"; nobody reads it, the log does.
 CLIENT_GONE = 499
-
-
-def describe(e: BaseException) -> str:
-    text = str(e)
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def forwarded_headers(request: Request) -> dict[str, str]:
-    return {k: v for k in FORWARDED_HEADERS if (v := request.headers.get(k)) is not None}
-
-
-async def read_json_object(request: Request) -> dict[str, Any] | JSONResponse:
-    """The body as a JSON object, or the 400 to answer."""
-    try:
-        body = await request.json()
-    except ValueError:
-        return error_response(400, "request body is not valid JSON", "invalid_request_error")
-    if not isinstance(body, dict):
-        return error_response(400, "request body must be a JSON object", "invalid_request_error")
-    return body
-
-
-async def until_disconnected(receive: Receive) -> None:
-    """Returns when the client closes its connection (its body was already read)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def first_or_none(aw: Awaitable[T], disconnected: asyncio.Task[None]) -> T | None:
-    """``aw``'s result, or None if the client went away first (``aw`` is then cancelled)."""
-    task = asyncio.ensure_future(aw)
-    try:
-        await asyncio.wait({task, disconnected}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not task.done():
-            # Cancelling an httpx call closes its connection: that is what aborts upstream.
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    return None if task.cancelled() else task.result()
-
-
-class _Exchange:
-    """One client request: decode's lease and response, the prefill side task (None: decode
-    alone), the record."""
-
-    def __init__(
-        self,
-        tracker: TransferTracker,
-        decode: Lease,
-        prefill: asyncio.Task[None] | None,
-        on_end: Callable[[DecodeOutcome], None],
-        server: Span,
-    ):
-        self.tracker = tracker
-        self.decode = decode
-        self.prefill = prefill
-        self.upstream: httpx.Response | None = None
-        self.server = server  # the request's span; ``call``: the call to decode under it
-        self.call: Span | None = None
-        self._on_end = on_end
-        self._ended = False
-
-    async def end(self, outcome: DecodeOutcome, error: str | None = None) -> None:
-        """Decode's side is over (idempotent: the first caller's outcome counts)."""
-        if self._ended:
-            return
-        self._ended = True
-        t = self.tracker
-        t.decode_outcome = outcome
-        t.total_s = t.since_start()
-        if error is not None:
-            t.note_error(error)
-        self.decode.settle(decode_ok(outcome, t.decode_status), error or "")
-        self.decode.release()
-        self._on_end(outcome)
-        # A prefill for a decode that never gave a target is pointless now. One that had it
-        # is left to finish when decode answered (it is about done), and cut off if the
-        # client left.
-        if self.prefill is not None and (outcome == "client_gone" or t.target_s is None):
-            self.prefill.cancel()
-        failure = None if outcome == "ok" else (error or outcome)
-        for span in (self.call, self.server):
-            if span is not None:
-                span.set("http.response.status_code", t.decode_status)
-                span.set("kv.outcome", outcome)
-                span.end(failure)
-        if self.upstream is not None:
-            await self.upstream.aclose()
 
 
 class PDFlow:
@@ -163,6 +89,7 @@ class PDFlow:
         targets: TargetRendezvous,
         transfers: TransferLog,
         client: httpx.AsyncClient,
+        metrics: ProxyMetrics,
     ) -> None:
         self.cfg = cfg
         self.prefill = prefill
@@ -170,6 +97,7 @@ class PDFlow:
         self.targets = targets
         self.transfers = transfers
         self.client = client
+        self.metrics = metrics
         self._tasks: set[asyncio.Task[None]] = set()
         self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
         self.disagg = cfg.disagg_rules
@@ -182,6 +110,12 @@ class PDFlow:
         if t is not None and t.target_s is None:
             t.target_s = t.since_start()
 
+    def _refuse(
+        self, server: Span, path: str, decision: Decision | None, answer: Response
+    ) -> Response:
+        self.metrics.request(path, decision, REFUSED)
+        return refused(server, answer)
+
     async def handle(self, request: Request, path: str) -> Response:
         parent = parse_traceparent(request.headers.get(TRACEPARENT))
         server = start_span(
@@ -189,21 +123,23 @@ class PDFlow:
         )
         body = await read_json_object(request)
         if isinstance(body, Response):
-            return refused(server, body)
+            return self._refuse(server, path, None, body)
         shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len)
         try:
             d = self.decode.acquire(shape)
         except NoHealthyInstance as e:
-            return refused(server, error_response(503, str(e), "service_unavailable"))
+            answer = error_response(503, str(e), "service_unavailable")
+            return self._refuse(server, path, None, answer)
         # After decode's pick: whether decode holds the prompt depends on which decode it is.
         decision = self.disagg.decide(shape, d.pick)
-        p: Lease | None = None
+        p = None
         if decision.disaggregated:
             try:
                 p = self.prefill.acquire(shape)
             except NoHealthyInstance as e:
                 d.release()
-                return refused(server, error_response(503, str(e), "service_unavailable"))
+                answer = error_response(503, str(e), "service_unavailable")
+                return self._refuse(server, path, decision, answer)
         self.counts.count(decision)
         tid = uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, None if p is None else p.url)
@@ -212,15 +148,17 @@ class PDFlow:
         server.set("kv.transfer_id", tid)
         headers = forwarded_headers(request)
         prefill: asyncio.Task[None] | None = None
+        token: str | None = None
         if p is not None:
             t.prefill_pick = p.pick
+            token = new_transfer_token()
             # Open before decode hears of the id: its target may come back at once.
-            self.targets.open(tid)
+            self.targets.open(tid, token)
             self._live[tid] = t
-            prefill = self._spawn_prefill(t, p, body, path, headers)
+            prefill = self._spawn_prefill(PrefillJob(t, p, body, path, headers, token))
         else:
             log.debug("transfer %s: decode alone (%s)", tid, decision.reason)
-        x = _Exchange(t, d, prefill, partial(self._decode_ended, t), server)
+        x = Exchange(t, d, prefill, partial(self._decode_ended, t, decision), server, token)
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             return await self._answer(x, body, path, headers, disconnected)
@@ -235,7 +173,7 @@ class PDFlow:
 
     async def _answer(
         self,
-        x: _Exchange,
+        x: Exchange,
         body: dict[str, Any],
         path: str,
         headers: dict[str, str],
@@ -248,9 +186,9 @@ class PDFlow:
             "POST",
             f"{x.decode.url}{path}",
             json=(
-                decode_body(body, t.transfer_id, self.cfg.router_url, tp)
-                if t.disaggregated
-                else local_body(body)
+                local_body(body)
+                if x.token is None
+                else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp)
             ),
             headers={**headers, TRACEPARENT: tp},
         )
@@ -267,6 +205,8 @@ class PDFlow:
         if "content-type" in upstream.headers:
             out_headers["content-type"] = upstream.headers["content-type"]
         if is_streamed(body):
+            # Whether decode loaded the KV is in its last event, not read here: kv_load
+            # stays None and a recompute shows as ok.
             return StreamingResponse(
                 self._relay(x),
                 status_code=upstream.status_code,
@@ -281,16 +221,18 @@ class PDFlow:
         if content is None:
             await x.end("client_gone")
             return Response(status_code=CLIENT_GONE)
+        if t.disaggregated and upstream.status_code == 200:
+            t.kv_load = kv_load_of(content)
         await x.end(*self._verdict(x))
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
-    def _verdict(self, x: _Exchange) -> tuple[DecodeOutcome, str | None]:
+    def _verdict(self, x: Exchange) -> tuple[DecodeOutcome, str | None]:
         code = x.tracker.decode_status
         if code == 200:
             return "ok", None
         return "failed", f"decode instance {x.decode.url} answered {code}"
 
-    async def _relay(self, x: _Exchange) -> AsyncIterator[bytes]:
+    async def _relay(self, x: Exchange) -> AsyncIterator[bytes]:
         assert x.upstream is not None
         outcome: DecodeOutcome = "client_gone"  # unless the loop below ends on its own
         error: str | None = None
@@ -311,7 +253,7 @@ class PDFlow:
             with anyio.CancelScope(shield=True):
                 await x.end(outcome, error)
 
-    async def _decode_failed(self, x: _Exchange, e: httpx.HTTPError) -> JSONResponse:
+    async def _decode_failed(self, x: Exchange, e: httpx.HTTPError) -> JSONResponse:
         url = x.decode.url
         outcome: DecodeOutcome
         if is_connection_failure(e):
@@ -335,35 +277,38 @@ class PDFlow:
         answer.headers[TRACE_ID_HEADER] = x.server.trace_id
         return answer
 
-    def _decode_ended(self, t: TransferTracker, outcome: DecodeOutcome) -> None:
+    def _decode_ended(self, t: TransferTracker, decision: Decision, outcome: DecodeOutcome) -> None:
         self._live.pop(t.transfer_id, None)
         if self.cfg.flow is Flow.CONCURRENT:
             # Prefill's connector may still wait for the target: it hears why it will not come.
             self.targets.close(t.transfer_id, f"decode's request ended ({outcome})")
             if t.target_s is None and t.prefill_outcome == "ok":
                 t.prefill_outcome = "no_target"  # it computed, but nothing was sent
+        self.metrics.request(t.path, decision, outcome)
+        self._count_settled(t)
 
-    def _spawn_prefill(
-        self,
-        t: TransferTracker,
-        p: Lease,
-        body: dict[str, Any],
-        path: str,
-        headers: dict[str, str],
-    ) -> asyncio.Task[None]:
+    def _count_settled(self, t: TransferTracker) -> None:
+        """Count the record's final status once both sides ended (either may end last)."""
+        if not t.counted and t.status != "pending":
+            t.counted = True
+            self.metrics.transfer(t.status)
+
+    def _spawn_prefill(self, job: PrefillJob) -> asyncio.Task[None]:
         concurrent = self.cfg.flow is Flow.CONCURRENT
         run = self._prefill_now if concurrent else self._prefill
-        task = asyncio.create_task(run(t, p, body, path, headers))
+        task = asyncio.create_task(run(job))
         self._tasks.add(task)
+        t = job.tracker
 
         def done(task: asyncio.Task[None]) -> None:
             # Here, not in _prefill: a task cancelled before it ran never enters its body.
             self._tasks.discard(task)
-            p.release()
+            job.lease.release()
             if not concurrent:  # concurrent: prefill may end before decode's target came
                 self.targets.close(t.transfer_id, "its request already ended")
             if t.prefill_outcome is None:
                 t.prefill_outcome = "no_target" if t.target_s is None else "cancelled"
+            self._count_settled(t)
             if not task.cancelled() and task.exception() is not None:
                 log.error(
                     "transfer %s: prefill side crashed", t.transfer_id, exc_info=task.exception()
@@ -372,14 +317,9 @@ class PDFlow:
         task.add_done_callback(done)
         return task
 
-    async def _prefill(
-        self,
-        t: TransferTracker,
-        p: Lease,
-        body: dict[str, Any],
-        path: str,
-        headers: dict[str, str],
-    ) -> None:
+    async def _prefill(self, job: PrefillJob) -> None:
+        """Decode first: the prompt goes to prefill once decode's target came, with it."""
+        t = job.tracker
         tid, timeout = t.transfer_id, self.cfg.target_timeout_s
         try:
             target = await self.targets.wait(tid, timeout)
@@ -397,43 +337,32 @@ class PDFlow:
             return
         t.target_s = t.since_start()
         self.targets.close(tid, "its target already arrived")
-        call = call_span(self.tracing, t, "prefill", p.url, path)
-        out = prefill_body(body, tid, target=target, traceparent=call.traceparent.header)
-        await self._post_prefill(t, p, out, path, headers, call)
-
-    async def _prefill_now(
-        self,
-        t: TransferTracker,
-        p: Lease,
-        body: dict[str, Any],
-        path: str,
-        headers: dict[str, str],
-    ) -> None:
-        """Concurrent: the prompt goes to prefill at once; its connector fetches the target."""
-        tid = t.transfer_id
-        call = call_span(self.tracing, t, "prefill", p.url, path)
+        call = call_span(self.tracing, t, "prefill", job.lease.url, job.path)
         out = prefill_body(
-            body,
-            tid,
+            job.body, tid, token=job.token, target=target, traceparent=call.traceparent.header
+        )
+        await self._post_prefill(job, out, call)
+
+    async def _prefill_now(self, job: PrefillJob) -> None:
+        """Concurrent: the prompt goes to prefill at once; its connector fetches the target."""
+        t = job.tracker
+        call = call_span(self.tracing, t, "prefill", job.lease.url, job.path)
+        out = prefill_body(
+            job.body,
+            t.transfer_id,
+            token=job.token,
             router_url=self.cfg.router_url,
             target_timeout_s=self.cfg.target_timeout_s,
             traceparent=call.traceparent.header,
         )
-        await self._post_prefill(t, p, out, path, headers, call)
+        await self._post_prefill(job, out, call)
 
-    async def _post_prefill(
-        self,
-        t: TransferTracker,
-        p: Lease,
-        out: dict[str, Any],
-        path: str,
-        headers: dict[str, str],
-        call: Span,
-    ) -> None:
+    async def _post_prefill(self, job: PrefillJob, out: dict[str, Any], call: Span) -> None:
         """The call to prefill, timed by ``call`` (ended however the call ends)."""
+        t = job.tracker
         try:
             await self._send_prefill(
-                t, p, out, path, {**headers, TRACEPARENT: call.traceparent.header}
+                job, out, {**job.headers, TRACEPARENT: call.traceparent.header}
             )
         finally:
             call.set("http.response.status_code", t.prefill_status)
@@ -441,17 +370,13 @@ class PDFlow:
             call.end(None if t.prefill_outcome == "ok" else (t.prefill_outcome or "cancelled"))
 
     async def _send_prefill(
-        self,
-        t: TransferTracker,
-        p: Lease,
-        out: dict[str, Any],
-        path: str,
-        headers: dict[str, str],
+        self, job: PrefillJob, out: dict[str, Any], headers: dict[str, str]
     ) -> None:
+        t, p = job.tracker, job.lease
         tid = t.transfer_id
         t0 = time.monotonic()
         try:
-            r = await self.client.post(f"{p.url}{path}", json=out, headers=headers)
+            r = await self.client.post(f"{p.url}{job.path}", json=out, headers=headers)
         except httpx.HTTPError as e:
             if is_connection_failure(e):
                 p.instance.mark(False, f"connection failed: {describe(e)}")

@@ -21,11 +21,17 @@ class TransferRecord:
     """One request through the proxy, as ``/v1/transfers`` shows it (times in ms).
 
     ``status``: ``pending`` until both sides ended; then ``client_gone``, ``decode_failed``
-    (decode answered non-200 or failed), else the prefill side's outcome: ``ok``,
-    ``prefill_failed``, ``target_timeout``, ``target_error`` or ``no_target`` (decode ended
-    before it posted a target, e.g. it had the whole prompt cached). A request served by
-    decode alone (``disaggregated`` false, ``reason`` says why, ``prefill`` is None) ends
-    ``local`` unless decode failed or the client left.
+    (decode answered non-200 or failed), ``recomputed`` (both answered, but decode's connector
+    reported ``kv_load: "failed"``: the KV never came and decode computed the prompt itself),
+    else the prefill side's outcome: ``ok``, ``prefill_failed``, ``target_timeout``,
+    ``target_error`` or ``no_target`` (decode ended before it posted a target, e.g. it had the
+    whole prompt cached). A request served by decode alone (``disaggregated`` false,
+    ``reason`` says why, ``prefill`` is None) ends ``local`` unless decode failed or the
+    client left.
+
+    ``kv_load`` is what decode's connector reported in its answer's ``kv_transfer_params``
+    (``ok`` or ``failed``); None when it said nothing or the answer was streamed, which the
+    proxy relays without reading: a streamed request whose KV never came shows ``ok``.
     """
 
     transfer_id: str
@@ -48,6 +54,7 @@ class TransferRecord:
     reason: str | None = None
     # The W3C trace this request belongs to (the client's, or one the proxy started).
     trace_id: str | None = None
+    kv_load: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -76,6 +83,8 @@ class TransferTracker:
     prefill_pick: Pick | None = None
     reason: str | None = None
     trace: TraceParent | None = None  # the proxy's server span: the calls' spans' parent
+    kv_load: str | None = None  # decode's answer's kv_transfer_params.kv_load
+    counted: bool = False  # its final status is in kvproxy_transfers_total
 
     @property
     def disaggregated(self) -> bool:
@@ -97,6 +106,8 @@ class TransferTracker:
             return "client_gone"
         if self.decode_outcome != "ok":
             return "decode_failed"
+        if self.prefill_outcome == "ok" and self.kv_load == "failed":
+            return "recomputed"
         return self.prefill_outcome or "local"
 
     def record(self) -> TransferRecord:
@@ -118,6 +129,7 @@ class TransferTracker:
             disaggregated=self.disaggregated,
             reason=self.reason,
             trace_id=None if self.trace is None else self.trace.trace_id,
+            kv_load=self.kv_load,
         )
 
 

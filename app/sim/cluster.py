@@ -24,6 +24,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from app.config.values import env_var_for
 from app.devices.shm import attach_allocator
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.layout import RankLayout
@@ -33,8 +34,19 @@ from app.sim.commands import Command, SimRequest
 from app.sim.ranks import CacheParams, allocate_rank, preset_config
 from app.sim.reference import BlockAllocator, blocks_needed
 from app.store.master import MasterProcess, start_master, stop_master
+from app.transfer.auth import read_key_file, user_key
 from app.transfer.planner import MambaMode
 from app.transfer.protocol import RemoteTarget
+from app.transfer.target_auth import TargetSigner
+
+
+def target_signer(env: dict[str, str]) -> TargetSigner:
+    """The target signer of a sidecar started with ``env`` (its control-plane key)."""
+    if path := env.get(env_var_for("auth_key_file")):
+        return TargetSigner(read_key_file(Path(path)))
+    if key := env.get(env_var_for("auth_key")):
+        return TargetSigner(key.strip().encode())
+    return TargetSigner(user_key())
 
 
 @dataclass
@@ -415,6 +427,7 @@ class Cluster:
         """
         p, d = self.sides["prefill"], self.sides["decode"]
         assert p.allocator is not None and d.allocator is not None
+        signer = target_signer(d.env)
         out = []
         for i, n in enumerate(prompt_lens):
             rid = f"{prefix}-{i}"
@@ -425,14 +438,17 @@ class Cluster:
             db = d.allocator.allocate_request(
                 n, decode=not full_decode_table, mamba_mode=mamba_mode, num_spec=self.spec.num_spec
             )
-            target = RemoteTarget(
-                rid,
-                "127.0.0.1",
-                d.control_port,
-                d.engine_id,
-                d.info[0]["epoch"],
-                d.tp,
-                [b.tolist() for b in db],
+            # Signed as decode's sidecar signs what its connector posts.
+            target = signer.sign(
+                RemoteTarget(
+                    rid,
+                    "127.0.0.1",
+                    d.control_port,
+                    d.engine_id,
+                    d.info[0]["epoch"],
+                    d.tp,
+                    [b.tolist() for b in db],
+                )
             )
             out.append(
                 (

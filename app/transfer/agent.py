@@ -434,9 +434,9 @@ class Agent:
             for rid, req in list(table.items()):
                 if not req.state.terminal:
                     continue
-                if isinstance(req, SendRequest) and req.inflight and not req.peer_lost:
-                    # Our blocks are still read from. To a lost peer, that write lands (if ever)
-                    # in blocks decode keeps quarantined until we answer: report now.
+                if isinstance(req, SendRequest) and req.inflight:
+                    # Our blocks are still read from, even by a write to a lost peer: the
+                    # engine gets them back once Mooncake confirmed or failed it.
                     continue
                 if isinstance(req, RecvRequest) and req.quarantined_at is not None:
                     continue

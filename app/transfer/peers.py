@@ -129,8 +129,9 @@ class Peers:
 
     # ---- prefill side: targets and handshakes -----------------------------------------------
 
-    async def target(self, host: str, port: int, epoch: str) -> Peer:
-        """The decode peer of a target, handshaken for the epoch the target names."""
+    async def target(self, host: str, port: int, epoch: str, engine_id: str = "") -> Peer:
+        """The decode peer of a target, handshaken for the epoch the target names; raises
+        when the sidecar there is another engine than the target's."""
         endpoint = tcp_endpoint(host, port)
         peer = self._entry(endpoint)
         async with peer.lock:
@@ -147,6 +148,11 @@ class Peers:
             raise LayoutMismatchError(
                 f"decode sidecar {endpoint} restarted: the request targets epoch {epoch}, the "
                 f"sidecar now runs epoch {peer.epoch}; re-admit the request at decode"
+            )
+        if engine_id and engine_id != peer.engine_id:
+            raise LayoutMismatchError(
+                f"target names decode engine {engine_id}, but the sidecar at {endpoint} serves "
+                f"engine {peer.engine_id}"
             )
         return peer
 

@@ -52,6 +52,8 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 # The connector passes on only a traceparent it parsed (README "Tracing"); anything else from
 # an engine is a malformed frame.
 TraceParentHeader = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
+# An HMAC-SHA256 in hex (app.transfer.target_auth), or "" for none.
+Signature = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
 
 # What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
 _SHOWN_BYTES = 32
@@ -202,6 +204,9 @@ class RemoteTarget(msgspec.Struct):
     block_ids: BlockIds
     # Prompt tokens decode already holds (its own prefix cache): prefill sends from here on.
     computed: NonNegInt = 0
+    # Decode's sidecar's signature over the fields above (app.transfer.target_auth): prefill's
+    # sidecar uses no target without a good one.
+    signature: Signature = ""
 
 
 class AddSend(Msg, tag="add_send"):
@@ -287,6 +292,17 @@ class EndStep(Msg, tag="end_step"):
 
 class SidecarInfo(Msg, tag="sidecar_info"):
     """Where peers reach this sidecar and under which epoch (for the engine's router targets)."""
+
+
+class SignTargets(Msg, tag="sign_targets"):
+    """Decode's connector asks its sidecar to sign targets that name this sidecar (the
+    connector never holds the key); answered with :class:`SignedTargets`, in order."""
+
+    targets: list[RemoteTarget]
+
+
+class SignedTargets(Msg, tag="signed_targets"):
+    targets: list[RemoteTarget]
 
 
 class GetFinished(Msg, tag="get_finished"):
@@ -385,6 +401,8 @@ AnyMsg = (
     | EndStep
     | GetFinished
     | SidecarInfo
+    | SignTargets
+    | SignedTargets
     | Finished
     | AbortRequest
     | Reply

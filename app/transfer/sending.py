@@ -87,14 +87,18 @@ class SendSide:
         spawn: Spawn,
         call_soon: Callable[..., None],
         on_layer_latency: Callable[[float], None],
+        verify_target: Callable[[RemoteTarget], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``call_soon(fn, *args)`` runs ``fn`` on the loop and may be called from any thread
-        (the stream threads pin, unpin and report through it)."""
+        (the stream threads pin, unpin and report through it). ``verify_target`` raises
+        AuthError for a target decode's sidecar did not sign; none such is ever connected to."""
         self._settings, self._agents, self._peers = settings, agents, peers
         self._spawn, self._call_soon, self._clock = spawn, call_soon, clock
+        self._verify_target = verify_target
         self._on_layer_latency = on_layer_latency
         self.admitting = True
+        self.unconfirmed = 0  # sends whose writes outlived their deadline (each told late)
         # Set (and replaced) each time writes leave the wire; drains wait on it.
         self._unpinned: asyncio.Event | None = None
 
@@ -131,6 +135,8 @@ class SendSide:
         agent.sends[req.id] = req
         try:
             check_block_ids(agent.desc, req.blocks, "prefill")
+            if msg.remote is not None:
+                self._verify_target(msg.remote)
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         if msg.remote is None:
@@ -191,6 +197,11 @@ class SendSide:
             return Reply(ok=False, error=f"send {msg.request} already ended {req.state.name}")
         if not req.waiting or req.peer:
             return Reply(ok=False, error=f"send {msg.request} already has a target ({req.peer})")
+        try:
+            # From the engine (which fetched it from the router): no other target will come.
+            self._verify_target(msg.remote)
+        except KVSidecarError as e:
+            return self._refuse(req, str(e))
         # The target is the send's from here on, before anything awaits: of two posts racing,
         # the second finds it taken.
         req.peer = tcp_endpoint(msg.remote.host, msg.remote.port)
@@ -220,7 +231,7 @@ class SendSide:
         req.target_epoch = t.epoch
         req.skip = t.computed
         try:
-            peer = await self._peers.target(t.host, t.port, t.epoch)
+            peer = await self._peers.target(t.host, t.port, t.epoch, t.engine_id)
             planner = peer.planners[req.rank]
             # Known before the id check, so that D hears of a refusal instead of expiring.
             groups = {
@@ -491,14 +502,35 @@ class SendSide:
         """Wait until none of ``req``'s writes is on the wire; False at the send deadline."""
         try:
             async with asyncio.timeout(self._settings.send_timeout_s):
-                while req.inflight > 0:
-                    if self._unpinned is None:
-                        self._unpinned = asyncio.Event()
-                    await self._unpinned.wait()
+                await self._until_unpinned(req)
         except TimeoutError:
-            log.error("request %s: %d write(s) still in flight", req.id, req.inflight)
             return False
         return True
+
+    async def _until_unpinned(self, req: SendRequest) -> None:
+        while req.inflight > 0:
+            if self._unpinned is None:
+                self._unpinned = asyncio.Event()
+            await self._unpinned.wait()
+
+    async def confirmed(self, req: SendRequest) -> None:
+        """Wait until Mooncake confirmed (or failed) every write of ``req`` on the wire.
+
+        Decode frees its blocks once told Done, Abort or Ack, so none goes out while a write
+        may still land: past the send deadline this keeps waiting, bounded by Mooncake's own
+        write timeout (a stalled write fails after its "no transfer progress" timeout, 30 s
+        measured), and the engine gets the blocks back only then too (``Agent.finished``)."""
+        if await self.drained(req):
+            return
+        log.error(
+            "request %s: %d write(s) still on the wire after send_timeout_s (%g s); decode is "
+            "told nothing until Mooncake confirms or fails them",
+            req.id,
+            req.inflight,
+            self._settings.send_timeout_s,
+        )
+        self.unconfirmed += 1
+        await self._until_unpinned(req)
 
     async def send_done(self, req: SendRequest) -> None:
         """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
@@ -511,7 +543,7 @@ class SendSide:
             # This rank holds nothing any D rank needs (e.g. MLA comes from another P rank).
             req.finish(status, req.error)
             return
-        await self.drained(req)
+        await self.confirmed(req)
         if req.peer_lost:
             return  # ended during the drain by an abort, whose Abort replaces this Done
         status = Status.DONE if not req.state.terminal else req.state
@@ -565,7 +597,7 @@ class SendSide:
         req.peer_lost = True  # the Abort below replaces the Done
         peer = self._peers.table.get(req.peer)
         if notify and peer is not None:
-            await self.drained(req)
+            await self.confirmed(req)
             try:
                 await peer.client.request(
                     Abort(request=rid, reason=reason, sender_engine=self._settings.engine_id),
@@ -589,7 +621,7 @@ class SendSide:
             if req.finish(Status.ABORTED, f"decode: {reason}"):
                 req.peer_lost = True
         for req in reqs:
-            await self.drained(req)
+            await self.confirmed(req)
 
     async def peer_lost(self, peer: Peer, reason: str, *, epoch: str | None = None) -> None:
         """``peer`` is gone (or its memory is, for requests targeting ``epoch``): end its

@@ -19,7 +19,7 @@ from typing import Any, Literal
 import zmq.asyncio
 
 from app.config import SidecarSettings
-from app.errors import KVSidecarError
+from app.errors import KVSidecarError, ProtocolError
 from app.kvcache.desc import LayoutDesc
 from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
@@ -63,11 +63,14 @@ from app.transfer.protocol import (
     Role,
     SetTarget,
     SidecarInfo,
+    SignedTargets,
+    SignTargets,
     Status,
 )
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.registry import Registry, RegistrySettings
 from app.transfer.sending import SendSettings, SendSide
+from app.transfer.target_auth import TargetSigner
 from app.transfer.traces import TransferTraces
 
 log = logging.getLogger(__name__)
@@ -104,6 +107,7 @@ class Sidecar:
         self._engine_spoke = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._auth = load_auth(settings)
+        self._targets = TargetSigner.of(self._auth)
         self._peers = Peers(
             PeerSettings(
                 lease_s=settings.lease_s,
@@ -131,6 +135,7 @@ class Sidecar:
             spawn=self._spawn,
             call_soon=self._call_soon,
             on_layer_latency=self._on_layer_latency,
+            verify_target=self._targets.verify,
         )
         self.recv = RecvSide(
             RecvSettings(
@@ -216,6 +221,7 @@ class Sidecar:
             **self._peers.counters,
             **self.recv.counters,
             "generations": self.registry.generation,
+            "unconfirmed_sends": self.send.unconfirmed,
         }
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -293,6 +299,27 @@ class Sidecar:
             "why": why,
         }
 
+    def verify_target(self, target: RemoteTarget) -> None:
+        """Raise AuthError unless a decode sidecar sharing this one's key signed ``target``."""
+        self._targets.verify(target)
+
+    def sign_target(self, target: RemoteTarget) -> RemoteTarget:
+        """``target`` signed, if it names this sidecar as it runs now; raises ProtocolError
+        otherwise (a signed target must not point prefill at another host)."""
+        own = (
+            self.settings.engine_id,
+            self.epoch,
+            self.settings.resolved_advertise_host(),
+            self.control_port,
+        )
+        named = (target.engine_id, target.epoch, target.host, target.port)
+        if named != own:
+            raise ProtocolError(
+                f"target for {target.request_id}: expected this sidecar's engine id, epoch, "
+                f"host and control port {own}, got {named}; not signed"
+            )
+        return self._targets.sign(target)
+
     @property
     def control_port(self) -> int:
         return int(self.control_endpoint.rsplit(":", 1)[1])
@@ -367,7 +394,9 @@ class Sidecar:
     def set_target(self, rid: str, remote: RemoteTarget) -> dict[int, str | None]:
         """Decode's target for a send admitted without one, on every rank that holds it (the
         prefill-first flow, where decode posts it here). Rank -> None if taken, else why not;
-        raises ProtocolError when the target does not fit the send."""
+        raises AuthError for a target decode's sidecar did not sign (the send keeps waiting
+        for the real one), ProtocolError when the target does not fit the send."""
+        self._targets.verify(remote)
         holding = [rank for rank, agent in sorted(self.agents.items()) if rid in agent.sends]
         for rank in holding:  # all checked before any takes it: a bad target is nobody's
             self.send.check_target(rank, rid, remote)
@@ -422,6 +451,8 @@ class Sidecar:
                 )
             if isinstance(msg, SidecarInfo):
                 return Reply(data=self.info())
+            if isinstance(msg, SignTargets):
+                return SignedTargets(targets=[self.sign_target(t) for t in msg.targets])
             if isinstance(msg, AbortRequest):
                 await self.abort(msg.rank, msg.request, msg.reason)
                 return Reply()

@@ -2,7 +2,8 @@
 engines, real sidecars and Mooncake), sends held for a target, and posts over real HTTP.
 
 Each test is one thing an attacker was seen doing (issue 25): a target the sidecar cannot
-use is a 400 that leaves the send waiting for decode's real one; two targets racing leave
+use is a 400, and one decode's sidecar did not sign a 401 with nothing connected to, both
+leaving the send waiting for decode's real one; two targets racing leave
 exactly one taken; a post for a send that ended gets 409; a target that cannot be reached ends
 the send FAILED with the reason; too many held sends are refused at admission; and the held
 ones show in /metrics.
@@ -11,6 +12,8 @@ ones show in /metrics.
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,14 +21,19 @@ import httpx
 import msgspec
 import pytest
 
-from app.sim.cluster import Cluster, ClusterSpec
+from app.engine_link.client import EngineLink, EngineLinkError
+from app.errors import ProtocolError
+from app.sim.cluster import Cluster, ClusterSpec, target_signer
 from app.sim.commands import Command, SimRequest
+from app.transfer.protocol import RemoteTarget, remote_target
+from app.transfer.target_auth import TargetSigner
 from tests.api.conftest import AUTH, TOKEN, wait_ready
 from tests.conftest import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
 MAX_HELD = 4
+SIGNER = target_signer({})  # the sidecars here run on this user's generated key
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +69,18 @@ def hold(pair: Cluster, prefix: str, n: int = 1) -> list[SimRequest]:
 
 
 def target_of(req: SimRequest, **changes: Any) -> dict[str, Any]:
+    """Decode's real target, or one with ``changes`` signed anew with the pair's key: what a
+    key holder could post, so that the checks after the signature's are what is tested. A
+    change the schema refuses stays unsigned (it is refused before the signature is read)."""
     assert req.remote is not None
-    return {**msgspec.to_builtins(req.remote), **changes}
+    if not changes:
+        return dict(msgspec.to_builtins(req.remote))
+    changed = {**msgspec.to_builtins(req.remote), **changes, "signature": ""}
+    try:
+        signed = SIGNER.sign(remote_target(changed))
+    except ProtocolError:
+        return changed
+    return dict(msgspec.to_builtins(signed))
 
 
 def post(pair: Cluster, tid: str, target: dict[str, Any]) -> httpx.Response:
@@ -171,3 +189,87 @@ def test_held_sends_are_capped_and_shown_in_metrics(pair: Cluster) -> None:
         abort(pair, sends)
     metrics = httpx.get(f"{pair.sides['prefill'].admin_url}/metrics", timeout=10).text
     assert 'kvsidecar_held_sends{rank="0"} 0.0' in metrics
+
+
+def _listener() -> socket.socket:
+    """A TCP port on loopback that counts who connects (the target a stranger names)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.setblocking(False)
+    return sock
+
+
+def _connections(sock: socket.socket) -> int:
+    n = 0
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except BlockingIOError:
+            return n
+        conn.close()
+        n += 1
+
+
+@pytest.mark.parametrize("forgery", ["unsigned", "other key", "changed after signing"])
+def test_target_not_signed_by_decode_is_401_and_nothing_is_connected_to(
+    pair: Cluster, forgery: str
+) -> None:
+    (req,) = hold(pair, f"forged-{forgery.replace(' ', '-')}")
+    lure = _listener()
+    try:
+        port = lure.getsockname()[1]
+        real = target_of(req)
+        if forgery == "unsigned":
+            forged = {**real, "host": "127.0.0.1", "port": port, "signature": ""}
+        elif forgery == "other key":
+            other = TargetSigner(b"o" * 32)
+            unsigned = remote_target({**real, "port": port, "signature": ""})
+            forged = dict(msgspec.to_builtins(other.sign(unsigned)))
+        else:
+            forged = {**real, "port": port}  # decode's signature, another port
+        r = post(pair, req.id, forged)
+        assert r.status_code == 401, r.text
+        assert "sign" in r.json()["detail"]
+        time.sleep(0.5)  # a connect would have been started by now
+        assert _connections(lure) == 0
+        # The send still waits, and decode's real target still gets in.
+        assert entry(pair, req.id)["state"] == "PENDING"
+        ok = post(pair, req.id, real)
+        assert ok.status_code == 200, ok.text
+    finally:
+        lure.close()
+        abort(pair, [req])
+
+
+def test_signed_target_needs_no_admin_token_but_an_error_post_does(pair: Cluster) -> None:
+    """Decode's connector holds no admin token: its signed target gets in without one (the
+    prefill-first flow with the token set); an error, which ends the send, does not."""
+    url = f"{pair.sides['prefill'].admin_url}/v1/kv_targets"
+    (req,) = hold(pair, "no-token")
+    try:
+        err = httpx.post(url, json={"transfer_id": req.id, "error": "stranger"}, timeout=10)
+        assert err.status_code == 401, err.text
+        assert entry(pair, req.id)["state"] == "PENDING"
+        ok = httpx.post(url, json={"transfer_id": req.id, "target": target_of(req)}, timeout=10)
+        assert ok.status_code == 200, ok.text
+    finally:
+        abort(pair, [req])
+
+
+def test_decode_sidecar_signs_only_targets_naming_itself(pair: Cluster) -> None:
+    """What decode's connector gets signed must point prefill at decode's own sidecar as it runs
+    now: a signature is never lent to another host, port, engine or an old epoch."""
+    d = pair.sides["decode"]
+    link = EngineLink(d.ipc, d.engine_id, 0, timeout_s=10)
+    try:
+        info = link.sidecar_info()
+        own = RemoteTarget(
+            "sign-me", str(info["host"]), int(info["port"] or 0), d.engine_id,
+            str(info["epoch"]), d.tp, [[1, 2]],
+        )  # fmt: skip
+        (signed,) = link.sign_targets([own])
+        SIGNER.verify(signed)  # the key prefill checks with
+        for change in ({"port": 9}, {"host": "10.0.0.9"}, {"engine_id": "x"}, {"epoch": "old"}):
+            with pytest.raises(EngineLinkError, match="not signed"):
+                link.sign_targets([msgspec.structs.replace(own, **change)])
+    finally:
+        link.close(unlink=False)

@@ -73,15 +73,6 @@ def seed_lengths(n: int, lo: int, hi: int) -> list[int]:
     return [out[int(i * step)] for i in range(n)]
 
 
-def kill_tree(proc: psutil.Process) -> None:
-    """SIGKILL a process and everything it started (vLLM's engine core and workers)."""
-    procs = [*proc.children(recursive=True), proc]
-    for p in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.send_signal(signal.SIGKILL)
-    psutil.wait_procs(procs, timeout=30)
-
-
 class Pair:
     """The LocalPD the scenarios share, and the references they compare against."""
 
@@ -131,8 +122,9 @@ class Pair:
         return self.pd.procs[name].poll() is None
 
     def kill_vllm(self, role: str) -> None:
-        kill_tree(psutil.Process(self.pd.procs[f"vllm-{role}"].pid))
-        self.pd.procs[f"vllm-{role}"].wait(30)
+        """SIGKILL ``role``'s vLLM and everything it started (engine core, workers); the
+        /dev/shm segments they leave are removed (``LocalPD.kill``)."""
+        self.pd.kill(f"vllm-{role}", signal.SIGKILL)
 
     def restart(self, role: str) -> float:
         """A fresh sidecar and vLLM for ``role`` (the killed ones' leftovers stopped first);

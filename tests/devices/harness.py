@@ -113,15 +113,21 @@ class Pair:
         return self.decode.kv.layout
 
     def target(self, d_blocks: Sequence[np.ndarray], rid: str) -> RemoteTarget:
-        return RemoteTarget(
-            request_id=rid,
-            host="127.0.0.1",
-            port=self.decode.control_port,
-            engine_id=self.decode.engine_id,
-            epoch=self.d.epoch,
-            tp_size=1,
-            block_ids=[b.tolist() for b in d_blocks],
+        """Decode's target for ``rid``, signed by decode's sidecar as its connector has it."""
+        (signed,) = self.d.sign_targets(
+            [
+                RemoteTarget(
+                    request_id=rid,
+                    host="127.0.0.1",
+                    port=self.decode.control_port,
+                    engine_id=self.decode.engine_id,
+                    epoch=self.d.epoch,
+                    tp_size=1,
+                    block_ids=[b.tolist() for b in d_blocks],
+                )
+            ]
         )
+        return signed
 
     def poll(self, link: EngineLink) -> FinishedRequests:
         """One ``get_finished``, remembering what ended (each end is reported once)."""

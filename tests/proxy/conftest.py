@@ -2,7 +2,8 @@
 
 Every server is uvicorn in a thread on its own pre-bound loopback port. The fake decode does
 what the real connector does: on ``do_remote_prefill`` it posts its target to ``router_url``,
-then waits until the fake prefill has received the prompt before it answers.
+then waits until the fake prefill has received the prompt before it answers. Both fakes send
+the transfer's token back in its header, as the connectors do.
 """
 
 from __future__ import annotations
@@ -21,11 +22,15 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.proxy import Flow, ProxyConfig, create_proxy
+from app.proxy.bodies import TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
 from tests.conftest import wait_for as shared_wait_for
 
 TARGET_BLOCKS = [[3, 4, 5], [9]]
+# Scraped samples by name and labels.
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout_s: float = 5.0) -> Any:
@@ -83,6 +88,13 @@ class Behaviour:
     hold: threading.Event | None = None  # before answering, wait for this
     chunks: int = 4
     chunk_delay_s: float = 0.0
+    kv_load: str | None = None  # decode: reported in the final answer's kv_transfer_params
+
+
+def token_headers(kv: dict[str, Any]) -> dict[str, str]:
+    """The header a connector sends on /v1/kv_targets: the token the proxy gave it."""
+    token = kv.get(TRANSFER_TOKEN_PARAM)
+    return {} if token is None else {TRANSFER_TOKEN_HEADER: token}
 
 
 @dataclass
@@ -205,7 +217,9 @@ class FakeVLLM:
         if self._client is None:
             self._client = httpx.AsyncClient(trust_env=False)
         self.posted_at[tid] = time.monotonic()
-        r = await self._client.post(kv["router_url"], json=payload, timeout=5)
+        r = await self._client.post(
+            kv["router_url"], json=payload, headers=token_headers(kv), timeout=5
+        )
         self.posts.append((payload, r.status_code, r.json()))
         if r.status_code == 200 and "target" in payload:
             seen = await asyncio.to_thread(self.shared.seen(tid).wait, b.prefill_wait_s)
@@ -219,6 +233,7 @@ class FakeVLLM:
             r = await self._client.get(
                 f"{kv['router_url']}/{tid}",
                 params={"timeout_s": kv["target_timeout_s"]},
+                headers=token_headers(kv),
                 timeout=10,
             )
             self.fetched[tid] = (r.status_code, r.json())
@@ -241,14 +256,17 @@ class FakeVLLM:
 
     def _completion(self, body: dict[str, Any], index: int, final: bool) -> dict[str, Any]:
         kv = body.get("kv_transfer_params") or {}
+        # vLLM answers with kv_transfer_params too; the proxy must pass them through.
+        answer_kv: dict[str, Any] = {"echo": kv.get("transfer_id")}
+        if self.behaviour.kv_load is not None:
+            answer_kv["kv_load"] = self.behaviour.kv_load
         return {
             "id": f"cmpl-{self.name}",
             "object": "text_completion",
             "model": body.get("model", "tiny"),
             "served_by": self.name,
             "choices": [{"index": 0, "text": f"tok{index}", "finish_reason": None}],
-            # vLLM answers with kv_transfer_params too; the proxy must pass them through.
-            "kv_transfer_params": {"echo": kv.get("transfer_id")} if final else None,
+            "kv_transfer_params": answer_kv if final else None,
         }
 
     async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -312,8 +330,18 @@ class Cluster:
         url, payload = f"{self.url}{path}", {"model": "tiny", **body}
         return self.client.post(url, json=payload, timeout=timeout)
 
-    def get(self, path: str) -> httpx.Response:
-        return self.client.get(f"{self.url}{path}", timeout=5)
+    def get(self, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
+        return self.client.get(f"{self.url}{path}", headers=headers, timeout=5)
+
+    def metrics(self) -> Samples:
+        """The proxy's /metrics, parsed."""
+        r = self.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return {
+            (s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(r.text)
+            for s in family.samples
+        }
 
     def record(self, tid: str) -> dict[str, Any]:
         """The proxy's record of one transfer, once it is no longer pending."""
@@ -333,6 +361,11 @@ class Cluster:
         for s in live:
             s.stop()
         self.client.close()
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    """One sample's value (None: absent)."""
+    return samples.get((name, frozenset(labels.items())))
 
 
 @pytest.fixture

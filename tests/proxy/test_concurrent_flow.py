@@ -71,9 +71,12 @@ def test_fetch_of_an_unknown_transfer_is_404_and_a_slow_one_504(
     d.behaviour.post_delay_s = 1.0
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(c.post, prompt="x")
-        tid = wait_for("decode's request", lambda: d.requests and d.requests[0])
-        tid = tid.body["kv_transfer_params"]["transfer_id"]
-        slow = c.get(f"/v1/kv_targets/{tid}?timeout_s=0.1")
+        seen = wait_for("decode's request", lambda: d.requests and d.requests[0])
+        kv = seen.body["kv_transfer_params"]
+        slow = c.get(
+            f"/v1/kv_targets/{kv['transfer_id']}?timeout_s=0.1",
+            headers={"x-kv-transfer-token": kv["transfer_token"]},
+        )
         assert slow.status_code == 504 and "within 0.1 s" in slow.json()["error"]["message"]
         assert answer.result().status_code == 200
 
@@ -100,3 +103,21 @@ def test_concurrent_requests_each_prefill_fetches_its_own_target(
     assert set(posted) == set(got) == tids
     assert all(got[tid]["target"] == posted[tid] for tid in tids)  # type: ignore[index]
     assert all(c.record(tid)["status"] == "ok" for tid in tids)
+
+
+def test_a_fetch_waits_the_proxys_target_timeout_by_default(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = make_cluster().start_proxy(flow="concurrent", target_timeout_s=0.3)
+    d = c.decode[0]
+    d.behaviour.post_delay_s = 1.0
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(c.post, prompt="x")
+        seen = wait_for("decode's request", lambda: d.requests and d.requests[0])
+        kv = seen.body["kv_transfer_params"]
+        slow = c.get(
+            f"/v1/kv_targets/{kv['transfer_id']}",
+            headers={"x-kv-transfer-token": kv["transfer_token"]},
+        )
+        assert slow.status_code == 504 and "within 0.3 s" in slow.json()["error"]["message"]
+        assert answer.result().status_code == 200

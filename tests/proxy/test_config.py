@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from app.cli import proxy as cli_proxy
 from app.cli.proxy import proxy_command
 from app.errors import ConfigError
 from app.proxy import Policy, ProxyConfig
 from app.proxy.balancer import Pool
+from app.proxy.config import ADMIN_TOKEN_ENV
 
 
 def config(**kw: object) -> ProxyConfig:
@@ -71,3 +75,22 @@ def test_policies_rotate_among_equals_and_skip_unhealthy() -> None:
     busy.release()
     busy.release()  # idempotent
     assert lo.instances[1].outstanding == 0
+
+
+def test_cli_defaults_are_the_configs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[ProxyConfig] = []
+    monkeypatch.setattr(cli_proxy, "create_proxy", lambda cfg: made.append(cfg))
+    monkeypatch.setattr(cli_proxy._ProxyServer, "run", lambda self, sockets: None)
+    monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("operator-only\n")
+    app = typer.Typer()
+    app.command()(proxy_command)
+    args = ["--prefill", "http://p", "--decode", "http://d", "--port", "0"]
+    out = CliRunner().invoke(app, [*args, "--admin-token-file", str(token_file)])
+    assert out.exit_code == 0, out.output
+    (cfg,) = made
+    # Every setting the CLI leaves alone is ProxyConfig's own default.
+    assert cfg == ProxyConfig(
+        ("http://p",), ("http://d",), cfg.public_url, admin_token="operator-only"
+    )

@@ -11,8 +11,11 @@ def test_decode_posts_target_then_prefill_gets_it_then_decode_answers(cluster: C
     assert r.status_code == 200, r.text
     tid = r.headers["x-kv-transfer-id"]
 
-    # Decode got the client's body plus the transfer params pointing back at the proxy.
+    # Decode got the client's body plus the transfer params pointing back at the proxy, with
+    # the transfer's token (prefill gets the same one).
     (seen_d,) = d.requests
+    token = seen_d.body["kv_transfer_params"]["transfer_token"]
+    assert isinstance(token, str) and len(token) >= 43
     assert seen_d.path == "/v1/completions"
     assert seen_d.body == {
         "model": "tiny",
@@ -23,6 +26,7 @@ def test_decode_posts_target_then_prefill_gets_it_then_decode_answers(cluster: C
             "do_remote_prefill": True,
             "transfer_id": tid,
             "router_url": f"{cluster.url}/v1/kv_targets",
+            "transfer_token": token,
             # The call's trace context, also in the header (vLLM's own OTel may be off).
             "traceparent": seen_d.headers["traceparent"],
         },
@@ -45,6 +49,7 @@ def test_decode_posts_target_then_prefill_gets_it_then_decode_answers(cluster: C
             "do_remote_decode": True,
             "transfer_id": tid,
             "remote": posted["target"],
+            "transfer_token": token,
             "traceparent": seen_p.headers["traceparent"],
         },
     }

@@ -29,8 +29,11 @@ def test_malformed_posts_are_400(cluster: Cluster) -> None:
 def test_second_post_for_a_transfer_is_409(cluster: Cluster) -> None:
     r = cluster.post(prompt="x")
     tid = r.headers["x-kv-transfer-id"]
+    token = cluster.decode[0].requests[0].body["kv_transfer_params"]["transfer_token"]
     again = cluster.client.post(
-        f"{cluster.url}/v1/kv_targets", json={"transfer_id": tid, "target": {"x": 1}}
+        f"{cluster.url}/v1/kv_targets",
+        json={"transfer_id": tid, "target": {"x": 1}},
+        headers={"x-kv-transfer-token": token},
     )
     assert again.status_code == 409
     assert "no longer waiting: its target already arrived" in again.json()["error"]["message"]

@@ -50,6 +50,7 @@ from app.transfer.protocol import (
 )
 from app.transfer.receiving import RecvSettings, RecvSide
 from app.transfer.sending import SendSettings, SendSide
+from app.transfer.target_auth import TargetSigner
 
 
 @pytest.fixture
@@ -376,20 +377,26 @@ class DecodeStub:
         return None
 
 
+# The key the fake decode signs targets with, and the send side checks them with.
+SIGNER = TargetSigner(b"t" * 32)
+
+
 def target(
     rid: str = "r1", d_ids: list[list[int]] = MINE, epoch: str = D_EPOCH, computed: int = 0
 ) -> RemoteTarget:
     """The fake decode's target for ``rid``."""
     host, port = D_ENDPOINT.removeprefix("tcp://").rsplit(":", 1)
-    return RemoteTarget(
-        request_id=rid,
-        host=host,
-        port=int(port),
-        engine_id=D_ENGINE,
-        epoch=epoch,
-        tp_size=1,
-        block_ids=d_ids,
-        computed=computed,
+    return SIGNER.sign(
+        RemoteTarget(
+            request_id=rid,
+            host=host,
+            port=int(port),
+            engine_id=D_ENGINE,
+            epoch=epoch,
+            tp_size=1,
+            block_ids=d_ids,
+            computed=computed,
+        )
     )
 
 
@@ -453,6 +460,7 @@ def make_prefill(
         spawn=tasks.spawn,
         call_soon=call_soon,
         on_layer_latency=lambda _s: None,
+        verify_target=SIGNER.verify,
         clock=clock,
     )
     return Prefill(side, peers, agents[0], net, clock, tasks, stub, lost)

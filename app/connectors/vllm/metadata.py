@@ -30,6 +30,7 @@ class Admit:
     send: AddSend
     router_url: str | None = None
     fetch_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
+    token: str | None = None  # the transfer's capability at the router
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Expect:
     recv: ExpectRecv
     computed: int  # prompt tokens decode's own prefix cache holds: prefill skips them
     router_url: str | None
+    token: str | None = None  # the transfer's capability at the router
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ from typing import Any
 from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
+from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_PARAM
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.lookups import PoolLookups
 from app.connectors.vllm.metadata import (
@@ -64,6 +65,7 @@ class _Send:
     block_ids: BlockIds
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
     traceparent: str | None
+    token: str | None = None  # the transfer's capability at the router
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
@@ -80,10 +82,16 @@ class _State:
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)
     unfinished_saves: set[str] = field(default_factory=set)  # kept blocks, being stored
+    failed_loads: set[str] = field(default_factory=set)  # expected requests whose load failed
 
 
 def _params(request: Any) -> dict[str, Any]:
     return dict(getattr(request, "kv_transfer_params", None) or {})
+
+
+def _token(p: dict[str, Any]) -> str | None:
+    token = p.get(TRANSFER_TOKEN_PARAM)
+    return token if isinstance(token, str) and token else None
 
 
 def _traceparent(p: dict[str, Any]) -> str | None:
@@ -201,7 +209,7 @@ class SchedulerSide:
                 traceparent=_traceparent(p),
             )
             computed = self.state.local_hits.pop(rid, 0)
-            self.state.expects.append(Expect(rid, recv, computed, p.get("router_url")))
+            self.state.expects.append(Expect(rid, recv, computed, p.get("router_url"), _token(p)))
             if not p.get("router_url"):
                 log.warning(
                     "request %s: no router_url in kv_transfer_params; nobody will send", rid
@@ -251,7 +259,15 @@ class SchedulerSide:
             log.error("request %s: the model's mamba_cache_mode is not supported; not sent", rid)
             return None
         return _Send(
-            sid, remote, p.get("router_url"), timeout, whole, ids, computes, _traceparent(p)
+            sid,
+            remote,
+            p.get("router_url"),
+            timeout,
+            whole,
+            ids,
+            computes,
+            _traceparent(p),
+            _token(p),
         )
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
@@ -311,7 +327,7 @@ class SchedulerSide:
             target_timeout_s=send.target_timeout_s if prefill_first else None,
             traceparent=send.traceparent,
         )
-        return Admit(req_id, msg, send.router_url, send.target_timeout_s)
+        return Admit(req_id, msg, send.router_url, send.target_timeout_s, send.token)
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -325,8 +341,14 @@ class SchedulerSide:
         if sid is not None:
             if request.status == RequestStatus.FINISHED_ABORTED:
                 self._abort_all(sid, "decode request aborted")
-            # The id both sidecars know the transfer by, for curl on their admin APIs.
-            return False, {"kv_sidecar_request_id": sid}
+            failed = rid in self.state.failed_loads
+            self.state.failed_loads.discard(rid)
+            # The id both sidecars know the transfer by, for curl on their admin APIs, and
+            # whether prefill's KV was used (the router's record tells "recomputed" apart).
+            return False, {
+                "kv_sidecar_request_id": sid,
+                KV_LOAD_PARAM: "failed" if failed else "ok",
+            }
         keep = self._pool_save(request, block_ids)
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
@@ -369,6 +391,9 @@ class SchedulerSide:
         return True
 
     def update_connector_output(self, output: Any) -> None:
+        for rid in getattr(output, "failed_recving", None) or ():
+            if rid in self.state.recvs:
+                self.state.failed_loads.add(rid)
         for rid in getattr(output, "finished_sending", None) or ():
             self.state.unfinished_sends.discard(rid)
             self.state.unfinished_saves.discard(rid)

@@ -22,8 +22,9 @@ import httpx
 import msgspec
 
 from app.config import SidecarSettings
+from app.connectors.params import TRANSFER_TOKEN_HEADER
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.metadata import Expect, KVSidecarMetadata
+from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
 from app.connectors.vllm.stats import KVSidecarStats
@@ -65,15 +66,25 @@ def decode_target(e: Expect, info: dict[str, Any], tp_size: int) -> RemoteTarget
     )
 
 
+def _capability(token: str | None) -> dict[str, str]:
+    return {} if token is None else {TRANSFER_TOKEN_HEADER: token}
+
+
 def post_target(
-    router_url: str, transfer_id: str, target: RemoteTarget, timeout_s: float = 5.0
+    router_url: str,
+    transfer_id: str,
+    target: RemoteTarget,
+    token: str | None = None,
+    timeout_s: float = 5.0,
 ) -> None:
-    """Hand a decode target to the router (which gives it to the prefill)."""
+    """Hand a signed decode target to the router (which gives it to the prefill), with the
+    transfer's capability (``token``) when the router gave one."""
     try:
         r = httpx.post(
             router_url,
             # JSON-able builtins; prefill's connector reads them back with ``remote_target``.
             json={"transfer_id": transfer_id, "target": msgspec.to_builtins(target)},
+            headers=_capability(token),
             timeout=timeout_s,
         )
         if r.status_code != 200:
@@ -82,7 +93,9 @@ def post_target(
         log.error("router %s unreachable for target %s: %s", router_url, transfer_id, e)
 
 
-def fetch_target(router_url: str, transfer_id: str, timeout_s: float) -> RemoteTarget | str:
+def fetch_target(
+    router_url: str, transfer_id: str, timeout_s: float, token: str | None = None
+) -> RemoteTarget | str:
     """Decode's target for a transfer, from the router (concurrent dispatch), or why none came.
 
     The router holds the request until decode posted it, the transfer closed, or ``timeout_s``.
@@ -91,6 +104,7 @@ def fetch_target(router_url: str, transfer_id: str, timeout_s: float) -> RemoteT
         r = httpx.get(
             f"{router_url}/{transfer_id}",
             params={"timeout_s": timeout_s},
+            headers=_capability(token),
             timeout=timeout_s + 5.0,
         )
     except httpx.HTTPError as e:
@@ -223,12 +237,14 @@ class WorkerSide:
                 self._to_post.append(exp)
         for a in meta.admits:
             if a.send.remote is None and a.router_url:
-                self._fetches.submit(self._fetch, a.router_url, a.send.request, a.fetch_timeout_s)
+                self._fetches.submit(self._fetch, a)
 
-    def _fetch(self, router_url: str, sid: str, timeout_s: float) -> None:
+    def _fetch(self, a: Admit) -> None:
         """Wait for decode's target and hand it to this rank's sidecar; without one, end the
         send now (its blocks go back) instead of at the sidecar's deadline."""
-        got = fetch_target(router_url, sid, timeout_s)
+        assert a.router_url is not None
+        sid = a.send.request
+        got = fetch_target(a.router_url, sid, a.fetch_timeout_s, a.token)
         try:
             if isinstance(got, str):
                 log.warning("send %s: no target (%s); ending it", sid, got)
@@ -296,10 +312,17 @@ class WorkerSide:
         except KVSidecarError as err:
             log.error("sidecar info unavailable (%s); %d target(s) not posted", err, len(expects))
             return  # the sidecar's deadline ends those loads; vLLM recomputes them
-        for e in expects:
+        try:
+            # Signed by the sidecar: prefill's sidecar uses no target without its signature.
+            targets = self.link.sign_targets(
+                [decode_target(e, info, self.config.tp_size) for e in expects]
+            )
+        except KVSidecarError as err:
+            log.error("sidecar did not sign %d target(s): %s; not posted", len(expects), err)
+            return
+        for e, target in zip(expects, targets, strict=True):
             assert e.router_url is not None
-            target = decode_target(e, info, self.config.tp_size)
-            self._posts.submit(post_target, e.router_url, e.recv.request, target)
+            self._posts.submit(post_target, e.router_url, e.recv.request, target, e.token)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sends ended, loads ended, loads among them that failed).

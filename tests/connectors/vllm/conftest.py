@@ -32,6 +32,10 @@ SSM_DTYPE_ARGS = {
 }
 
 
+AUTH_KEY = "pd-test-control-plane-key-" + "k" * 32
+ADMIN_TOKEN = "pd-test-admin-token"
+
+
 @pytest.fixture(scope="module")
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
@@ -54,6 +58,9 @@ def pd(
         extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ()),
         # Prompts differ from their first token, so only a repeated prompt hits (one test).
         decode_prefix_caching=str(request.param) == "llama",
+        # The plain pair runs as a deployment does: its own control-plane key and an admin
+        # token (the prefill-first tests need both set).
+        **({"auth_key": AUTH_KEY, "admin_token": ADMIN_TOKEN} if request.param == "llama" else {}),
     )
     with engines_up(stack):
         yield stack

@@ -346,8 +346,9 @@ def prefill_first(pd: LocalPD, p: list[int]) -> dict[str, Any]:
 def test_prefill_first_through_a_plain_client(pd: LocalPD) -> None:
     """A client that speaks only vLLM's documented flow (no kv-sidecar proxy): the prompt to
     prefill, then to decode with the ``kv_transfer_params`` prefill answered. Prefill kept its
-    blocks; decode posts its target to prefill's sidecar, which writes every layer; decode
-    computes one token and answers as the engine alone does."""
+    blocks; decode posts its target (signed by its sidecar, with no admin token) to prefill's
+    sidecar, which runs with a control-plane key and an admin token set and writes every
+    layer; decode computes one token and answers as the engine alone does."""
     prompts, reference = references(pd, [prompt(37, 71), prompt(600, 72)])
     for p, expected in zip(prompts, reference, strict=True):
         params = prefill_first(pd, p)
@@ -366,22 +367,23 @@ def test_prefill_first_through_a_plain_client(pd: LocalPD) -> None:
 @pytest.mark.parametrize("pd", ["llama"], indirect=True)
 def test_prefill_first_decode_refusal_frees_prefill(pd: LocalPD) -> None:
     """Decode posts why it cannot take the transfer instead of a target: prefill's sidecar
-    ends the send ABORTED at once and its blocks go back to vLLM, long before the deadline."""
+    ends the send ABORTED at once and its blocks go back to vLLM, long before the deadline.
+    An error ends a transfer, so with the admin token set it needs the token."""
     params = prefill_first(pd, prompt(300, 73))
     assert kv_usage(pd.prefill.url) > 0.0  # held for decode
+    refusal = {"transfer_id": params["transfer_id"], "error": "decode is shutting down"}
+    stranger = httpx.post(params["router_url"], json=refusal, timeout=10)
+    assert stranger.status_code == 401, stranger.text
+    assert send_entry(pd, params["transfer_id"])["state"] == "PENDING"
     t0 = time.monotonic()
-    r = httpx.post(
-        params["router_url"],
-        json={"transfer_id": params["transfer_id"], "error": "decode is shutting down"},
-        timeout=10,
-    )
+    token = {"Authorization": f"Bearer {pd.admin_token}"}
+    r = httpx.post(params["router_url"], json=refusal, headers=token, timeout=10)
     assert r.status_code == 200, r.text
     wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pd.prefill.url) == 0.0, 5)
     assert time.monotonic() - t0 < pd.target_timeout_s
     ended = send_entry(pd, params["transfer_id"])
     assert ended["state"] == "ABORTED" and "decode is shutting down" in ended["error"], ended
-    again = httpx.post(params["router_url"], json={"transfer_id": params["transfer_id"],
-                       "error": "twice"}, timeout=10)  # fmt: skip
+    again = httpx.post(params["router_url"], json=refusal, headers=token, timeout=10)
     assert again.status_code == 409, again.text
 
 

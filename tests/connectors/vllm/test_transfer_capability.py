@@ -1,0 +1,130 @@
+"""The connector's half of the proxy's per-transfer capability and of the "recomputed" record:
+the token in ``kv_transfer_params`` reaches both target calls as a header (over real HTTP), and
+decode's finished request says whether prefill's KV was used or recomputed."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+import pytest
+from vllm.v1.request import RequestStatus
+
+from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
+from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.scheduler import SchedulerSide
+from app.connectors.vllm.worker import fetch_target, post_target
+from app.transfer.protocol import RemoteTarget
+
+CONFIG = ConnectorConfig("ipc:///nowhere", "e", 1, 1, None, 1.0)
+TARGET = RemoteTarget("t", "10.0.0.2", 5600, "d", "ep", 1, [[3, 4]], signature="a" * 64)
+
+
+class Blocks:
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return ([3, 4],)
+
+
+def request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=[1, 2, 3],
+        status=RequestStatus.FINISHED_LENGTH_CAPPED,
+        num_computed_tokens=3,
+    )
+
+
+class Router(ThreadingHTTPServer):
+    """A router on loopback that answers every call with decode's target and keeps the
+    capability header each call carried."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str | None]] = []
+        super().__init__(("127.0.0.1", 0), _Handler)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1/kv_targets"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: Router
+
+    def _answer(self) -> None:
+        self.server.seen.append((self.command, self.headers.get(TRANSFER_TOKEN_HEADER)))
+        body = json.dumps({"target": msgspec.to_builtins(TARGET)}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._answer()
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self._answer()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def router() -> Iterator[Router]:
+    server = Router()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_token_reaches_both_target_calls_as_a_header(router: Router) -> None:
+    post_target(router.url, "t", TARGET, "cap-1")
+    assert fetch_target(router.url, "t", 5.0, "cap-2") == TARGET
+    post_target(router.url, "t", TARGET)  # a router that gave none (the prefill-first flow)
+    assert router.seen == [("POST", "cap-1"), ("GET", "cap-2"), ("POST", None)]
+
+
+def test_scheduler_carries_the_token_to_both_sides_workers() -> None:
+    decode, prefill = SchedulerSide(CONFIG), SchedulerSide(CONFIG)
+    common = {"router_url": "http://r/v1/kv_targets", "transfer_id": "t"}
+    d_req = request("d", {"do_remote_prefill": True, **common, TRANSFER_TOKEN_PARAM: "cap"})
+    assert decode.get_num_new_matched_tokens(d_req, 0)[0] == 2  # all but the last token
+    decode.update_state_after_alloc(d_req, Blocks(), 2)
+    (expect,) = decode.state.expects
+    assert expect.token == "cap"
+    p_req = request("p", {"do_remote_decode": True, **common, TRANSFER_TOKEN_PARAM: "cap"})
+    prefill.update_state_after_alloc(p_req, Blocks(), 0)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([3, 4],))
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+        num_scheduled_tokens={"p": 3},
+        preempted_req_ids=None,
+    )
+    (admit,) = prefill.build_connector_meta(out).admits
+    assert admit.token == "cap"
+
+
+@pytest.mark.parametrize("failed", [False, True])
+def test_decode_says_whether_it_used_prefill_kv(failed: bool) -> None:
+    decode = SchedulerSide(CONFIG)
+    req = request("d", {"do_remote_prefill": True, "transfer_id": "t", "router_url": "http://r"})
+    decode.get_num_new_matched_tokens(req, 0)
+    decode.update_state_after_alloc(req, Blocks(), 2)
+    decode.update_connector_output(
+        SimpleNamespace(failed_recving={"d"} if failed else set(), finished_sending=None)
+    )
+    _, params = decode.request_finished(req, ([3, 4],))
+    assert params is not None
+    assert params[KV_LOAD_PARAM] == ("failed" if failed else "ok")
+    assert TRANSFER_TOKEN_PARAM not in params  # decode's answer goes to the client
