@@ -458,6 +458,13 @@ class Cluster:
             )
         return out
 
+    def retarget(self, req: SimRequest, **changes: Any) -> None:
+        """Change ``req``'s target, signed anew as decode's sidecar signs (fault tests: a
+        target decode's connector got wrong, not a forged one)."""
+        assert req.remote is not None
+        changed = msgspec.structs.replace(req.remote, signature="", **changes)
+        req.remote = target_signer(self.sides["decode"].env).sign(changed)
+
     def release(self, pairs: Sequence[tuple[SimRequest, SimRequest]]) -> None:
         p, d = self.sides["prefill"], self.sides["decode"]
         assert p.allocator is not None and d.allocator is not None

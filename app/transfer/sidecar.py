@@ -299,10 +299,6 @@ class Sidecar:
             "why": why,
         }
 
-    def verify_target(self, target: RemoteTarget) -> None:
-        """Raise AuthError unless a decode sidecar sharing this one's key signed ``target``."""
-        self._targets.verify(target)
-
     def sign_target(self, target: RemoteTarget) -> RemoteTarget:
         """``target`` signed, if it names this sidecar as it runs now; raises ProtocolError
         otherwise (a signed target must not point prefill at another host)."""

@@ -153,7 +153,7 @@ def test_out_of_range_block_ids_fail_with_nothing_written(
     pr, _dr = pairs[0]
     assert pr.remote is not None
     bad = d.params.num_blocks + 5
-    pr.remote.block_ids = [[*ids[:-1], bad] for ids in pr.remote.block_ids]
+    c.retarget(pr, block_ids=[[*ids[:-1], bad] for ids in pr.remote.block_ids])
     result = c.run(pairs, timeout_s=5)
     statuses = _statuses(result["prefill"]["ranks"])
     assert statuses == {"req-0": "FAILED"}
@@ -260,8 +260,7 @@ def test_dead_targets_leave_no_peer_behind(make_cluster: Callable[..., Cluster])
     p = c.sides["prefill"]
     dead = c.make_requests([256, 256, 256], prefix="dead")
     for pr, _ in dead:
-        assert pr.remote is not None
-        pr.remote.port = free_port()  # nothing listens there
+        c.retarget(pr, port=free_port())  # nothing listens there
     out = c.call(p, Command(cmd="prefill", requests=[pr for pr, _ in dead], timeout_s=5), 60)
     assert set(_statuses(out["ranks"]).values()) == {"FAILED"}
     assert httpx.get(f"{p.admin_url}/v1/peers", timeout=10).json()["peers"] == []
