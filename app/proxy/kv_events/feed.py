@@ -57,7 +57,7 @@ class KvEventFeed:
                 e.name,
                 e.endpoint,
                 e.replay_endpoint,
-                InstanceIndex(self.scheme, self.settings.max_blocks),
+                InstanceIndex(self.scheme, self.settings.max_blocks, e.name),
                 self.settings,
                 self._ctx,
             )

@@ -110,9 +110,12 @@ class _Group:
 class InstanceIndex:
     """One engine's prefix cache as its events tell it, group by group."""
 
-    def __init__(self, scheme: KeyScheme, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(
+        self, scheme: KeyScheme, max_blocks: int = DEFAULT_MAX_BLOCKS, name: str = ""
+    ) -> None:
         if max_blocks <= 0:
             raise ValueError(f"expected max_blocks >= 1; got {max_blocks}")
+        self.name = name  # the instance, for logs
         self.scheme = scheme
         self.max_blocks = max_blocks
         self._groups: dict[GroupId, _Group] = {}
@@ -193,12 +196,12 @@ class InstanceIndex:
 
     def _mark_inconsistent(self, reason: str) -> None:
         if self.consistent or self._fresh:
-            log.warning("KV event index inconsistent: %s", reason)
+            log.warning("%s: KV event index inconsistent: %s", self.name, reason)
             self.consistent, self.reason, self._fresh = False, reason, False
 
     def _mark_consistent(self) -> None:
         if not self.consistent and not self._fresh:
-            log.info("KV event index consistent again (was: %s)", self.reason)
+            log.info("%s: KV event index consistent again (was: %s)", self.name, self.reason)
         self.consistent, self.reason, self._fresh = True, None, False
 
     def _clear(self) -> None:

@@ -171,8 +171,10 @@ class EngineSubscriber:
                 idx.skip(seq, ts, str(e))
             return
         order = idx.order(seq, batch.ts)
-        if order is Order.MISSING and resync:
-            await self._resync(f"batch {seq} came after batch {idx.last_seq}")
+        if order is Order.MISSING and resync and self.replay_endpoint is not None:
+            why = f"batch {seq} came after batch {idx.last_seq}"
+            log.warning("%s: %s: asking %s to replay", self.name, why, self.replay_endpoint)
+            await self._resync(why)
             order = idx.order(seq, batch.ts)
         if order is not Order.DUPLICATE:
             idx.apply(seq, batch)  # still missing: the index clears and says why
