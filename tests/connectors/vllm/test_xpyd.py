@@ -10,6 +10,10 @@ import pytest
 from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 
+# Four engines: CI runs this file in its real-engine step, beside the chaos file, not in the
+# default suite's 30 minutes.
+pytestmark = pytest.mark.slow_engines
+
 PREFIX = 512  # tokens the three prompts of the family share
 SUFFIX = 600
 MAX_TOKENS = 6
