@@ -26,7 +26,7 @@ from app.bench.pd_observe import (
     write_logging_config,
 )
 from app.bench.pd_stats import Iteration
-from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD, vllm_env
+from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD, vllm_command, vllm_env
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
@@ -86,30 +86,15 @@ class MooncakePD(LocalPD):
 
 def _vllm_command(model: Path, port: int, ktc: dict[str, Any]) -> list[str]:
     # The flags LocalPD gives its engines, so that both systems run the same engine.
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--no-enable-prefix-caching",
-        "--max-num-seqs",
-        "16",
+    return vllm_command(
+        model,
+        port,
         "--kv-transfer-config",
         json.dumps(ktc),
         "--tensor-parallel-size",
         "1",
-    ]
+        prefix_caching=False,
+    )
 
 
 @dataclasses.dataclass

@@ -163,6 +163,33 @@ class Instance:
         return f"http://127.0.0.1:{self.admin_port}"
 
 
+def vllm_command(
+    model: Path, port: int, *extra: str, prefix_caching: bool, max_num_seqs: int = 16
+) -> list[str]:
+    """The OpenAI server of a tiny model on loopback, as every local engine here runs it."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--skip-tokenizer-init",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        *extra,
+    ]
+
+
 @dataclass
 class LocalPD:
     """Sidecars, vLLM API servers (one P and one D, or xPyD) and the proxy, on loopback."""
@@ -393,35 +420,16 @@ class LocalPD:
             }
             self._spawn(
                 f"vllm-{inst.name}",
-                [
-                    sys.executable,
-                    "-m",
-                    "vllm.entrypoints.openai.api_server",
-                    "--model",
-                    str(self.model),
-                    "--served-model-name",
-                    "tiny",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(inst.vllm_port),
-                    "--skip-tokenizer-init",
-                    "--max-model-len",
-                    str(MAX_MODEL_LEN),
-                    "--enforce-eager",
-                    (
-                        "--enable-prefix-caching"
-                        if self._prefix_caching(inst)
-                        else "--no-enable-prefix-caching"
-                    ),
-                    "--max-num-seqs",
-                    "16",
+                vllm_command(
+                    self.model,
+                    inst.vllm_port,
                     "--kv-transfer-config",
                     json.dumps(ktc),
                     "--tensor-parallel-size",
                     str(inst.tp),
                     *self.extra_vllm_args,
-                ],
+                    prefix_caching=self._prefix_caching(inst),
+                ),
                 {
                     **vllm_env(inst.tp, self.worker_in_core),
                     **_thread_binding(inst.tp),

@@ -5,56 +5,58 @@ source blocks from the engine, until Mooncake confirms or fails that write; then
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
 
 from app.kvcache.desc import LayoutDesc
 from app.transfer.protocol import Done, Status
-from tests.transfer.conftest import D_ENGINE, make_prefill, until
+from tests.transfer.conftest import D_ENGINE, Prefill, make_prefill, until
 
 # The send deadline, in real seconds: the drain's wait runs on the loop's clock.
 DEADLINE_S = 0.2
 
 
-async def test_failed_send_tells_decode_only_once_its_write_is_confirmed(
-    layout: LayoutDesc,
-) -> None:
+@pytest.fixture
+async def pinned(layout: LayoutDesc) -> AsyncIterator[Prefill]:
+    """A send to decode whose one write is on the wire and never answered by Mooncake."""
     p = make_prefill(layout, send_timeout_s=DEADLINE_S)
-    try:
-        assert (await p.add()).ok
-        await p.tasks.settle()
-        assert p.pin("r1") == ["r1"]  # a write on the wire that Mooncake has not answered
-        p.side.fail(p.req(), "layer write failed")
-        await asyncio.sleep(3 * DEADLINE_S)  # well past the send deadline
-        assert p.net.sent(Done) == []  # decode would free the blocks the write lands in
-        assert p.agent.finished() == ([], [], [])  # the engine would reuse the source blocks
-        p.side.unpin(p.agent, ["r1"])  # Mooncake confirmed (or failed) the write
-        await until("Done to decode", lambda: bool(p.net.sent(Done)))
-        (done,) = p.net.sent(Done)
-        assert done.status is Status.FAILED
-        _, _, failed = p.agent.finished()
-        assert [f.request for f in failed] == ["r1"]
-        assert p.side.unconfirmed == 1
-    finally:
-        await p.tasks.cancel()
+    assert (await p.add()).ok
+    await p.tasks.settle()
+    assert p.pin("r1") == ["r1"]
+    yield p
+    await p.tasks.cancel()
+
+
+async def test_failed_send_tells_decode_only_once_its_write_is_confirmed(
+    pinned: Prefill,
+) -> None:
+    p = pinned
+    p.side.fail(p.req(), "layer write failed")
+    await asyncio.sleep(3 * DEADLINE_S)  # well past the send deadline
+    assert p.net.sent(Done) == []  # decode would free the blocks the write lands in
+    assert p.agent.finished() == ([], [], [])  # the engine would reuse the source blocks
+    p.side.unpin(p.agent, ["r1"])  # Mooncake confirmed (or failed) the write
+    await until("Done to decode", lambda: bool(p.net.sent(Done)))
+    (done,) = p.net.sent(Done)
+    assert done.status is Status.FAILED
+    _, _, failed = p.agent.finished()
+    assert [f.request for f in failed] == ["r1"]
+    assert p.side.unconfirmed == 1
 
 
 async def test_decode_abort_is_answered_only_once_the_write_is_confirmed(
-    layout: LayoutDesc,
+    pinned: Prefill,
 ) -> None:
-    p = make_prefill(layout, send_timeout_s=DEADLINE_S)
-    try:
-        assert (await p.add()).ok
-        await p.tasks.settle()
-        assert p.pin("r1") == ["r1"]
-        # Decode expired the request and asks whether anything is still on the wire; the
-        # control server acks once this returns.
-        answer = asyncio.create_task(p.side.aborted_by_decode("r1", D_ENGINE, "expired"))
-        await asyncio.sleep(3 * DEADLINE_S)
-        assert not answer.done()
-        assert p.req().state is Status.ABORTED
-        assert p.agent.finished() == ([], [], [])  # the source blocks are still read from
-        p.side.unpin(p.agent, ["r1"])
-        await asyncio.wait_for(answer, 2)
-        _, _, failed = p.agent.finished()
-        assert [f.request for f in failed] == ["r1"]
-    finally:
-        await p.tasks.cancel()
+    p = pinned
+    # Decode expired the request and asks whether anything is still on the wire; the control
+    # server acks once this returns.
+    answer = asyncio.create_task(p.side.aborted_by_decode("r1", D_ENGINE, "expired"))
+    await asyncio.sleep(3 * DEADLINE_S)
+    assert not answer.done()
+    assert p.req().state is Status.ABORTED
+    assert p.agent.finished() == ([], [], [])  # the source blocks are still read from
+    p.side.unpin(p.agent, ["r1"])
+    await asyncio.wait_for(answer, 2)
+    _, _, failed = p.agent.finished()
+    assert [f.request for f in failed] == ["r1"]

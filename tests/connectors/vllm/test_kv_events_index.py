@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.connectors.local_pd import MAX_MODEL_LEN, kill_trees, vllm_env, write_tiny_model
+from app.connectors.local_pd import kill_trees, vllm_command, vllm_env, write_tiny_model
 from app.proxy.kv_events import EngineEvents, KvEventFeed, SubscriberSettings
 from app.store.master import free_port
 from tests.conftest import wait_for
@@ -51,28 +50,14 @@ def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         "replay_endpoint": f"tcp://127.0.0.1:{replay}",
         "topic": "kv@tiny",
     }
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--enable-prefix-caching",
-        "--max-num-seqs",
-        "4",
+    cmd = vllm_command(
+        model,
+        port,
         "--kv-events-config",
         json.dumps(events_config),
-    ]
+        prefix_caching=True,
+        max_num_seqs=4,
+    )
     log_path = root / "vllm.log"
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env())
