@@ -635,7 +635,9 @@ class SendSide:
                     req.peer_lost = True
                     ended.append(req)
         for req in ended:
-            await self.drained(req)
+            if not await self.drained(req):
+                # Reported to the engine only once answered (Agent.finished); nothing to tell.
+                log.warning("request %s: %d write(s) still on the wire", req.id, req.inflight)
 
     def live_peers(self) -> set[str]:
         return {r.peer for a in self._agents.values() for r in a.sends.values() if r.peer}
