@@ -12,6 +12,10 @@ from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import prompt
 
+# A Mooncake master beside the pair: CI runs this file in its real-engine step, not in the
+# default suite's 30 minutes.
+pytestmark = pytest.mark.slow_engines
+
 MAX_TOKENS = 8
 
 
