@@ -123,10 +123,11 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
     app.state.metrics = metrics
 
     token = settings.admin_token
+    token_check = None if token is None else _TokenCheck(token.get_secret_value())
     mutating: dict[str, Any] = {}
-    if token is not None:
+    if token_check is not None:
         mutating = {
-            "dependencies": [Depends(_TokenCheck(token.get_secret_value()))],
+            "dependencies": [Depends(token_check)],
             "responses": {401: _error("Missing or wrong bearer token.")},
         }
 
@@ -265,8 +266,6 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         now = time.monotonic()
         entries = [views.request_view(r, now) for r in views.find_request(sidecar, request_id)]
         return AbortResponse(id=request_id, aborted=live, entries=entries)
-
-    token_check = None if token is None else _TokenCheck(token.get_secret_value())
 
     @app.post(
         "/v1/kv_targets",
