@@ -15,8 +15,13 @@ from pathlib import Path
 
 import httpx
 
+import pytest
+
 from app.sim.rounds import summarize
 from tests.chaos.harness import LENS, Chaos, Outcome, mapped_by
+
+# Minutes of simulated-cluster faults: CI runs them apart (pytest -m slow_chaos).
+pytestmark = pytest.mark.slow_chaos
 
 ENV = {"KVSIDECAR_SEND_TIMEOUT_S": "45", "KVSIDECAR_RECV_TIMEOUT_S": "45"}
 

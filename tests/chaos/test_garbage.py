@@ -44,6 +44,9 @@ from app.transfer.protocol import (
 )
 from tests.chaos.harness import LENS, Chaos, Outcome, metric_sum
 
+# Minutes of simulated-cluster faults: CI runs them apart (pytest -m slow_chaos).
+pytestmark = pytest.mark.slow_chaos
+
 FRAMES = 10_000
 _TARGET = RemoteTarget("r", "127.0.0.1", 5600, "d", "e", 1, [[1, 2], [3]])
 VALID = [

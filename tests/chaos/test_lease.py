@@ -27,6 +27,9 @@ import pytest
 
 from tests.chaos.harness import LENS, Chaos, Outcome
 
+# Minutes of simulated-cluster faults: CI runs them apart (pytest -m slow_chaos).
+pytestmark = pytest.mark.slow_chaos
+
 LEASE_S = 2.0
 STOP_S = 3 * LEASE_S
 DEADLINE_S = 60.0

@@ -5,7 +5,12 @@ from __future__ import annotations
 import signal
 from collections.abc import Callable
 
+import pytest
+
 from tests.chaos.harness import LENS, Chaos, Outcome
+
+# Minutes of simulated-cluster faults: CI runs them apart (pytest -m slow_chaos).
+pytestmark = pytest.mark.slow_chaos
 
 # A short lease: the survivor may end the dead peer's requests before any deadline.
 LEASE = {"KVSIDECAR_HEARTBEAT_INTERVAL_S": "0.5", "KVSIDECAR_LEASE_S": "2"}
