@@ -15,7 +15,7 @@ import uvicorn
 from app.errors import ConfigError
 from app.ports import clear_port_file, write_port_file
 from app.proxy import Flow, Policy, ProxyConfig, create_proxy
-from app.proxy.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FLAG
+from app.proxy.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FLAG, KV_EVENTS_FLAG, parse_kv_events
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +187,19 @@ def proxy_command(
             f"{ADMIN_TOKEN_ENV}; with neither, only loopback clients may read transfers)."
         ),
     ] = None,
+    kv_events: Annotated[
+        list[str] | None,
+        typer.Option(
+            KV_EVENTS_FLAG,
+            help="URL=ENDPOINT[,REPLAY]: follow the KV events the instance at URL publishes "
+            "(its --kv-events-config endpoints as reached from here) and route by what it "
+            "really holds (repeatable; README, Routing by KV events).",
+        ),
+    ] = None,
+    kv_events_unit: Annotated[
+        int,
+        typer.Option(help="Tokens per key step of the KV-event index: divides every block size."),
+    ] = _DEFAULTS.kv_events_unit,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -221,6 +234,8 @@ def proxy_command(
             max_inflight=max_inflight,
             max_model_len=max_model_len,
             admin_token=admin_token,
+            kv_events=tuple(parse_kv_events(spec) for spec in kv_events or ()),
+            kv_events_unit=kv_events_unit,
         )
     except ConfigError:
         sock.close()

@@ -23,7 +23,9 @@ from app.proxy.config import ProxyConfig
 from app.proxy.errors import NoHealthyInstance, error_response
 from app.proxy.exchange import describe, forwarded_headers, read_json_object
 from app.proxy.flow import PDFlow
+from app.proxy.kv_events import KeyScheme, KvEventFeed, SubscriberSettings
 from app.proxy.metrics import CONTENT_TYPE, CountInflight, ProxyMetrics
+from app.proxy.precise import EngineHits
 from app.proxy.records import TransferLog
 from app.proxy.targets import Delivery, TargetRendezvous
 from app.tracing.otel import open_tracing
@@ -33,11 +35,16 @@ log = logging.getLogger(__name__)
 _REFUSED_KIND = {401: "authentication_error", 404: "not_found", 409: "conflict"}
 
 
-def _health_body(pools: dict[str, Pool], flow: PDFlow) -> tuple[int, dict[str, Any]]:
+def _health_body(
+    pools: dict[str, Pool], flow: PDFlow, feed: KvEventFeed | None
+) -> tuple[int, dict[str, Any]]:
     ok = all(p.any_healthy for p in pools.values())
     body: dict[str, Any] = {"status": "ok" if ok else "unavailable"}
     for role, pool in pools.items():
         body[role] = [dataclasses.asdict(i.status()) for i in pool.instances]
+    # Per instance that publishes KV events: whether its index answers picks (consistent) or
+    # the prefix index stands in for it, and why.
+    body["kv_events"] = [] if feed is None else [dataclasses.asdict(s) for s in feed.status()]
     # Why the last request went where it went, per role (each transfer's record has its own).
     body["routing"] = {
         role: {
@@ -51,7 +58,17 @@ def _health_body(pools: dict[str, Pool], flow: PDFlow) -> tuple[int, dict[str, A
     return (200 if ok else 503), body
 
 
-def _pools(cfg: ProxyConfig) -> dict[str, Pool]:
+def _feed(cfg: ProxyConfig) -> KvEventFeed | None:
+    if not cfg.kv_events:
+        return None
+    return KvEventFeed(
+        cfg.kv_events,
+        SubscriberSettings(max_blocks=cfg.kv_events_max_blocks),
+        KeyScheme.new(cfg.kv_events_unit),
+    )
+
+
+def _pools(cfg: ProxyConfig, hits: EngineHits | None) -> dict[str, Pool]:
     breaker = BreakerSettings(cfg.breaker_failures, cfg.breaker_probe_interval_s)
     prefill = Routing(cfg.prefill_policy, breaker, cfg.prefill_alpha, cfg.prefix_index_blocks)
     # Decode's index is what the disaggregation hit rule reads; kept only when it is on.
@@ -62,8 +79,8 @@ def _pools(cfg: ProxyConfig) -> dict[str, Pool]:
         track_prefixes=cfg.disagg_rules.tracks_decode_prefixes,
     )
     return {
-        "prefill": Pool("prefill", cfg.prefill, prefill),
-        "decode": Pool("decode", cfg.decode, decode),
+        "prefill": Pool("prefill", cfg.prefill, prefill, hits),
+        "decode": Pool("decode", cfg.decode, decode, hits),
     }
 
 
@@ -81,7 +98,8 @@ def _refusal(status: int, message: str) -> Response:
 
 def create_proxy(cfg: ProxyConfig) -> FastAPI:
     """The proxy app; it probes every instance once before serving, then every interval."""
-    pools = _pools(cfg)
+    feed = _feed(cfg)
+    pools = _pools(cfg, None if feed is None else EngineHits(feed))
     targets = TargetRendezvous(remember=cfg.transfer_log_size)
     transfers = TransferLog(cfg.transfer_log_size)
     client = httpx.AsyncClient(
@@ -101,6 +119,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Spans are exported only when an OTLP endpoint is set (README "Tracing").
         flow.tracing = open_tracing("kv-sidecar-proxy")
+        if feed is not None:
+            await feed.start()
         await checker.probe_all()
         for role, pool in pools.items():
             if not pool.any_healthy:
@@ -120,6 +140,8 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await flow.close()
+            if feed is not None:
+                await feed.close()
             await client.aclose()
             if flow.tracing is not None:
                 await asyncio.to_thread(flow.tracing.shutdown)  # exports what is buffered
@@ -201,7 +223,7 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        code, body = _health_body(pools, flow)
+        code, body = _health_body(pools, flow, feed)
         return JSONResponse(body, status_code=code)
 
     @app.get("/v1/models")

@@ -14,6 +14,7 @@ import httpx
 from app.proxy.breaker import Breaker, BreakerSettings, BreakerState
 from app.proxy.config import Policy
 from app.proxy.errors import NoHealthyInstance
+from app.proxy.precise import APPROXIMATE, KV_EVENTS, EngineHits, PreciseHit
 from app.proxy.routing import Pick, PrefixIndex, RequestShape, cache_score
 
 log = logging.getLogger(__name__)
@@ -148,13 +149,30 @@ class Routing:
 _EMPTY = RequestShape(prompt_tokens=0, max_tokens=0, chain=(), block_size=1)
 
 
+@dataclass(frozen=True)
+class _Hit:
+    """One instance's hit for a prompt and where it came from (precise.py)."""
+
+    tokens: int
+    source: str  # KV_EVENTS or APPROXIMATE
+    groups: dict[str, int] | None = None
+    limited_by: str | None = None
+    note: str | None = None  # why approximate, for an instance that publishes events
+
+
 class Pool:
     """The instances of one role; picks only available ones, rotating among equals."""
 
     def __init__(
-        self, role: str, urls: Sequence[str], routing: Routing | Policy = Policy.ROUND_ROBIN
+        self,
+        role: str,
+        urls: Sequence[str],
+        routing: Routing | Policy = Policy.ROUND_ROBIN,
+        engine_hits: EngineHits | None = None,
     ) -> None:
         self.role = role
+        # Precise hits from the instances' KV events; the prefix index stays the fallback.
+        self.engine_hits = engine_hits
         self.routing = routing if isinstance(routing, Routing) else Routing(routing)
         self.policy = self.routing.policy
         cache = self.policy is Policy.CACHE_AWARE or self.routing.track_prefixes
@@ -185,23 +203,22 @@ class Pool:
             opened = [i.url for i in self.instances if i.healthy and not i.breaker.allows]
             why = f"; circuit open: {', '.join(opened)}" if opened else ""
             raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried}{why})")
-        hits: dict[str, int] = {}
+        precise = self.engine_hits is not None
+        # Hits of every candidate when the pick reads them; else of the chosen one only.
+        hits = self._hits(live, shape) if self.policy is Policy.CACHE_AWARE or precise else {}
         if self.policy is Policy.LEAST_OUTSTANDING:
             chosen = min(live, key=lambda inst: inst.outstanding)
         elif self.policy is Policy.TOKENS:
-            chosen = min(live, key=lambda inst: inst.tokens)
+            # Tokens in flight, less what the instance holds of this prompt (events only:
+            # the guess is not trusted to steer decode).
+            chosen = min(live, key=lambda i: i.tokens - _held(hits.get(i.url)))
         elif self.policy is Policy.CACHE_AWARE:
-            for inst in live:
-                assert inst.index is not None
-                hits[inst.url] = inst.index.hit_blocks(shape.chain) * shape.block_size
-            chosen = max(live, key=lambda i: self._score(hits[i.url], i))
+            chosen = max(live, key=lambda i: self._score(hits[i.url].tokens, i))
         else:
             chosen = live[0]
         self._next = self.instances.index(chosen) + 1
-        hit = hits.get(chosen.url)
-        if hit is None and chosen.index is not None:
-            # Not a pick criterion here, but what the disaggregation decision reads.
-            hit = chosen.index.hit_blocks(shape.chain) * shape.block_size
+        hit = hits.get(chosen.url) or self._hits([chosen], shape).get(chosen.url)
+        scored = self.policy is Policy.CACHE_AWARE and hit is not None
         pick = Pick(
             url=chosen.url,
             policy=self.policy.value,
@@ -209,11 +226,34 @@ class Pool:
             cost_tokens=shape.cost(self.role),
             tokens_in_flight=chosen.tokens,
             outstanding=chosen.outstanding,
-            hit_tokens=hit,
-            score=self._score(hit, chosen) if hits and hit is not None else None,
+            hit_tokens=None if hit is None else hit.tokens,
+            score=self._score(hit.tokens, chosen) if scored and hit is not None else None,
+            hit_source=None if hit is None else hit.source,
+            hit_groups=None if hit is None else hit.groups,
+            hit_limited_by=None if hit is None else hit.limited_by,
+            hit_note=None if hit is None else hit.note,
         )
         self.last_pick = pick
         return chosen, pick
+
+    def _hits(self, insts: Sequence[Instance], shape: RequestShape) -> dict[str, _Hit]:
+        """Each instance's hit: from its KV events when they answer, else its prefix index
+        (instances with neither have none)."""
+        answers = (
+            {}
+            if self.engine_hits is None
+            else self.engine_hits.answer(shape, [i.url for i in insts])
+        )
+        out: dict[str, _Hit] = {}
+        for inst in insts:
+            a = answers.get(inst.url)
+            if isinstance(a, PreciseHit):
+                out[inst.url] = _Hit(a.tokens, KV_EVENTS, a.groups, a.limited_by)
+            elif inst.index is not None:
+                blocks = inst.index.hit_blocks(shape.chain)
+                why = None if a is None else a.why
+                out[inst.url] = _Hit(blocks * shape.block_size, APPROXIMATE, note=why)
+        return out
 
     def _score(self, hit_tokens: int, inst: Instance) -> float:
         return cache_score(hit_tokens, inst.tokens, self.routing.alpha)
@@ -243,6 +283,10 @@ class Pool:
         return any(
             inst.healthy and inst.breaker.state is not BreakerState.OPEN for inst in self.instances
         )
+
+
+def _held(hit: _Hit | None) -> int:
+    return hit.tokens if hit is not None and hit.source == KV_EVENTS else 0
 
 
 def is_connection_failure(e: httpx.HTTPError) -> bool:

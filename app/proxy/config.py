@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from app.errors import ConfigError
 from app.proxy.disagg import DisaggRules
+from app.proxy.kv_events.feed import EngineEvents
 
 # Where ``kv-sidecar proxy`` reads the admin token when no --admin-token-file is given.
 ADMIN_TOKEN_ENV = "KVSIDECAR_PROXY_ADMIN_TOKEN"
@@ -40,6 +41,27 @@ def _policy(value: str, allowed: tuple[Policy, ...], flag: str) -> Policy:
     if p not in allowed:
         raise ConfigError(f"{flag} {str(value)!r}: expected one of {choices}")
     return p
+
+
+KV_EVENTS_FLAG = "--kv-events"
+
+
+def parse_kv_events(spec: str) -> EngineEvents:
+    """``URL=ENDPOINT[,REPLAY_ENDPOINT]``: where the instance at URL publishes its KV events
+    (its ``--kv-events-config`` endpoint and replay endpoint, as this proxy reaches them)."""
+    url, sep, ends = spec.partition("=")
+    parts = ends.split(",")
+    if not sep or not url or not parts[0] or len(parts) > 2:
+        raise ConfigError(
+            f"{KV_EVENTS_FLAG} {spec!r}: expected URL=ENDPOINT[,REPLAY_ENDPOINT], e.g. "
+            "http://10.0.0.5:8100=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558"
+        )
+    for end in parts:
+        if not end.startswith(("tcp://", "ipc://")):
+            raise ConfigError(
+                f"{KV_EVENTS_FLAG} {spec!r}: endpoint {end!r} is not a ZMQ tcp:// or ipc:// address"
+            )
+    return EngineEvents(url.rstrip("/"), parts[0], parts[1] if len(parts) == 2 else None)
 
 
 class Flow(StrEnum):
@@ -94,6 +116,11 @@ class ProxyConfig:
     max_model_len: int = 131_072
     # Bearer token GET /v1/transfers needs; None: only loopback clients may read them.
     admin_token: str | None = field(default=None, repr=False)
+    # Instances whose own KV events the proxy follows (precise hits, README "Routing by KV
+    # events"); the key unit must divide every block size they publish; blocks kept each.
+    kv_events: tuple[EngineEvents, ...] = ()
+    kv_events_unit: int = 16
+    kv_events_max_blocks: int = 1_000_000
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -139,7 +166,19 @@ class ProxyConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        known = set(self.prefill) | set(self.decode)
+        named = [e.name for e in self.kv_events]
+        for name in named:
+            if name not in known:
+                raise ConfigError(
+                    f"{KV_EVENTS_FLAG} names {name!r}, which is not a --prefill or --decode URL "
+                    f"({', '.join(sorted(known))})"
+                )
+        if len(set(named)) != len(named):
+            raise ConfigError(f"{KV_EVENTS_FLAG} names an instance twice: {', '.join(named)}")
         for name in (
+            "kv_events_unit",
+            "kv_events_max_blocks",
             "breaker_failures",
             "prefix_block_size",
             "prefix_index_blocks",

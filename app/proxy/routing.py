@@ -44,12 +44,16 @@ _TEXT_SEED = 0x747874
 
 @dataclass(frozen=True)
 class RequestShape:
-    """What routing needs of one request: its size and its prompt's block hash chain."""
+    """What routing needs of one request: its size and its prompt's block hash chain, and for
+    precise hits (precise.py) its token ids (None: a text prompt), model and cache salt."""
 
     prompt_tokens: int
     max_tokens: int
     chain: tuple[int, ...]
     block_size: int
+    token_ids: tuple[int, ...] | None = None
+    model: str | None = None
+    cache_salt: str | None = None
 
     def cost(self, role: str) -> int:
         """Tokens in flight the request adds on an instance of ``role``."""
@@ -68,8 +72,15 @@ class Pick:
     cost_tokens: int  # tokens in flight this request adds
     tokens_in_flight: int  # on the instance, before this request
     outstanding: int  # requests on the instance, before this request
-    hit_tokens: int | None = None  # instances with a prefix index only
+    hit_tokens: int | None = None  # instances with a prefix index or KV events only
     score: float | None = None  # cache_aware only
+    # Where the hit came from: "kv_events" (the engine's own, precise.py) or "approximate"
+    # (the prefix index); the events' per-group hits and the group that ended the hit; why
+    # an instance that publishes events was answered by the guess this time.
+    hit_source: str | None = None
+    hit_groups: dict[str, int] | None = None
+    hit_limited_by: str | None = None
+    hit_note: str | None = None
 
 
 def _is_token_ids(x: Any) -> bool:
@@ -125,6 +136,8 @@ def shape_of(
     def fitting(max_tokens: int, prompt_tokens: int) -> int:
         return min(max_tokens, max(max_model_len - prompt_tokens, 0))
 
+    model = body.get("model") if isinstance(body.get("model"), str) else None
+    salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
     if "chat" in path:
         text = _chat_text(body.get("messages"))
         tokens = len(text) // CHARS_PER_TOKEN
@@ -133,6 +146,8 @@ def shape_of(
             fitting(_max_tokens(body, path), tokens),
             _text_chain(text, block_size),
             block_size,
+            model=model,
+            cache_salt=salt,
         )
     # A prompt: text, token ids, or a batch of either.
     prompt = body.get("prompt")
@@ -146,16 +161,16 @@ def shape_of(
     sizes = [len(p) // CHARS_PER_TOKEN if isinstance(p, str) else len(p) for p in prompts]
     tokens = sum(sizes)
     chain: tuple[int, ...] = ()
+    ids: tuple[int, ...] | None = None
     if prompts:
         first = prompts[0]
-        chain = (
-            _text_chain(first, block_size)
-            if isinstance(first, str)
-            else _token_chain(first, block_size)
-        )
+        if isinstance(first, str):
+            chain = _text_chain(first, block_size)
+        else:
+            chain, ids = _token_chain(first, block_size), tuple(first)
     # Every prompt of a batch generates its own answer.
     answers = fitting(_max_tokens(body, path), max(sizes, default=0)) * max(1, len(prompts))
-    return RequestShape(tokens, answers, chain, block_size)
+    return RequestShape(tokens, answers, chain, block_size, ids, model, salt)
 
 
 class PrefixIndex:

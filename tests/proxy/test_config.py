@@ -13,7 +13,7 @@ from app.cli.proxy import proxy_command
 from app.errors import ConfigError
 from app.proxy import Policy, ProxyConfig
 from app.proxy.balancer import Pool
-from app.proxy.config import ADMIN_TOKEN_ENV
+from app.proxy.config import ADMIN_TOKEN_ENV, parse_kv_events
 
 
 def config(**kw: object) -> ProxyConfig:
@@ -94,3 +94,29 @@ def test_cli_defaults_are_the_configs(tmp_path: Path, monkeypatch: pytest.Monkey
     assert cfg == ProxyConfig(
         ("http://p",), ("http://d",), cfg.public_url, admin_token="operator-only"
     )
+
+
+def test_kv_events_flags_name_configured_instances_and_zmq_endpoints() -> None:
+    got = parse_kv_events("http://p:8000/=tcp://p:5557,tcp://p:5558")
+    assert (got.name, got.endpoint, got.replay_endpoint) == (
+        "http://p:8000",
+        "tcp://p:5557",
+        "tcp://p:5558",
+    )
+    assert parse_kv_events("http://p:8000=ipc:///run/kv").replay_endpoint is None
+    for bad, says in [
+        ("tcp://p:5557", "expected URL=ENDPOINT"),
+        ("http://p:8000=", "expected URL=ENDPOINT"),
+        ("http://p:8000=http://p:5557", "not a ZMQ tcp://"),
+        ("http://p:8000=tcp://a,tcp://b,tcp://c", "expected URL=ENDPOINT"),
+    ]:
+        with pytest.raises(ConfigError, match=says):
+            parse_kv_events(bad)
+    with pytest.raises(ConfigError, match="not a --prefill or --decode URL"):
+        config(kv_events=(parse_kv_events("http://other:1=tcp://o:1"),))
+    twice = parse_kv_events("http://p:8000=tcp://p:1")
+    with pytest.raises(ConfigError, match="names an instance twice"):
+        config(kv_events=(twice, twice))
+    with pytest.raises(ConfigError, match="kv_events_unit must be at least 1"):
+        config(kv_events_unit=0)
+    assert config(kv_events=(twice,)).kv_events == (twice,)

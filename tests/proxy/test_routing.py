@@ -214,6 +214,10 @@ def test_decode_goes_to_the_fewest_tokens_in_flight(make_cluster: Callable[..., 
             "outstanding": 2,
             "hit_tokens": None,
             "score": None,
+            "hit_source": None,
+            "hit_groups": None,
+            "hit_limited_by": None,
+            "hit_note": None,
         }
     finally:
         gate.set()

@@ -40,6 +40,8 @@ from app.proxy.kv_events.wire import (
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BLOCKS = 1_000_000
+# More adapters than vLLM serves at once by far (--max-loras); past it names are not learnt.
+MAX_LORA_NAMES = 4096
 
 
 class Order(Enum):
@@ -128,6 +130,9 @@ class InstanceIndex:
         self.batches = 0
         self.unplaced = 0
         self.unknown_removed = 0
+        # Adapters the engine stored blocks under: a request naming one as its model is
+        # keyed under it (a base model's name never appears in events).
+        self.lora_names: set[str] = set()
 
     # -- sequence ------------------------------------------------------------------------
 
@@ -236,6 +241,8 @@ class InstanceIndex:
             return
         g = self._groups.setdefault(gid, _Group())
         g.block_size = max(g.block_size, size)
+        if ev.lora_name is not None and len(self.lora_names) < MAX_LORA_NAMES:
+            self.lora_names.add(ev.lora_name)
         if ev.kv_cache_spec_kind is not None:
             g.kind, g.sliding_window = ev.kv_cache_spec_kind, ev.kv_cache_spec_sliding_window
         extras = ev.extra_keys or []

@@ -164,6 +164,22 @@ class CacheEngine:
         req.num_computed_tokens = len(tokens)
         self.manager.free(req)
 
+    def serve_with_window_gap(self, tokens: Sequence[int], first: int) -> None:
+        """Prefill ``tokens`` in two steps (``first`` tokens, then the rest) and finish it.
+
+        With a sliding-window group, the blocks that left the window during the second step
+        are freed mid-request, so they reach the free queue before the rest of the prompt's:
+        the next prompt that needs room evicts them first, leaving the window group a gap
+        full attention does not have (vLLM's coordinator then stops the hit before it)."""
+        m = self.manager
+        req = self.request(tokens)
+        computed, hit, _ = m.get_computed_blocks(req)
+        assert m.allocate_slots(req, first - hit, hit, computed) is not None
+        req.num_computed_tokens = first
+        assert m.allocate_slots(req, len(tokens) - first) is not None
+        req.num_computed_tokens = len(tokens)
+        m.free(req)
+
     def reset(self) -> None:
         assert self.manager.reset_prefix_cache()
 

@@ -28,14 +28,7 @@ def hybrid() -> tuple[CacheEngine, InstanceIndex, list[int]]:
     engine = CacheEngine(num_blocks=24, groups=[full_attention(16), sliding_window(32, 16)])
     index = InstanceIndex(KeyScheme.new(16))
     a = prompt(160, 1)
-    m = engine.manager
-    req = engine.request(a)
-    computed, hit, _ = m.get_computed_blocks(req)
-    assert m.allocate_slots(req, 96, hit, computed) is not None
-    req.num_computed_tokens = 96
-    assert m.allocate_slots(req, 64) is not None
-    req.num_computed_tokens = 160
-    m.free(req)
+    engine.serve_with_window_gap(a, 96)
     index.apply(0, engine.take())
     engine.serve(prompt(48, 2))
     index.apply(1, engine.take())
