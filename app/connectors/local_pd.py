@@ -153,10 +153,29 @@ class Instance:
     ipc: str
     port_file: Path
     tp: int = 1
+    # Where its engine publishes KV cache events and answers replays (0: it does not).
+    events_port: int = 0
+    replay_port: int = 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.vllm_port}"
+
+    @property
+    def kv_events_config(self) -> dict[str, Any]:
+        """vLLM's ``--kv-events-config`` for this engine."""
+        return {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            # vLLM binds a wildcard endpoint and connects to any other.
+            "endpoint": f"tcp://*:{self.events_port}",
+            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
+        }
+
+    @property
+    def kv_events_flag(self) -> str:
+        """The proxy's ``--kv-events`` value that follows this engine."""
+        return f"{self.url}=tcp://127.0.0.1:{self.events_port},tcp://127.0.0.1:{self.replay_port}"
 
     @property
     def admin(self) -> str:
@@ -220,6 +239,8 @@ class LocalPD:
     # none), as a deployment sets them from its Secrets.
     auth_key: str | None = None
     admin_token: str | None = None
+    # Every engine publishes its KV cache events, and the proxy routes by them (--kv-events).
+    kv_events: bool = False
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -246,8 +267,17 @@ class LocalPD:
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
         name = role if index == 0 else f"{role}{index + 1}"
         work = self.work
+        events = (free_port(), free_port()) if self.kv_events else (0, 0)
         return Instance(
-            role, name, free_port(), 0, 0, f"ipc://{work}/{name}.ipc", work / f"{name}.ports", tp
+            role,
+            name,
+            free_port(),
+            0,
+            0,
+            f"ipc://{work}/{name}.ipc",
+            work / f"{name}.ports",
+            tp,
+            *events,
         )
 
     @property
@@ -336,14 +366,29 @@ class LocalPD:
         self._spawn_proxy(name, [prefill], [decode], options)
         return f"http://127.0.0.1:{self._proxy_port(name)}"
 
+    def start_router(self, name: str, *options: str, kv_events: bool = False) -> str:
+        """One more proxy over every instance, with more ``options``; ``kv_events``: it
+        follows their KV events (the main proxy does whenever LocalPD's ``kv_events`` is
+        on, and this one only when asked); its URL."""
+        self._spawn_proxy(name, self.prefill_instances, self.decode_instances, options, kv_events)
+        return f"http://127.0.0.1:{self._proxy_port(name)}"
+
     def _spawn_proxy(
         self,
         name: str,
         prefills: Sequence[Instance],
         decodes: Sequence[Instance],
         options: Sequence[str] = (),
+        kv_events: bool | None = None,
     ) -> None:
         ports = self.work / f"{name}.ports"
+        follow = self.kv_events if kv_events is None else kv_events
+        events = [
+            a
+            for inst in (*prefills, *decodes)
+            if follow
+            for a in ("--kv-events", inst.kv_events_flag)
+        ]
         clear_port_file(ports)
         self._spawn(
             name,
@@ -365,6 +410,7 @@ class LocalPD:
                 "--decode-hit-fraction",
                 "2",
                 *self.proxy_args,
+                *events,
                 *options,
             ],
         )
@@ -427,6 +473,11 @@ class LocalPD:
                     json.dumps(ktc),
                     "--tensor-parallel-size",
                     str(inst.tp),
+                    *(
+                        ("--kv-events-config", json.dumps(inst.kv_events_config))
+                        if self.kv_events
+                        else ()
+                    ),
                     *self.extra_vllm_args,
                     prefix_caching=self._prefix_caching(inst),
                 ),
@@ -526,6 +577,19 @@ class LocalPD:
         if proc.poll() is None:
             kill_trees([proc.pid], sig)
             proc.wait(30)
+
+    def restart(self, inst: Instance) -> None:
+        """A fresh sidecar and vLLM for ``inst`` (its vLLM killed, its sidecar stopped first;
+        their logs kept beside the new ones), waited for until the engine serves."""
+        self.kill(f"vllm-{inst.name}", signal.SIGKILL)
+        if not self.in_process:
+            self.kill(f"sidecar-{inst.name}", signal.SIGTERM)
+        for name in (f"vllm-{inst.name}", f"sidecar-{inst.name}"):
+            log = self.work / f"{name}.log"
+            if log.exists():
+                log.rename(log.with_suffix(f".{time.monotonic():.0f}.log"))
+        self.start_instances([inst])
+        self.wait_engine(inst)
 
     def close(self) -> None:
         """SIGTERM every process (their trees killed after 30 s), as ``kill_trees``."""

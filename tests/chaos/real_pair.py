@@ -130,15 +130,7 @@ class Pair:
         """A fresh sidecar and vLLM for ``role`` (the killed ones' leftovers stopped first);
         returns the seconds it took, until the proxy sees the instance healthy again."""
         t0 = time.monotonic()
-        if self.alive(f"vllm-{role}"):
-            self.kill_vllm(role)
-        self.pd.kill(f"sidecar-{role}", signal.SIGTERM)
-        for name in (f"vllm-{role}", f"sidecar-{role}"):  # the new processes' logs replace them
-            log = self.pd.work / f"{name}.log"
-            log.rename(log.with_suffix(f".{time.monotonic():.0f}.log"))
-        inst = self.side(role)
-        self.pd.start_instances([inst])
-        self.pd.wait_engine(inst)
+        self.pd.restart(self.side(role))
         deadline = time.monotonic() + 30
         while httpx.get(f"{self.pd.proxy}/health", timeout=5).status_code != 200:
             assert time.monotonic() < deadline, "the proxy never saw the restarted instance"

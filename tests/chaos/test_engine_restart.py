@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
 import pytest
 
 from app.sim.rounds import summarize
