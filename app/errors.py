@@ -39,3 +39,7 @@ class DeadlineExceeded(KVSidecarError):
 
 class PoolError(KVSidecarError):
     """A Mooncake Store operation failed."""
+
+
+class BenchError(KVSidecarError):
+    """A benchmark's stack did not behave as the measurement needs (says what it saw)."""

@@ -12,9 +12,11 @@ from rich.console import Console
 from app.bench.report import plot, print_table, summarize
 from app.bench.runner import BenchOptions, run_bench
 from app.cli.bench_pd import pd_command
+from app.cli.bench_routing import routing_command
 
 bench_app = typer.Typer(
-    help="Benchmarks: the sidecar against raw Mooncake (no subcommand), or P/D side by side (pd).",
+    help="Benchmarks: the sidecar against raw Mooncake (no subcommand), P/D side by side "
+    "(pd), or prefill routing policies (routing).",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
 )
@@ -63,3 +65,4 @@ def bench_command(
 
 
 bench_app.command("pd")(pd_command)
+bench_app.command("routing")(routing_command)

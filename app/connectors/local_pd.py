@@ -241,6 +241,7 @@ class LocalPD:
     admin_token: str | None = None
     # Every engine publishes its KV cache events, and the proxy routes by them (--kv-events).
     kv_events: bool = False
+    engine_env: Mapping[str, str] = field(default_factory=dict)  # more of the engines' env
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -484,6 +485,7 @@ class LocalPD:
                 {
                     **vllm_env(inst.tp, self.worker_in_core),
                     **_thread_binding(inst.tp),
+                    **self.engine_env,
                     **(self._sidecar_env(inst) if self.in_process else {}),
                 },
             )
