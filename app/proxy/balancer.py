@@ -14,8 +14,8 @@ import httpx
 from app.proxy.breaker import Breaker, BreakerSettings, BreakerState
 from app.proxy.config import Policy
 from app.proxy.errors import NoHealthyInstance
-from app.proxy.precise import APPROXIMATE, KV_EVENTS, EngineHits, PreciseHit
-from app.proxy.routing import Pick, PrefixIndex, RequestShape, cache_score
+from app.proxy.precise import APPROXIMATE, IN_FLIGHT, KV_EVENTS, EngineHits, PreciseHit
+from app.proxy.routing import InFlightPrefixes, Pick, PrefixIndex, RequestShape, cache_score
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,8 @@ class Instance:
     role: str
     breaker: Breaker
     index: PrefixIndex | None = None
+    # Instances whose KV events the proxy follows: the prompts of the requests in flight there.
+    in_flight: InFlightPrefixes | None = None
     health: Health = Health.UNKNOWN
     outstanding: int = 0
     tokens: int = 0  # in flight
@@ -99,10 +101,19 @@ class Instance:
 class Lease:
     """One request in flight on an instance, counted until ``release`` (idempotent)."""
 
-    def __init__(self, instance: Instance, tokens: int = 0, pick: Pick | None = None) -> None:
+    def __init__(
+        self,
+        instance: Instance,
+        tokens: int = 0,
+        pick: Pick | None = None,
+        chain: Sequence[int] = (),
+    ) -> None:
         self.instance = instance
         self.tokens = tokens
         self.pick = pick
+        self.chain = chain if instance.in_flight is not None else ()
+        if instance.in_flight is not None:
+            instance.in_flight.add(self.chain)
         self._held = True
         self._settled = False
         self._trial = instance.breaker.take()
@@ -130,6 +141,8 @@ class Lease:
             self._held = False
             self.instance.outstanding -= 1
             self.instance.tokens -= self.tokens
+            if self.instance.in_flight is not None:
+                self.instance.in_flight.remove(self.chain)
             if self._trial and not self._settled:
                 self.instance.breaker.abandon_trial()
 
@@ -154,7 +167,7 @@ class _Hit:
     """One instance's hit for a prompt and where it came from (precise.py)."""
 
     tokens: int
-    source: str  # KV_EVENTS or APPROXIMATE
+    source: str  # KV_EVENTS, IN_FLIGHT or APPROXIMATE
     groups: dict[str, int] | None = None
     limited_by: str | None = None
     note: str | None = None  # why approximate, for an instance that publishes events
@@ -182,6 +195,7 @@ class Pool:
                 role,
                 Breaker(f"{role} instance {url}", self.routing.breaker),
                 PrefixIndex(self.routing.index_blocks) if cache else None,
+                InFlightPrefixes() if engine_hits and engine_hits.follows(url) else None,
             )
             for url in urls
         ]
@@ -248,7 +262,7 @@ class Pool:
         for inst in insts:
             a = answers.get(inst.url)
             if isinstance(a, PreciseHit):
-                out[inst.url] = _Hit(a.tokens, KV_EVENTS, a.groups, a.limited_by)
+                out[inst.url] = _precise(a, inst, shape)
             elif inst.index is not None:
                 blocks = inst.index.hit_blocks(shape.chain)
                 why = None if a is None else a.why
@@ -267,7 +281,7 @@ class Pool:
         inst, pick = self._choose(shape)
         if inst.index is not None:
             inst.index.add(shape.chain)
-        return Lease(inst, shape.cost(self.role), pick)
+        return Lease(inst, shape.cost(self.role), pick, shape.chain)
 
     def first_healthy(self) -> Instance:
         """The first healthy instance whose breaker is not open (for ``/v1/models``)."""
@@ -285,8 +299,24 @@ class Pool:
         )
 
 
+def _precise(a: PreciseHit, inst: Instance, shape: RequestShape) -> _Hit:
+    """The events' hit, or more where a request in flight there shares more of the prompt:
+    its blocks are stored once its prefill step ends, and the events say so only then. Whole
+    engine blocks only, the last prompt token excluded, full-attention engines only."""
+    hit = _Hit(a.tokens, KV_EVENTS, a.groups, a.limited_by)
+    if inst.in_flight is None or not a.full_attention_only:
+        return hit
+    block = a.block_size or shape.block_size
+    shared = inst.in_flight.hit_blocks(shape.chain) * shape.block_size
+    pending = min(shared, max(shape.prompt_tokens - 1, 0)) // block * block
+    if pending <= a.tokens:
+        return hit
+    note = f"a request in flight there shares {pending} tokens; events say {a.tokens}"
+    return _Hit(pending, IN_FLIGHT, a.groups, a.limited_by, note)
+
+
 def _held(hit: _Hit | None) -> int:
-    return hit.tokens if hit is not None and hit.source == KV_EVENTS else 0
+    return hit.tokens if hit is not None and hit.source in (KV_EVENTS, IN_FLIGHT) else 0
 
 
 def is_connection_failure(e: httpx.HTTPError) -> bool:

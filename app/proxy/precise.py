@@ -31,7 +31,11 @@ from app.proxy.kv_events.keys import PromptKeys
 from app.proxy.routing import RequestShape
 
 KV_EVENTS = "kv_events"
+# The events' hit raised by a request in flight on the instance sharing more of the prompt.
+IN_FLIGHT = "in_flight"
 APPROXIMATE = "approximate"
+# Spec kinds whose blocks a prompt keeps from its first token on.
+_FULL = ("full_attention", "sink_full_attention", "mla_attention")
 # vLLM's medium for the engine's own KV cache (offloading connectors publish CPU, STORAGE).
 DEVICE_MEDIUM = "GPU"
 
@@ -43,6 +47,11 @@ class PreciseHit:
     tokens: int
     groups: dict[str, int]  # "<group>/<medium>" -> the hit that group alone allows
     limited_by: str | None  # the group that stopped the hit short of the prompt
+    # The largest block size the engine published (None: nothing stored yet), and whether
+    # every group is full attention (MLA included): only then does a prompt in flight there
+    # promise its shared prefix whole (a window or Mamba group keeps only its tail).
+    block_size: int | None = None
+    full_attention_only: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,8 @@ class EngineHits:
                 out[url] = NoPreciseHit(hit.unsupported)
                 continue
             out[url] = PreciseHit(
+                block_size=max((g.block_size for g in groups), default=None),
+                full_attention_only=all(g.kind in _FULL for g in groups),
                 tokens=hit.tokens,
                 groups={f"{g.group}/{g.medium}": t for g, t in hit.groups},
                 limited_by=None

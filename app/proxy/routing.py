@@ -202,6 +202,38 @@ class PrefixIndex:
             self._blocks.popitem(last=False)
 
 
+class InFlightPrefixes:
+    """The block hash chains of the requests in flight on one instance (a multiset): what its
+    engine is about to store, before its KV events can say so."""
+
+    def __init__(self) -> None:
+        self._count: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self._count)
+
+    def add(self, chain: Sequence[int]) -> None:
+        for h in chain:
+            self._count[h] = self._count.get(h, 0) + 1
+
+    def remove(self, chain: Sequence[int]) -> None:
+        for h in chain:
+            left = self._count[h] - 1
+            if left:
+                self._count[h] = left
+            else:
+                del self._count[h]
+
+    def hit_blocks(self, chain: Iterable[int]) -> int:
+        """How many leading blocks of ``chain`` a request in flight here shares."""
+        n = 0
+        for h in chain:
+            if h not in self._count:
+                break
+            n += 1
+        return n
+
+
 def cache_score(hit_tokens: int, tokens_in_flight: int, alpha: float) -> float:
     """The cache-aware score: cached prompt tokens minus the weighted load ahead."""
     return hit_tokens - alpha * tokens_in_flight

@@ -4,6 +4,7 @@ accepts; the prefix index stands in, and says so, where the events cannot answer
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -192,3 +193,45 @@ def test_decode_holding_the_prompt_serves_it_alone_by_its_events(
     assert pick["hit_tokens"] == 160
     assert record["disaggregated"] is False and "decode holds ~160 of 161" in record["reason"]
     assert len(c.prefill[0].requests) == 0
+
+
+def test_a_prompt_in_flight_counts_before_its_events_come(
+    make_cluster: Callable[..., Cluster],
+    engines: Callable[..., tuple[CacheEngine, Endpoints]],
+) -> None:
+    (_, ends0), (_, ends1) = engines(num_blocks=24), engines(num_blocks=24)
+    c = start(make_cluster(n_prefill=2, n_decode=1), [ends0, ends1], flow="concurrent")
+    p0, p1 = c.prefill
+    gate = threading.Event()
+    p0.behaviour.hold = p1.behaviour.hold = gate
+    x = prompt(160, 1)
+    tids: dict[int, str] = {}  # by prompt length
+
+    def post(tokens: list[int]) -> None:
+        r = c.post(prompt=tokens, max_tokens=4)
+        tids[len(tokens)] = r.headers["x-kv-transfer-id"]
+
+    def send(tokens: list[int], on: int) -> None:
+        threads.append(threading.Thread(target=post, args=(tokens,)))
+        threads[-1].start()
+        wait_for(f"request {on} to reach a prefill", lambda: len(p0.requests + p1.requests) == on)
+
+    threads: list[threading.Thread] = []
+    try:
+        send(x, 1)  # p0 (a tie: the rotation's first): 161 tokens in flight there
+        send(prompt(100, 2), 2)  # p1, the less loaded: 101 tokens in flight
+        # x's blocks are not stored yet (p0 still computes it): only the request in flight
+        # says p0 will hold them. By load alone p1 (101 in flight) beats p0 (161); with x's
+        # 160 tokens p0 would hold, p0 (160 - 161) beats p1 (0 - 101).
+        send(x + prompt(40, 3), 3)
+        assert (len(p0.requests), len(p1.requests)) == (2, 1)
+    finally:
+        gate.set()
+        for t in threads:
+            t.join()
+    third = c.record(tids[200])["prefill_pick"]
+    assert (third["url"], third["hit_source"], third["hit_tokens"]) == (p0.url, "in_flight", 160)
+    assert "in flight" in third["hit_note"]
+    # Both ended: nothing is in flight any more, and no event said p0 stored x.
+    after = prefill_pick(c, x)
+    assert (after["hit_source"], after["hit_tokens"]) == ("kv_events", 0)
