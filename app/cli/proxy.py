@@ -200,6 +200,13 @@ def proxy_command(
         int,
         typer.Option(help="Tokens per key step of the KV-event index: divides every block size."),
     ] = _DEFAULTS.kv_events_unit,
+    kv_events_max_blocks: Annotated[
+        int,
+        typer.Option(
+            help="Blocks the KV-event index keeps per instance; past it the instance is scored "
+            "by the prefix index until the engine clears or restarts."
+        ),
+    ] = _DEFAULTS.kv_events_max_blocks,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -236,6 +243,7 @@ def proxy_command(
             admin_token=admin_token,
             kv_events=tuple(parse_kv_events(spec) for spec in kv_events or ()),
             kv_events_unit=kv_events_unit,
+            kv_events_max_blocks=kv_events_max_blocks,
         )
     except ConfigError:
         sock.close()

@@ -11,8 +11,9 @@ For each candidate instance the router asks ``EngineHits.answer``. The answer is
 The hit is then what vLLM's coordinator accepts across every group of the device medium
 (engine_hit.py): full attention's leading blocks, a sliding window's needed tail, Mamba's state
 at an aligned point. Otherwise the answer says why not, and the pool uses the approximate
-``PrefixIndex`` for that instance (``source="approximate"``) -- the fallback the issue asks
-for until the index is whole again.
+``PrefixIndex`` for that instance (``source="approximate"``) until the index is whole again.
+The pool raises a precise hit where a request in flight on the instance shares more of the
+prompt than its events show yet (balancer.py, ``source="in_flight"``).
 
 The request's ``model`` is taken as a LoRA adapter's name when the engine has published
 blocks under that name (vLLM's events carry the adapter's name, not the base model's); a
