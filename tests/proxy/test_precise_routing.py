@@ -62,6 +62,12 @@ def applied(c: Cluster) -> list[int | None]:
     return [s["index"]["last_seq"] for s in c.get("/health").json()["kv_events"]]
 
 
+def until_applied(c: Cluster, what: str, seqs: list[int | None]) -> None:
+    """Until the indexes applied ``seqs``. A batch published before a SUB socket joined is
+    lost there; the subscriber's idle check (5 s) replays it, so allow for one."""
+    wait_for(what, lambda: applied(c) == seqs, timeout_s=15.0)
+
+
 def vllm_hit(engine: CacheEngine, tokens: list[int]) -> int:
     """The computed tokens vLLM's own scheduler would skip for this prompt there."""
     _, hit, _ = engine.manager.get_computed_blocks(engine.request(tokens))
@@ -91,7 +97,7 @@ def test_the_prompt_goes_where_the_engine_holds_it_not_where_it_was_sent(
     # pool load, a transfer into it): only its events say so.
     e1.serve(x)
     e1.publish()
-    wait_for("p1's stores to reach the proxy", lambda: applied(c) == [None, 0])
+    until_applied(c, "p1's stores to reach the proxy", [None, 0])
     again = prefill_pick(c, x)
     # 160 tokens: the last is always recomputed, so 9 whole blocks are what vLLM reuses.
     assert (again["url"], again["hit_tokens"]) == (p1.url, vllm_hit(e1, x)) == (p1.url, 144)
@@ -102,14 +108,14 @@ def test_the_prompt_goes_where_the_engine_holds_it_not_where_it_was_sent(
     for i in range(2):
         e1.serve(prompt(160, 10 + i))
     e1.publish()
-    wait_for("the evictions", lambda: applied(c) == [None, 1])
+    until_applied(c, "the evictions", [None, 1])
     left = vllm_hit(e1, x)
     assert 0 < left < 144
     later = prefill_pick(c, x)
     assert (later["url"], later["hit_tokens"]) == (p1.url, left)
     e1.reset()
     e1.publish()
-    wait_for("the reset", lambda: applied(c) == [None, 2])
+    until_applied(c, "the reset", [None, 2])
     # Nobody holds x now; the tie rotates to p0.
     gone = prefill_pick(c, x)
     assert (gone["url"], gone["hit_tokens"], gone["hit_source"]) == (p0.url, 0, "kv_events")
@@ -135,7 +141,7 @@ def test_a_window_group_scores_at_the_coordinators_hit_not_the_full_prefix(
     # p1 holds a's first 3 blocks in both groups.
     e1.serve(a[:48] + prompt(8, 3))
     e1.publish()
-    wait_for("both engines' stores", lambda: applied(c) == [0, 0])
+    until_applied(c, "both engines' stores", [0, 0])
     q = a[:80] + prompt(40, 4)  # 5 blocks of a, then its own
     assert (e0.held(q), e0.held(q, group=1), e1.held(q)) == (5, 1, 3)
     assert (vllm_hit(e0, q), vllm_hit(e1, q)) == (16, 48)
@@ -179,7 +185,7 @@ def test_decode_holding_the_prompt_serves_it_alone_by_its_events(
     x = prompt(161, 1)
     d1_engine.serve(x)  # e.g. an earlier transfer into d1
     d1_engine.publish()
-    wait_for("d1's stores", lambda: applied(c) == [None, 0])
+    until_applied(c, "d1's stores", [None, 0])
     r = c.post(prompt=x, max_tokens=4)
     assert r.status_code == 200
     record = c.record(r.headers["x-kv-transfer-id"])
