@@ -27,7 +27,7 @@ idle one instead.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -185,12 +185,7 @@ class PrefixIndex:
 
     def hit_blocks(self, chain: Iterable[int]) -> int:
         """How many leading blocks of ``chain`` are here (a chain hash implies its prefix)."""
-        n = 0
-        for h in chain:
-            if h not in self._blocks:
-                break
-            n += 1
-        return n
+        return _leading(chain, self._blocks)
 
     def add(self, chain: Sequence[int]) -> None:
         # Last block first: a chain's head ends up the most recent, so eviction eats its
@@ -226,12 +221,16 @@ class InFlightPrefixes:
 
     def hit_blocks(self, chain: Iterable[int]) -> int:
         """How many leading blocks of ``chain`` a request in flight here shares."""
-        n = 0
-        for h in chain:
-            if h not in self._count:
-                break
-            n += 1
-        return n
+        return _leading(chain, self._count)
+
+
+def _leading(chain: Iterable[int], held: Container[int]) -> int:
+    n = 0
+    for h in chain:
+        if h not in held:
+            break
+        n += 1
+    return n
 
 
 def cache_score(hit_tokens: int, tokens_in_flight: int, alpha: float) -> float:
