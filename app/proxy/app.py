@@ -109,7 +109,7 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         # Engines are reached directly; an HTTP(S)_PROXY meant for the outside must not apply.
         trust_env=False,
     )
-    metrics = ProxyMetrics(pools)
+    metrics = ProxyMetrics(pools, feed)
     flow = PDFlow(cfg, pools["prefill"], pools["decode"], targets, transfers, client, metrics)
     checker = HealthChecker(
         list(pools.values()), client, cfg.health_interval_s, cfg.health_timeout_s

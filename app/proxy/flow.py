@@ -130,6 +130,7 @@ class PDFlow:
         except NoHealthyInstance as e:
             answer = error_response(503, str(e), "service_unavailable")
             return self._refuse(server, path, None, answer)
+        self.metrics.pick("decode", d.pick)
         # After decode's pick: whether decode holds the prompt depends on which decode it is.
         decision = self.disagg.decide(shape, d.pick)
         p = None
@@ -140,6 +141,7 @@ class PDFlow:
                 d.release()
                 answer = error_response(503, str(e), "service_unavailable")
                 return self._refuse(server, path, decision, answer)
+            self.metrics.pick("prefill", p.pick)
         self.counts.count(decision)
         tid = uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, None if p is None else p.url)

@@ -1,8 +1,9 @@
 """The proxy's Prometheus metrics (``GET /metrics``), in a registry of their own per app, so
 that several proxies in one process never share or clash.
 
-Counters are counted as requests end; breaker states and instance health are read from the
-pools when scraped; requests in flight are counted by an ASGI wrapper around the app.
+Counters are counted as requests end (picks as they are made); breaker states, instance
+health and the KV-event indexes are read when scraped; requests in flight are counted by an
+ASGI wrapper around the app.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from app.proxy.balancer import Pool
 from app.proxy.breaker import BreakerState
 from app.proxy.disagg import Decision
+from app.proxy.kv_events import KvEventFeed
+from app.proxy.routing import Pick
 
 # kvproxy_breaker_state's values.
 BREAKER_VALUES = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
@@ -32,10 +35,12 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class _PoolCollector(Collector):
-    """Breaker state and health of every instance, read when scraped."""
+    """Breaker state and health of every instance, and the state of every KV-event index the
+    proxy follows, read when scraped."""
 
-    def __init__(self, pools: Mapping[str, Pool]) -> None:
+    def __init__(self, pools: Mapping[str, Pool], feed: KvEventFeed | None) -> None:
         self.pools = pools
+        self.feed = feed
 
     def collect(self) -> Iterator[Metric]:
         breaker = GaugeMetricFamily(
@@ -54,12 +59,30 @@ class _PoolCollector(Collector):
                 healthy.add_metric([role, inst.url], int(inst.healthy))
         yield breaker
         yield healthy
+        if self.feed is None:
+            return
+        consistent = GaugeMetricFamily(
+            "kvproxy_kv_events_consistent",
+            "1 when the instance's KV-event index answers picks; 0 while the prefix index "
+            "stands in for it (/health's kv_events says why).",
+            labels=["instance"],
+        )
+        blocks = GaugeMetricFamily(
+            "kvproxy_kv_events_blocks",
+            "Blocks the instance's KV-event index holds (--kv-events-max-blocks bounds it).",
+            labels=["instance"],
+        )
+        for status in self.feed.status():
+            consistent.add_metric([status.name], int(status.index.consistent))
+            blocks.add_metric([status.name], status.index.blocks)
+        yield consistent
+        yield blocks
 
 
 class ProxyMetrics:
     """One proxy app's metrics and its registry."""
 
-    def __init__(self, pools: Mapping[str, Pool]) -> None:
+    def __init__(self, pools: Mapping[str, Pool], feed: KvEventFeed | None = None) -> None:
         self.registry = CollectorRegistry()
         self._requests = Counter(
             "kvproxy_requests",
@@ -81,7 +104,19 @@ class ProxyMetrics:
             "engines' /v1/kv_targets are not).",
             registry=self.registry,
         )
-        self.registry.register(_PoolCollector(pools))
+        self._picks = Counter(
+            "kvproxy_picks",
+            "Instances picked, by role and where the pick's hit came from (kv_events, "
+            "in_flight, approximate, or none for policies that read no hit).",
+            ["role", "source"],
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(pools, feed))
+
+    def pick(self, role: str, pick: Pick | None) -> None:
+        """An instance of ``role`` was picked for a request."""
+        source = "none" if pick is None or pick.hit_source is None else pick.hit_source
+        self._picks.labels(role, source).inc()
 
     def request(self, route: str, decision: Decision | None, outcome: str) -> None:
         """A completions request ended; ``decision`` None: refused before there was one."""

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app.proxy.kv_events import EngineEvents
-from tests.proxy.conftest import Cluster, wait_for
+from tests.proxy.conftest import Cluster, sample, wait_for
 from tests.proxy.kv_events.engine import (
     CacheEngine,
     Endpoints,
@@ -123,6 +123,13 @@ def test_the_prompt_goes_where_the_engine_holds_it_not_where_it_was_sent(
     r = c.post(prompt="some words " * 40, max_tokens=4)
     text = c.record(r.headers["x-kv-transfer-id"])["prefill_pick"]
     assert text["hit_source"] == "approximate" and "text prompt" in text["hit_note"]
+    # /metrics: the picks by where their hit came from, and each index's state.
+    m = c.metrics()
+    assert sample(m, "kvproxy_picks_total", role="prefill", source="kv_events") == 4
+    assert sample(m, "kvproxy_picks_total", role="prefill", source="approximate") == 1
+    for p in (p0, p1):
+        assert sample(m, "kvproxy_kv_events_consistent", instance=p.url) == 1
+        assert sample(m, "kvproxy_kv_events_blocks", instance=p.url) == 0  # p1 was reset
 
 
 def test_a_window_group_scores_at_the_coordinators_hit_not_the_full_prefix(
@@ -162,6 +169,7 @@ def test_without_consistent_events_the_guess_answers_and_says_why(
     feeds = c.get("/health").json()["kv_events"]
     assert [f["name"] for f in feeds] == [c.prefill[0].url]
     assert feeds[0]["index"]["consistent"] is False and feeds[0]["index"]["reason"]
+    assert sample(c.metrics(), "kvproxy_kv_events_consistent", instance=c.prefill[0].url) == 0
     x = prompt(100, 1)
     first = prefill_pick(c, x)
     assert first["hit_source"] == "approximate"
