@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
+from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 
 # Three engines, one restarted: CI's real-engine step, not the default suite.
@@ -56,13 +57,6 @@ def feeds(pd: LocalPD) -> dict[str, dict[str, Any]]:
     return {f["name"]: f["index"] for f in health(pd.proxy)["kv_events"]}
 
 
-def wait_until(what: str, fn: Any, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not fn():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
-
-
 def computed(pd: LocalPD) -> dict[str, float]:
     """Prompt tokens each prefill computed so far (vLLM's counter; cache hits apart)."""
     return {
@@ -92,7 +86,7 @@ def settled(pd: LocalPD, url: str, blocks: int | None = None) -> None:
         same = a["last_seq"] == b["last_seq"] and a["blocks"] == b["blocks"]
         return bool(b["consistent"] and same and (blocks is None or b["blocks"] == blocks))
 
-    wait_until(f"{url}'s KV event index to settle", quiet)
+    wait_for(f"{url}'s KV event index to settle", quiet, timeout_s=60, interval_s=0.2)
 
 
 def test_after_eviction_the_events_find_the_prompt_the_guess_lost(pd: LocalPD) -> None:
@@ -137,9 +131,11 @@ def test_a_restarted_prefill_is_resynced_with_no_stale_hit(pd: LocalPD) -> None:
     # The new engine's events start again from seq 0 (or the replay shows another engine):
     # the index forgets what the old one held.
     settled(pd, p1.url, blocks=0)
-    wait_until(
+    wait_for(
         "the proxy to route to p1 again",
         lambda: all(i["healthy"] for i in health(pd.proxy)["prefill"]),
+        timeout_s=60,
+        interval_s=0.2,
     )
     record, _ = through(pd, pd.proxy, b)
     pick = record["prefill_pick"]
