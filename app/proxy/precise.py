@@ -25,9 +25,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from app.proxy.kv_events.engine_hit import engine_hit
+from app.proxy.kv_events.engine_hit import coordinator_kind, engine_hit
 from app.proxy.kv_events.feed import KvEventFeed
-from app.proxy.kv_events.index import GroupHit
+from app.proxy.kv_events.index import GroupHit, GroupId
 from app.proxy.kv_events.keys import PromptKeys
 from app.proxy.routing import RequestShape
 
@@ -35,8 +35,6 @@ KV_EVENTS = "kv_events"
 # The events' hit raised by a request in flight on the instance sharing more of the prompt.
 IN_FLIGHT = "in_flight"
 APPROXIMATE = "approximate"
-# Spec kinds whose blocks a prompt keeps from its first token on.
-_FULL = ("full_attention", "sink_full_attention", "mla_attention")
 # vLLM's medium for the engine's own KV cache (offloading connectors publish CPU, STORAGE).
 DEVICE_MEDIUM = "GPU"
 
@@ -60,6 +58,10 @@ class NoPreciseHit:
     """Why an instance's hit is the approximate guess this time."""
 
     why: str
+
+
+def _name(gid: GroupId) -> str:
+    return f"{gid.group}/{gid.medium}"
 
 
 def device_groups(hits: Iterable[GroupHit]) -> list[GroupHit]:
@@ -108,11 +110,12 @@ class EngineHits:
                 continue
             out[url] = PreciseHit(
                 block_size=max((g.block_size for g in groups), default=None),
-                full_attention_only=all(g.kind in _FULL for g in groups),
+                # Kinds whose blocks a prompt keeps from its first token on.
+                full_attention_only=all(
+                    coordinator_kind(g.kind) in ("full_attention", "mla") for g in groups
+                ),
                 tokens=hit.tokens,
-                groups={f"{g.group}/{g.medium}": t for g, t in hit.groups},
-                limited_by=None
-                if hit.limited_by is None
-                else f"{hit.limited_by.group}/{hit.limited_by.medium}",
+                groups={_name(g): t for g, t in hit.groups},
+                limited_by=None if hit.limited_by is None else _name(hit.limited_by),
             )
         return out

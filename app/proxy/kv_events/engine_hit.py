@@ -53,9 +53,14 @@ class EngineHit:
     unsupported: str | None = None
 
 
+def coordinator_kind(spec_kind: str | None) -> GroupKind | None:
+    """The coordinator kind vLLM scores a spec kind as (None: one it has no rule for here)."""
+    return _KINDS.get(spec_kind or "")
+
+
 def pool_group(hit: GroupHit) -> PoolGroup:
     """The coordinator's spec for one index group; ConfigError for kinds it cannot score."""
-    kind = _KINDS.get(hit.kind or "")
+    kind = coordinator_kind(hit.kind)
     if kind is None:
         raise ConfigError(
             f"group {hit.group.group} ({hit.group.medium}) has KV cache spec kind {hit.kind!r}, "
