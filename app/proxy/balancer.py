@@ -217,9 +217,9 @@ class Pool:
             opened = [i.url for i in self.instances if i.healthy and not i.breaker.allows]
             why = f"; circuit open: {', '.join(opened)}" if opened else ""
             raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried}{why})")
-        precise = self.engine_hits is not None
         # Hits of every candidate when the pick reads them; else of the chosen one only.
-        hits = self._hits(live, shape) if self.policy is Policy.CACHE_AWARE or precise else {}
+        reads_hits = self.policy is Policy.CACHE_AWARE or self.engine_hits is not None
+        hits = self._hits(live, shape) if reads_hits else {}
         if self.policy is Policy.LEAST_OUTSTANDING:
             chosen = min(live, key=lambda inst: inst.outstanding)
         elif self.policy is Policy.TOKENS:
@@ -231,7 +231,9 @@ class Pool:
         else:
             chosen = live[0]
         self._next = self.instances.index(chosen) + 1
-        hit = hits.get(chosen.url) or self._hits([chosen], shape).get(chosen.url)
+        if not reads_hits:
+            hits = self._hits([chosen], shape)
+        hit = hits.get(chosen.url)
         scored = self.policy is Policy.CACHE_AWARE and hit is not None
         pick = Pick(
             url=chosen.url,

@@ -76,6 +76,9 @@ class EngineHits:
 
     def __init__(self, feed: KvEventFeed) -> None:
         self.feed = feed
+        # The last request's keys, by LoRA name: decode's pick and prefill's ask about the
+        # same request, and keying a long prompt hashes every unit of it.
+        self._keyed: tuple[RequestShape, dict[str | None, PromptKeys]] | None = None
 
     def follows(self, url: str) -> bool:
         return url in self.feed.subscribers
@@ -91,7 +94,9 @@ class EngineHits:
             why = NoPreciseHit("text prompt: the proxy has no tokenizer to key its blocks")
             return {u: why for u in urls}
         out: dict[str, PreciseHit | NoPreciseHit] = {}
-        keyed: dict[str | None, PromptKeys] = {}  # by LoRA name: keys are made once
+        if self._keyed is None or self._keyed[0] is not shape:
+            self._keyed = (shape, {})
+        keyed = self._keyed[1]
         for url in urls:
             index = self.feed.index(url)
             if not index.consistent:
