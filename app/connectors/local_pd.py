@@ -384,12 +384,8 @@ class LocalPD:
     ) -> None:
         ports = self.work / f"{name}.ports"
         follow = self.kv_events if kv_events is None else kv_events
-        events = [
-            a
-            for inst in (*prefills, *decodes)
-            if follow
-            for a in ("--kv-events", inst.kv_events_flag)
-        ]
+        followed = (*prefills, *decodes) if follow else ()
+        events = [a for inst in followed for a in ("--kv-events", inst.kv_events_flag)]
         clear_port_file(ports)
         self._spawn(
             name,
