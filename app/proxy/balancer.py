@@ -184,8 +184,10 @@ class Pool:
         engine_hits: EngineHits | None = None,
     ) -> None:
         self.role = role
-        # Precise hits from the instances' KV events; the prefix index stays the fallback.
-        self.engine_hits = engine_hits
+        # Precise hits from the instances' KV events; the prefix index stays the fallback. A
+        # pool none of whose instances is followed has none (nothing to look up per pick).
+        followed = engine_hits is not None and any(engine_hits.follows(u) for u in urls)
+        self.engine_hits = engine_hits if followed else None
         self.routing = routing if isinstance(routing, Routing) else Routing(routing)
         self.policy = self.routing.policy
         cache = self.policy is Policy.CACHE_AWARE or self.routing.track_prefixes
@@ -195,7 +197,7 @@ class Pool:
                 role,
                 Breaker(f"{role} instance {url}", self.routing.breaker),
                 PrefixIndex(self.routing.index_blocks) if cache else None,
-                InFlightPrefixes() if engine_hits and engine_hits.follows(url) else None,
+                InFlightPrefixes() if self.engine_hits and self.engine_hits.follows(url) else None,
             )
             for url in urls
         ]
