@@ -25,6 +25,7 @@ from app.bench.pd_cores import (
     to_move,
 )
 from app.errors import ConfigError
+from tests.conftest import wait_for
 
 
 def test_shared_regime_is_todays_binding() -> None:
@@ -111,7 +112,14 @@ def test_transfer_thread_is_named_pinned_and_inherited() -> None:
     try:
         assert run_on_transfer_thread(build) == 7
         assert seen["cpus"] == {core}
-        named = [t for t in threads(os.getpid()) if t.name == MOONCAKE_THREAD]
+
+        def only_the_child() -> list[ThreadInfo] | None:
+            named = [t for t in threads(os.getpid()) if t.name == MOONCAKE_THREAD]
+            return named if len(named) == 1 else None
+
+        # The joined transfer thread can linger in /proc/<pid>/task for a moment after
+        # join() returned (Python releases its join lock before the OS thread exits).
+        named = wait_for("the finished transfer thread to leave /proc", only_the_child, 5.0)
         assert len(named) == 1 and named[0].cpus == {core}  # the child inherited both
         cpu_s, n = named_threads_cpu_s([os.getpid()], MOONCAKE_THREAD)
         assert n == 1 and cpu_s >= 0
