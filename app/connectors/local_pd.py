@@ -153,8 +153,9 @@ class Instance:
     ipc: str
     port_file: Path
     tp: int = 1
-    # Where its engine publishes KV cache events and answers replays (0: it does not).
-    events_port: int = 0
+    # Where its engine publishes KV cache events (an ipc socket: nothing beyond this host
+    # can subscribe) and answers replays on loopback ("" and 0: it does not).
+    events_endpoint: str = ""
     replay_port: int = 0
 
     @property
@@ -167,15 +168,15 @@ class Instance:
         return {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            # vLLM binds a wildcard endpoint and connects to any other.
-            "endpoint": f"tcp://*:{self.events_port}",
+            # vLLM binds ipc and wildcard tcp endpoints and connects to any other.
+            "endpoint": self.events_endpoint,
             "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
         }
 
     @property
     def kv_events_flag(self) -> str:
         """The proxy's ``--kv-events`` value that follows this engine."""
-        return f"{self.url}=tcp://127.0.0.1:{self.events_port},tcp://127.0.0.1:{self.replay_port}"
+        return f"{self.url}={self.events_endpoint},tcp://127.0.0.1:{self.replay_port}"
 
     @property
     def admin(self) -> str:
@@ -268,7 +269,7 @@ class LocalPD:
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
         name = role if index == 0 else f"{role}{index + 1}"
         work = self.work
-        events = (free_port(), free_port()) if self.kv_events else (0, 0)
+        events = (f"ipc://{work}/{name}-kv-events.ipc", free_port()) if self.kv_events else ("", 0)
         return Instance(
             role,
             name,
