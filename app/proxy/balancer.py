@@ -13,6 +13,7 @@ import httpx
 
 from app.proxy.breaker import Breaker, BreakerSettings, BreakerState
 from app.proxy.config import Policy
+from app.proxy.dp import upstream
 from app.proxy.errors import NoHealthyInstance
 from app.proxy.precise import APPROXIMATE, IN_FLIGHT, KV_EVENTS, EngineHits, PreciseHit
 from app.proxy.routing import InFlightPrefixes, Pick, PrefixIndex, RequestShape, cache_score
@@ -341,7 +342,8 @@ class HealthChecker:
 
     async def probe(self, inst: Instance) -> None:
         try:
-            r = await self.client.get(f"{inst.url}/health", timeout=self.timeout_s)
+            # The server's health: vLLM answers it for all of its DP ranks.
+            r = await self.client.get(f"{upstream(inst.url)[0]}/health", timeout=self.timeout_s)
         except httpx.HTTPError as e:
             inst.mark(False, f"GET /health failed: {type(e).__name__}: {e}")
             return

@@ -7,6 +7,7 @@ from enum import StrEnum
 
 from app.errors import ConfigError
 from app.proxy.disagg import DisaggRules
+from app.proxy.dp import upstream
 from app.proxy.kv_events.feed import EngineEvents
 
 # Where ``kv-sidecar proxy`` reads the admin token when no --admin-token-file is given.
@@ -151,6 +152,7 @@ class ProxyConfig:
             for url in urls:
                 if not url.startswith(("http://", "https://")):
                     raise ConfigError(f"--{role} {url!r}: expected an http:// or https:// URL")
+                upstream(url)  # a #dp<rank> suffix, if any, names a DP rank
             if len(set(urls)) != len(urls):
                 raise ConfigError(f"--{role} lists the same URL twice: {', '.join(urls)}")
         if not self.public_url.startswith(("http://", "https://")):

@@ -51,6 +51,7 @@ from app.proxy.bodies import (
 )
 from app.proxy.config import Flow, ProxyConfig
 from app.proxy.disagg import Decision, DisaggCounts
+from app.proxy.dp import upstream as dp_upstream
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.exchange import (
     Exchange,
@@ -184,15 +185,16 @@ class PDFlow:
         t = x.tracker
         call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
         tp = call.traceparent.header
+        base, rank = dp_upstream(x.decode.url)
         req = self.client.build_request(
             "POST",
-            f"{x.decode.url}{path}",
+            f"{base}{path}",
             json=(
                 local_body(body)
                 if x.token is None
                 else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp)
             ),
-            headers={**headers, TRACEPARENT: tp},
+            headers={**headers, **rank, TRACEPARENT: tp},
         )
         try:
             upstream = await first_or_none(self.client.send(req, stream=True), disconnected)
@@ -378,7 +380,8 @@ class PDFlow:
         tid = t.transfer_id
         t0 = time.monotonic()
         try:
-            r = await self.client.post(f"{p.url}{job.path}", json=out, headers=headers)
+            base, rank = dp_upstream(p.url)
+            r = await self.client.post(f"{base}{job.path}", json=out, headers={**headers, **rank})
         except httpx.HTTPError as e:
             if is_connection_failure(e):
                 p.instance.mark(False, f"connection failed: {describe(e)}")

@@ -7,6 +7,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
+from app.proxy.dp import dp_rank
 from app.proxy.routing import Pick
 from app.tracing.traceparent import TraceParent
 
@@ -55,6 +56,9 @@ class TransferRecord:
     # The W3C trace this request belongs to (the client's, or one the proxy started).
     trace_id: str | None = None
     kv_load: str | None = None
+    # The DP ranks that served it (instances named ``URL#dp<rank>``; None: no DP rank named).
+    decode_dp_rank: int | None = None
+    prefill_dp_rank: int | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -130,6 +134,8 @@ class TransferTracker:
             reason=self.reason,
             trace_id=None if self.trace is None else self.trace.trace_id,
             kv_load=self.kv_load,
+            decode_dp_rank=dp_rank(self.decode),
+            prefill_dp_rank=None if self.prefill is None else dp_rank(self.prefill),
         )
 
 

@@ -79,7 +79,7 @@ class Peers:
         settings: PeerSettings,
         connect: Connect,
         *,
-        hello: Callable[[], Hello],
+        hello: Callable[[str], Hello],
         make_planners: MakePlanners,
         on_lost: OnLost,
         on_handshake: Callable[[float], None],
@@ -129,15 +129,18 @@ class Peers:
 
     # ---- prefill side: targets and handshakes -----------------------------------------------
 
-    async def target(self, host: str, port: int, epoch: str, engine_id: str = "") -> Peer:
+    async def target(
+        self, host: str, port: int, epoch: str, engine_id: str = "", request: str = ""
+    ) -> Peer:
         """The decode peer of a target, handshaken for the epoch the target names; raises
-        when the sidecar there is another engine than the target's."""
+        when the sidecar there is another engine than the target's. ``request``: the transfer
+        that needs it (a decode that refuses the handshake ends that load at once)."""
         endpoint = tcp_endpoint(host, port)
         peer = self._entry(endpoint)
         async with peer.lock:
             if not peer.planners or (epoch and epoch != peer.epoch):
                 try:
-                    await self._handshake(peer)
+                    await self._handshake(peer, request)
                 except KVSidecarError:
                     # A peer that never answered keeps nothing here: no entry, no socket
                     # (measured: 100 dead targets had left 100 entries and their fds).
@@ -156,10 +159,11 @@ class Peers:
             )
         return peer
 
-    async def _handshake(self, peer: Peer) -> None:
+    async def _handshake(self, peer: Peer, request: str = "") -> None:
         t0 = self._clock()
+        hello = self._hello(request)
         try:
-            reply = await peer.client.request(self._hello(), self._settings.handshake_timeout_s)
+            reply = await peer.client.request(hello, self._settings.handshake_timeout_s)
         except DeadlineExceeded as e:
             peer.failures += 1
             peer.last_error = str(e)

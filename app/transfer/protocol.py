@@ -96,6 +96,11 @@ class Hello(Msg, tag="hello"):
     epoch: str = ""
     # The sender's own control endpoint: decode asks it to drain before freeing blocks.
     control: str = ""
+    # Its engine's speculative decoding settings ("" when off): decode's must equal them.
+    speculative: str = ""
+    # The transfer that needs this handshake ("" when none): a decode that refuses the
+    # handshake ends that load now, with the reason, instead of at its deadline.
+    request: str = ""
 
 
 class AgentMetadata(Msg, tag="agent_metadata"):

@@ -204,6 +204,14 @@ class RecvSide:
                 agent.groups[g].done += 1
         return Ack(request=msg.request)
 
+    def refused(self, rid: str, engine_id: str, reason: str) -> None:
+        """This sidecar refused the handshake prefill ``engine_id`` made for ``rid``: nothing of
+        it will come, so the load ends now, saying why, not at its deadline."""
+        for agent in self._agents.values():
+            req = agent.recvs.get(rid)
+            if req is not None:
+                self.end(req, Status.FAILED, f"refused prefill {engine_id}: {reason}")
+
     def aborted_by_prefill(self, rid: str, engine_id: str, reason: str) -> None:
         """The prefill that claimed ``rid`` ended it; it drained before it said so."""
         for agent in self._agents.values():

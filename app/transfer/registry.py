@@ -63,6 +63,7 @@ class Registry:
         self.epoch = secrets.token_hex(8)
         self.generation = 0
         self.compat_hash = ""
+        self.speculative = ""  # the engine's speculative decoding settings ("" when off)
         self.tp_size = settings.tp_size
 
     async def register_engine(self, reg: EngineRegistration) -> Msg:
@@ -90,12 +91,16 @@ class Registry:
         except BaseException:
             _close(imported)
             raise
-        if self.compat_hash and desc.compat_hash != self.compat_hash:
+        if self.compat_hash and (desc.compat_hash, reg.speculative) != (
+            self.compat_hash,
+            self.speculative,
+        ):
             _close(imported)
             return Reply(
                 ok=False,
-                error=f"rank {reg.rank} registered model {desc.compat_hash}, its siblings "
-                f"{self.compat_hash}; every rank of one sidecar must run the same model",
+                error=f"rank {reg.rank} registered model {desc.compat_hash} (speculative: "
+                f"{reg.speculative or 'off'}), its siblings {self.compat_hash} (speculative: "
+                f"{self.speculative or 'off'}); every rank of one sidecar must run the same model",
             )
         assert self.engine is not None
         spans = [
@@ -111,6 +116,7 @@ class Registry:
         agent.events = ring
         await self._install(agent)
         self.compat_hash = desc.compat_hash
+        self.speculative = reg.speculative
         self.tp_size = reg.tp_size
         log.info(
             "rank %d registered %s: %d layers in %d groups, %d blocks, %d regions",
@@ -203,7 +209,7 @@ class Registry:
         # Their planners hold our old addresses: the next request handshakes anew.
         for peer in peers:
             await self._peers.drop(peer)
-        self.compat_hash = ""
+        self.compat_hash = self.speculative = ""
 
     async def _tell_new_epoch(self, peer: Peer, note: NewEpoch) -> None:
         try:

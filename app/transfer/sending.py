@@ -231,7 +231,7 @@ class SendSide:
         req.target_epoch = t.epoch
         req.skip = t.computed
         try:
-            peer = await self._peers.target(t.host, t.port, t.epoch, t.engine_id)
+            peer = await self._peers.target(t.host, t.port, t.epoch, t.engine_id, req.id)
             planner = peer.planners[req.rank]
             # Known before the id check, so that D hears of a refusal instead of expiring.
             groups = {

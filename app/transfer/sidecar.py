@@ -496,29 +496,45 @@ class Sidecar:
             return Ack(request="")
         return Error(reason=f"unexpected message {type(msg).__name__} on the control port")
 
-    def _hello_msg(self) -> Hello:
+    def _hello_msg(self, request: str = "") -> Hello:
         return Hello(
+            request=request,
             compat_hash=self.compat_hash,
             engine_id=self.settings.engine_id,
             role=Role.PREFILL if self.settings.role == "prefill" else Role.BOTH,
             epoch=self.epoch,
             control=f"tcp://{self.settings.resolved_advertise_host()}:{self.control_port}",
+            speculative=self.registry.speculative,
         )
+
+    def _refusal(self, msg: Hello) -> str | None:
+        """Why a prefill's handshake is refused (None: it is not)."""
+        ok, why = self.ready
+        if not ok:
+            return f"decode sidecar not ready: {why}"
+        if msg.speculative != self.registry.speculative:
+            # Checked first: a drafter's layers change the compat hash too, and this says why.
+            return (
+                f"speculative decoding differs: prefill {msg.speculative or 'off'}, decode "
+                f"{self.registry.speculative or 'off'}; both engines need the same "
+                "--speculative-config (method, draft, num_speculative_tokens)"
+            )
+        if msg.compat_hash != self.compat_hash:
+            return (
+                f"model mismatch: prefill compat hash {msg.compat_hash}, decode "
+                f"{self.compat_hash}; run the same preset, dtype and layer count on both"
+            )
+        return None
 
     def _planners(self, descs: dict[int, LayoutDesc]) -> dict[int, PairPlanner]:
         return {rank: PairPlanner(agent.desc, descs) for rank, agent in self.agents.items()}
 
     def _hello(self, msg: Hello) -> Msg:
-        ok, why = self.ready
-        if not ok:
-            return Rejected(reason=f"decode sidecar not ready: {why}")
-        if msg.compat_hash != self.compat_hash:
-            return Rejected(
-                reason=(
-                    f"model mismatch: prefill compat hash {msg.compat_hash}, decode "
-                    f"{self.compat_hash}; run the same preset, dtype and layer count on both"
-                )
-            )
+        why = self._refusal(msg)
+        if why is not None:
+            if msg.request:
+                self.recv.refused(msg.request, msg.engine_id, why)
+            return Rejected(reason=why)
         self._peers.met(msg)
         assert self.engine is not None
         return AgentMetadata(

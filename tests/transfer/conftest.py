@@ -215,8 +215,10 @@ class Lost:
 
 
 def make_peers(net: Net, clock: Clock, layout: LayoutDesc, lost: Lost | None = None) -> Peers:
-    def hello() -> Hello:
-        return Hello(compat_hash=layout.compat_hash, engine_id=P_ENGINE, role=Role.PREFILL)
+    def hello(request: str = "") -> Hello:
+        return Hello(
+            compat_hash=layout.compat_hash, engine_id=P_ENGINE, role=Role.PREFILL, request=request
+        )
 
     def planners(descs: dict[int, LayoutDesc]) -> dict[int, PairPlanner]:
         return {layout.rank: PairPlanner(layout, descs)}

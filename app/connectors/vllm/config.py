@@ -12,6 +12,32 @@ Role = Literal["prefill", "decode", "both"]
 _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 # How long a prefill keeps its blocks waiting for decode's target, unless told otherwise.
 DEFAULT_TARGET_TIMEOUT_S = 30.0
+# Replaced by the DP rank in "sidecar" and "target_url": each DP rank has an agent of its own.
+DP_PLACEHOLDER = "{dp}"
+
+
+def dp_identity(vllm_config: Any) -> tuple[int, str]:
+    """This engine's DP rank and the suffix vLLM gave its engine id ("" without DP).
+
+    vLLM's engine core appends ``_dp<rank>`` to ``kv_transfer_config.engine_id`` when data
+    parallel is on, before any connector is built; ``data_parallel_index`` keeps the rank
+    where a dense model's ``data_parallel_rank`` is reset to 0."""
+    rank = int(getattr(vllm_config.parallel_config, "data_parallel_index", 0) or 0)
+    suffix = f"_dp{rank}"
+    engine_id = str(vllm_config.kv_transfer_config.engine_id or "")
+    return rank, suffix if engine_id.endswith(suffix) else ""
+
+
+def _per_rank(value: str, key: str, rank: int, data_parallel: bool) -> str:
+    if DP_PLACEHOLDER in value:
+        return value.replace(DP_PLACEHOLDER, str(rank))
+    if data_parallel:
+        raise ConfigError(
+            f'data parallel: every DP rank would use kv_connector_extra_config "{key}" '
+            f"{value!r}; put {DP_PLACEHOLDER} in it (e.g. ipc:///run/kvs/engine-dp{{dp}}.ipc), "
+            "where each DP rank finds an agent of its own"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -31,6 +57,10 @@ class ConnectorConfig:
     # answer; and how long prefill keeps its blocks for it.
     target_url: str | None = None
     target_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
+    # A speculative drafter's KV moves with the target's. False leaves it out, as connectors
+    # that move only the target's layers do: decode's drafts then read blocks that prefill
+    # never wrote (a diagnosis of what the draft's KV is worth; both sides must agree).
+    transfer_draft_kv: bool = True
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -42,7 +72,16 @@ class ConnectorConfig:
                 'kv_connector_extra_config needs "sidecar": the engine-link endpoint of the '
                 'kv-sidecar next to this engine, e.g. "ipc:///run/kvs/engine.ipc"'
             )
-        tp = int(vllm_config.parallel_config.tensor_parallel_size)
+        parallel = vllm_config.parallel_config
+        pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+        if pp > 1:
+            raise ConfigError(
+                f"pipeline_parallel_size is {pp}: the sidecar maps one agent rank per TP rank, "
+                "and every pipeline stage has TP rank 0 with layers of its own; run prefill and "
+                "decode with pipeline_parallel_size 1 (TP and DP are supported)"
+            )
+        dp, suffix = dp_identity(vllm_config)
+        tp = int(parallel.tensor_parallel_size)
         timeout = extra.get("recv_timeout_s")
         agent = str(extra.get("agent", "sidecar"))
         if agent not in ("sidecar", "in_process"):
@@ -56,9 +95,11 @@ class ConnectorConfig:
                 f"one agent for all {tp} ranks of an instance; run the kv-sidecar container, "
                 "or tensor_parallel_size 1"
             )
+        target_url = str(extra["target_url"]) if extra.get("target_url") else None
         return cls(
-            sidecar=str(sidecar),
-            engine_id=str(extra.get("engine_id") or ktc.engine_id),
+            sidecar=_per_rank(str(sidecar), "sidecar", dp, bool(suffix)),
+            # The name given in the extra config gets vLLM's DP suffix too.
+            engine_id=f"{extra['engine_id']}{suffix}" if extra.get("engine_id") else ktc.engine_id,
             tp_size=tp,
             prefill_tp=int(extra.get("prefill_tp", tp)),
             recv_timeout_s=None if timeout is None else float(timeout),
@@ -66,6 +107,9 @@ class ConnectorConfig:
             pool=bool(extra.get("pool", False)),
             agent=agent,
             role=_ROLES.get(str(ktc.kv_role), "both"),
-            target_url=str(extra["target_url"]) if extra.get("target_url") else None,
+            target_url=None
+            if target_url is None
+            else _per_rank(target_url, "target_url", dp, bool(suffix)),
             target_timeout_s=float(extra.get("target_timeout_s", DEFAULT_TARGET_TIMEOUT_S)),
+            transfer_draft_kv=bool(extra.get("transfer_draft_kv", True)),
         )

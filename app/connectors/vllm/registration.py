@@ -22,8 +22,10 @@ from vllm.v1.kv_cache_interface import (
     MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
 )
 
+from app.connectors.vllm.speculative import draft_kv_heads, draft_layers, speculative_identity
 from app.devices import Device
 from app.devices.memory import Exported, export_buffer
 from app.devices.shm import SHM_DIR
@@ -53,7 +55,23 @@ def _dtype(t: torch.dtype) -> str:
     raise ConfigError(f"KV dtype {t} is not supported by the sidecar")
 
 
+def layer_spec(spec: Any, name: str) -> Any:
+    """The spec of one layer of a group: vLLM merges same-type layers of different shapes
+    (a drafter with other KV heads or head size than its target) into one
+    ``UniformTypeKVCacheSpecs`` group that keeps each layer's own spec."""
+    return spec.kv_cache_specs[name] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
 def _group(spec: Any, layers: list[str], kernel: int) -> EngineGroup:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {
+            (type(s), getattr(s, "sliding_window", None)) for s in spec.kv_cache_specs.values()
+        }
+        if len(kinds) != 1:
+            raise ConfigError(
+                f"KV cache group of {layers[0]}.. mixes layer specs {sorted(map(str, kinds))}"
+            )
+        spec = spec.first_spec
     if isinstance(spec, MLAAttentionSpec):
         return EngineGroup("mla", spec.block_size, kernel, layers)
     if isinstance(spec, SlidingWindowSpec):
@@ -209,13 +227,26 @@ def build_registration(
     rank: int,
     tp_size: int,
     exported: list[Exported] | None = None,
+    with_draft: bool = True,
 ) -> EngineRegistration:
     """The registration of one worker's KV cache; shares the storages as a side effect (CPU:
-    /dev/shm files; CUDA/NPU: IPC handles, whose keep-alives go into ``exported``)."""
+    /dev/shm files; CUDA/NPU: IPC handles, whose keep-alives go into ``exported``).
+
+    ``with_draft`` False leaves a speculative drafter's layers out (they are not moved)."""
     exported = exported if exported is not None else []
     model_config = vllm_config.model_config
     num_blocks = int(kv_cache_config.num_blocks)
-    names = layer_order([n for g in kv_cache_config.kv_cache_groups for n in g.layer_names])
+    every = [n for g in kv_cache_config.kv_cache_groups for n in g.layer_names]
+    drafts = draft_layers(every, vllm_config)
+    left_out = frozenset() if with_draft else drafts
+    for g in kv_cache_config.kv_cache_groups:
+        if left_out and set(g.layer_names) <= left_out:
+            raise ConfigError(
+                f"the draft's layers {list(g.layer_names)[:2]}.. form a KV cache group of their "
+                "own; they cannot be left out of the transfer (transfer_draft_kv false needs a "
+                "draft that shares the target's group)"
+            )
+    names = layer_order([n for n in every if n not in left_out])
     missing = [n for n in names if n not in kv_caches]
     if missing:
         raise ConfigError(f"vLLM gave no KV tensor for layers {missing[:4]}")
@@ -226,20 +257,24 @@ def build_registration(
     groups: list[EngineGroup] = []
     layers: dict[str, EngineLayer] = {}
     total_heads = int(model_config.get_total_num_kv_heads())
+    # A drafter with a config of its own (draft_model, EAGLE) may have other KV heads.
+    draft_heads = draft_kv_heads(vllm_config) or total_heads
     forward_context = vllm_config.compilation_config.static_forward_context
     for gi, g in enumerate(kv_cache_config.kv_cache_groups):
         spec: Any = g.kv_cache_spec
         # A state page is one block: it has no token axis to split into kernel blocks.
         kernels = (
             {int(spec.block_size)}
-            if isinstance(spec, MambaSpec)
+            if isinstance(layer_spec(spec, g.layer_names[0]), MambaSpec)
             else {int(kv_caches[n].shape[2]) for n in g.layer_names}
         )
         if len(kernels) != 1:
             raise ConfigError(f"group {gi} mixes kernel block sizes {sorted(kernels)}")
         kernel = kernels.pop()
-        groups.append(_group(spec, list(g.layer_names), kernel))
-        for name in g.layer_names:
+        kept = [n for n in g.layer_names if n not in left_out]
+        groups.append(_group(spec, kept, kernel))
+        for name in kept:
+            own = layer_spec(spec, name)
             t = kv_caches[name]
             if t.dim() != 4 or t.shape[0] != num_blocks * (spec.block_size // kernel):
                 raise ConfigError(
@@ -261,15 +296,15 @@ def build_registration(
                     memory.append(shared_span(storage))
                 spans[key] = len(memory) - 1
             buffer = spans[key]
-            if isinstance(spec, MambaSpec):
+            if isinstance(own, MambaSpec):
                 layer = _state_layer(
-                    name, gi, buffer, t, forward_context[name].kv_cache, spec, tp_size
+                    name, gi, buffer, t, forward_context[name].kv_cache, own, tp_size
                 )
                 layers[name] = msgspec.structs.replace(
                     layer, offset=t.data_ptr() - storage.data_ptr()
                 )
                 continue
-            mla = isinstance(spec, MLAAttentionSpec)
+            mla = isinstance(own, MLAAttentionSpec)
             layers[name] = EngineLayer(
                 name=name,
                 group=gi,
@@ -280,9 +315,9 @@ def build_registration(
                     Axis(role, int(size), int(stride))
                     for role, size, stride in zip(ATTENTION_ROLES, t.shape, t.stride(), strict=True)
                 ],
-                head_size=int(spec.head_size),
-                head_size_v=0 if mla else int(spec.head_size_v),
-                total_heads=1 if mla else total_heads,
+                head_size=int(own.head_size),
+                head_size_v=0 if mla else int(own.head_size_v),
+                total_heads=1 if mla else (draft_heads if name in drafts else total_heads),
             )
     return EngineRegistration(
         engine_id=engine_id,
@@ -295,6 +330,7 @@ def build_registration(
         layers=[layers[n] for n in names],
         memory=memory,
         device_memory=device_memory if on_device else None,
+        speculative=speculative_identity(vllm_config),
     )
 
 

@@ -27,6 +27,7 @@ from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
+from app.connectors.vllm.speculative import draft_layers
 from app.connectors.vllm.stats import KVSidecarStats
 from app.devices import Device, Event
 from app.devices.memory import Exported
@@ -146,6 +147,9 @@ class WorkerSide:
         self.layer_index: dict[str, int] = {}
         # Indices of the layers vLLM calls save_kv_layer for (attention, MLA).
         self.attention_layers: frozenset[int] = frozenset()
+        # A speculative drafter's layers: written once per draft pass, final only at
+        # wait_for_save, which vLLM defers until the drafter ran.
+        self.draft_layers: frozenset[int] = frozenset()
         self._step = 0
         self._active = False
         self._signalled: set[int] = set()
@@ -180,11 +184,14 @@ class WorkerSide:
             rank=self.rank,
             tp_size=self.config.tp_size,
             exported=self._exported,
+            with_draft=self.config.transfer_draft_kv,
         )
         self.layer_index = {layer.name: i for i, layer in enumerate(reg.layers)}
         self.attention_layers = frozenset(
             i for i, layer in enumerate(reg.layers) if reg.groups[layer.group].kind != "mamba"
         )
+        drafts = draft_layers(self.layer_index, self.vllm_config)
+        self.draft_layers = frozenset(self.layer_index[n] for n in drafts)
         try:
             compat = self.link.register_engine(reg)
         finally:
@@ -259,7 +266,7 @@ class WorkerSide:
         if not self._active:
             return
         index = self.layer_index.get(layer_name)
-        if index is not None and index not in self._signalled:
+        if index is not None and index not in self._signalled and index not in self.draft_layers:
             self._signalled.add(index)
             self.link.layer_ready(self._step, index, self._event())
 
@@ -282,7 +289,8 @@ class WorkerSide:
                     self._step,
                     len(self.attention_layers),
                 )
-            # Layers vLLM never calls save_kv_layer for (state layers) are final now.
+            # Layers vLLM never calls save_kv_layer for (state layers), and the drafter's, are
+            # final now.
             event = self._event()  # after the whole forward pass: covers every layer left
             for index in range(len(self.layer_index)):
                 if index not in self._signalled:
