@@ -44,11 +44,12 @@ def dp_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         yield stack
 
 
-def received(admin: str) -> tuple[str, dict[str, str | None]]:
-    """A sidecar's own engine id, and the loads it ended: transfer id -> the prefill engine."""
+def ended(admin: str, side: str) -> tuple[str, dict[str, str | None]]:
+    """A sidecar's own engine id, and its ended requests of ``side``: id -> peer (a send's
+    decode control endpoint)."""
     engine = httpx.get(f"{admin}/v1/status", timeout=10).json()["engine_id"]
     body = httpx.get(
-        f"{admin}/v1/requests", params={"side": "recv", "ended": "true"}, timeout=10
+        f"{admin}/v1/requests", params={"side": side, "ended": "true"}, timeout=10
     ).json()
     return str(engine), {r["id"]: r["peer"] for r in body["requests"]}
 
@@ -73,13 +74,21 @@ def test_every_dp_rank_serves_its_own_transfers(dp_pd: LocalPD) -> None:
     served = Counter((r["prefill_dp_rank"], r["decode_dp_rank"]) for r in records)
     assert {p for p, _ in served} == {0, 1} and {d for _, d in served} == {0, 1}, served
 
-    # Each decode rank's sidecar names itself with vLLM's suffix and received exactly the
-    # transfers the proxy sent to that rank, each from the prefill rank the record names.
-    loads: dict[str, tuple[str, str | None]] = {}
-    for inst in dp_pd.decode_instances:
-        engine, seen = received(inst.admin)
+    # Each rank's sidecar names itself with vLLM's suffix and moved exactly the transfers
+    # the proxy sent to that rank: the record's prefill rank sent it, to the sidecar of the
+    # record's decode rank, which received it.
+    control = {inst.name: f"tcp://127.0.0.1:{inst.control_port}" for inst in dp_pd.instances}
+    sends: dict[str, tuple[str, str | None]] = {}
+    recvs: dict[str, str] = {}
+    for inst in dp_pd.prefill_instances:
+        engine, seen = ended(inst.admin, "send")
         assert engine == inst.name
-        loads |= {tid: (engine, peer) for tid, peer in seen.items()}
+        sends |= {tid: (engine, peer) for tid, peer in seen.items()}
+    for inst in dp_pd.decode_instances:
+        engine, seen = ended(inst.admin, "recv")
+        assert engine == inst.name
+        recvs |= dict.fromkeys(seen, engine)
     for r in records:
-        want = (f"decode_dp{r['decode_dp_rank']}", f"prefill_dp{r['prefill_dp_rank']}")
-        assert loads.get(r["transfer_id"]) == want, (r, loads)
+        tid, decode = r["transfer_id"], f"decode_dp{r['decode_dp_rank']}"
+        assert sends.get(tid) == (f"prefill_dp{r['prefill_dp_rank']}", control[decode]), r
+        assert recvs.get(tid) == decode, r

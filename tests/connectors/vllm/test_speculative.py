@@ -123,6 +123,33 @@ def test_draft_model_blocks_equal_prefill_blocks(draft_pd: LocalPD) -> None:
     assert_layers_equal(draft_pd, lambda name: name.startswith("draft_model."), 2)
 
 
+def test_draft_layers_are_sent_after_the_drafter_ran(draft_pd: LocalPD) -> None:
+    """vLLM writes a draft layer once per draft pass, after the target's forward, and calls
+    wait_for_save only after the drafter: the draft's layers are signalled there (at the step's
+    end, after every target layer), the target's as each was written."""
+    answer = draft_pd.completion(draft_pd.proxy, prompt(100, 800), 2)
+    rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
+    reg = httpx.get(f"{draft_pd.prefill.admin}/v1/registration", timeout=10).json()
+    names = [layer["name"] for layer in reg["ranks"]["0"]["layers"]]
+    (send,) = [
+        e
+        for e in httpx.get(f"{draft_pd.prefill.admin}/v1/requests/{rid}", timeout=10).json()[
+            "entries"
+        ]
+        if e["side"] == "send"
+    ]
+    assert send["state"] == "DONE", send["error"]
+    signals = {names[t["layer"]]: t for t in send["layers"]}
+    assert sorted(signals) == sorted(names)
+    draft = {n: t for n, t in signals.items() if n.startswith("draft_model.")}
+    target = {n: t for n, t in signals.items() if n not in draft}
+    assert len(draft) == 2 and len(target) == 2, sorted(signals)
+    assert all(t["at_step_end"] for t in draft.values()), draft
+    assert not any(t["at_step_end"] for t in target.values()), target
+    last_target = max(t["signalled_at"] for t in target.values())
+    assert min(t["signalled_at"] for t in draft.values()) >= last_target
+
+
 def assert_layers_equal(pd: LocalPD, chosen: Any, expected_layers: int) -> None:
     p_kv = EngineKV(pd.prefill.admin, pd.procs["sidecar-prefill"].pid)
     d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
