@@ -208,6 +208,7 @@ def test_eagle_head_with_its_own_kv_geometry(
             assert got["out"] == reference, n
             assert got["decode"]["draft_tokens"] > 0
         reg = httpx.get(f"{pd.decode.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+        assert reg["speculative"].startswith("method=eagle "), reg["speculative"]
         heads = {la["name"]: la["total_heads"] for la in reg["layers"]}
         assert heads["model.layers.2.self_attn.attn"] == 1, heads
         assert_layers_equal(pd, lambda name: name.startswith("model.layers.2."), 1)
