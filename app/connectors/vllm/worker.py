@@ -3,12 +3,12 @@
 Prefill: each step's admissions and send slices go to the sidecar before the forward pass
 (``begin_step``); ``save_kv_layer`` signals each attention/MLA layer as its KV is written,
 ``wait_for_save`` the layers vLLM does not call it for, and a speculative drafter's (written
-once per draft pass; vLLM defers ``wait_for_save`` until the drafter ran). A send admitted without a target
-(concurrent dispatch) gets it from the router on a thread of its own. Decode: each step's new
-requests are expected at the sidecar before the forward pass, and rank 0 posts their targets
-to the router after it; nothing to do per layer (the prefill pushes); the sidecar's
-``Finished`` tells which requests landed and which failed (vLLM's ``failed_recving``: it
-recomputes them). Pool loads and stores run on their own thread
+once per draft pass; vLLM defers ``wait_for_save`` until the drafter ran). A send admitted
+without a target (concurrent dispatch) gets it from the router on a thread of its own.
+Decode: each step's new requests are expected at the sidecar before the forward pass, and
+rank 0 posts their targets to the router after it; nothing to do per layer (the prefill
+pushes); the sidecar's ``Finished`` tells which requests landed and which failed (vLLM's
+``failed_recving``: it recomputes them). Pool loads and stores run on their own thread
 (``pool.PoolJobs``) and end through ``get_finished`` the same way.
 """
 
