@@ -29,7 +29,8 @@ import httpx
 
 from app.bench.pd_stats import spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import write_tiny_model
 from app.errors import BenchError
 
 POLICIES = ("round_robin", "approximate", "precise")

@@ -20,7 +20,8 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import layer_timeline
-from app.connectors.local_pd import TINY_MODELS, LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import TINY_MODELS, write_tiny_model
 from app.errors import ConfigError
 
 TIMES = ("target_ms", "prefill_ms", "total_ms")

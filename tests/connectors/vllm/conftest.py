@@ -22,7 +22,8 @@ import pytest
 import torch
 import zmq
 
-from app.connectors.local_pd import LocalPD, write_tiny_model
+from app.connectors.local_pd import LocalPD
+from app.connectors.tiny_models import write_tiny_model
 from app.transfer.protocol import decode
 from tests.conftest import wait_for
 

@@ -17,7 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import write_tiny_model
 from tests.connectors.vllm.conftest import engines_up, prompt
 
 pytestmark = pytest.mark.slow_engines

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from app.connectors.local_pd import vllm_command, write_tiny_model
+from app.connectors.local_pd import vllm_command
+from app.connectors.tiny_models import write_tiny_model
 from app.store.master import free_port
 
 pytestmark = pytest.mark.slow_engines

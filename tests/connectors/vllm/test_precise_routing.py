@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import write_tiny_model
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 

@@ -18,13 +18,8 @@ import httpx
 import pytest
 import torch
 
-from app.connectors.local_pd import (
-    MAX_MODEL_LEN,
-    LocalPD,
-    prompt_tokens_by_source,
-    write_tiny_eagle,
-    write_tiny_model,
-)
+from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import write_tiny_eagle, write_tiny_model
 from tests.connectors.vllm.conftest import (
     EngineKV,
     block_ids,

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source, write_tiny_model
+from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.connectors.tiny_models import write_tiny_model
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 
 # Four engines: CI runs this file in its real-engine step, beside the chaos file, not in the
