@@ -300,12 +300,18 @@ class Cluster:
         assert self.proxy is not None
         return self.proxy.url
 
-    def start_proxy(self, **cfg: Any) -> Cluster:
-        """Start the proxy over the fakes (after the test set their health, if it needs)."""
+    def start_proxy(
+        self,
+        prefill: tuple[str, ...] | None = None,
+        decode: tuple[str, ...] | None = None,
+        **cfg: Any,
+    ) -> Cluster:
+        """Start the proxy over the fakes (after the test set their health, if it needs), or
+        over the instance URLs ``prefill`` / ``decode`` given (e.g. DP ranks of a fake)."""
         sock = bound_socket()
         config = ProxyConfig(
-            prefill=tuple(f.url for f in self.prefill),
-            decode=tuple(f.url for f in self.decode),
+            prefill=prefill or tuple(f.url for f in self.prefill),
+            decode=decode or tuple(f.url for f in self.decode),
             public_url=f"http://127.0.0.1:{sock.getsockname()[1]}",
             **{
                 "target_timeout_s": 5.0,
