@@ -46,15 +46,14 @@ class Instance:
     # can subscribe) and answers replays on loopback ("" and 0: it does not).
     events_endpoint: str = ""
     replay_port: int = 0
-    # Data parallel: this instance is DP rank ``dp_rank`` of a vLLM server of ``dp_size``
-    # engines (its ranks share the server, each has a sidecar of its own).
+    # Data parallel: this instance is DP rank ``dp_rank`` of the vLLM server ``server`` of
+    # ``dp_size`` engines (its ranks share the server, each has a sidecar of its own).
     dp_rank: int = 0
     dp_size: int = 1
+    server: str = ""  # "": the instance is the whole server, named ``name``
 
-    @property
-    def server(self) -> str:
-        """The name of the vLLM server this instance is (a DP rank of)."""
-        return self.name.removesuffix(f"_dp{self.dp_rank}") if self.dp_size > 1 else self.name
+    def __post_init__(self) -> None:
+        self.server = self.server or self.name
 
     @property
     def route(self) -> str:
@@ -183,13 +182,11 @@ class LocalPD:
         # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
         server = role if index == 0 else f"{role}{index + 1}"
-        port, work = free_port(), self.work
+        port = free_port()
         out = []
         for rank in range(dp):
-            name = f"{server}_dp{rank}" if dp > 1 else server
-            events = (
-                (f"ipc://{work}/{name}-kv-events.ipc", free_port()) if self.kv_events else ("", 0)
-            )
+            name = _dp_rank_name(server, rank) if dp > 1 else server
+            events = (self._ipc(f"{name}-kv-events"), free_port()) if self.kv_events else ("", 0)
             out.append(
                 Instance(
                     role,
@@ -197,15 +194,20 @@ class LocalPD:
                     port,
                     0,
                     0,
-                    f"ipc://{work}/{name}.ipc",
-                    work / f"{name}.ports",
+                    self._ipc(name),
+                    self.work / f"{name}.ports",
                     tp,
                     *events,
                     dp_rank=rank,
                     dp_size=dp,
+                    server=server,
                 )
             )
         return out
+
+    def _ipc(self, name: str) -> str:
+        """An ipc endpoint in the run folder."""
+        return f"ipc://{self.work}/{name}.ipc"
 
     @property
     def instances(self) -> list[Instance]:
@@ -374,7 +376,8 @@ class LocalPD:
         dp = inst.dp_size
         # With data parallel, vLLM suffixes each DP engine's id with _dp<rank>, and each rank
         # puts its rank in the sidecar endpoint: one sidecar per rank.
-        ipc = f"ipc://{self.work}/{inst.server}_dp{{dp}}.ipc" if dp > 1 else inst.ipc
+        # ("{dp}": the connector's placeholder; its package is not imported here, it loads vLLM.)
+        ipc = self._ipc(_dp_rank_name(inst.server, "{dp}")) if dp > 1 else inst.ipc
         # Prefill first (vLLM's standard flow): decode posts its target to its sidecar's admin
         # API (one port per DP rank; with DP the proxy's flow only).
         targets = {} if self.in_process or dp > 1 else {"target_url": f"{inst.admin}/v1/kv_targets"}
@@ -542,6 +545,11 @@ class LocalPD:
         if self.master is not None:
             stop_master(self.master)
             self.master = None
+
+
+def _dp_rank_name(server: str, rank: int | str) -> str:
+    """A DP rank's name: vLLM's engine id suffix, which its sidecar's engine id must match."""
+    return f"{server}_dp{rank}"
 
 
 def vllm_env(tp: int, worker_in_core: bool = True) -> dict[str, str]:
