@@ -306,6 +306,10 @@ class KVTargetBody(_Model):
     error: str | None = Field(
         default=None, max_length=1000, description="Why decode cannot take the transfer."
     )
+    # Pipeline parallel: decode's stage k posts to the URL of prefill's stage k (its ``{pp}``
+    # replaced), so the sidecar takes these as said and checks the target's signature only.
+    pp_stage: int = Field(default=0, ge=0, lt=64, description="Decode's pipeline stage.")
+    pp_size: int = Field(default=1, ge=1, le=64, description="Decode's pipeline stages.")
 
 
 class KVTargetResponse(_Model):

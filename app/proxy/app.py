@@ -28,7 +28,7 @@ from app.proxy.kv_events import KeyScheme, KvEventFeed, SubscriberSettings
 from app.proxy.metrics import CONTENT_TYPE, CountInflight, ProxyMetrics
 from app.proxy.precise import EngineHits
 from app.proxy.records import TransferLog
-from app.proxy.targets import Delivery, TargetRendezvous
+from app.proxy.targets import MAX_PP_STAGES, Delivery, TargetRendezvous
 from app.tracing.otel import open_tracing
 
 log = logging.getLogger(__name__)
@@ -183,8 +183,14 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 "invalid_request_error",
             )
         token = request.headers.get(TRANSFER_TOKEN_HEADER)
+        # Pipeline parallel: which of decode's stages this is (targets.py).
+        stage, size = body.get("pp_stage", 0), body.get("pp_size", 1)
+        if not (type(stage) is int and type(size) is int):
+            return error_response(
+                400, "pp_stage and pp_size: expected integers", "invalid_request_error"
+            )
         if isinstance(target, dict):
-            delivery = targets.deliver(tid, token, target)
+            delivery = targets.deliver(tid, token, target, stage, size)
         elif target is None and error is not None:
             delivery = targets.fail(tid, token, str(error))
         else:
@@ -202,7 +208,11 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
 
     @app.get("/v1/kv_targets/{transfer_id}")
     async def kv_target(
-        request: Request, transfer_id: str, timeout_s: float | None = Query(None, gt=0, le=600)
+        request: Request,
+        transfer_id: str,
+        timeout_s: float | None = Query(None, gt=0, le=600),
+        pp_stage: int = Query(0, ge=0, lt=MAX_PP_STAGES),
+        pp_size: int = Query(1, ge=1, le=MAX_PP_STAGES),
     ) -> Response:
         """Prefill's connector (concurrent flow): decode's target, once it was posted.
 
@@ -216,7 +226,9 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 "invalid_request_error",
             )
         token = request.headers.get(TRANSFER_TOKEN_HEADER)
-        got = await targets.fetch(transfer_id, token, timeout_s or cfg.target_timeout_s)
+        got = await targets.fetch(
+            transfer_id, token, timeout_s or cfg.target_timeout_s, pp_stage, pp_size
+        )
         if isinstance(got, Delivery):
             kind = _REFUSED_KIND.get(got.status, "gateway_timeout")
             return error_response(got.status, got.message, kind)

@@ -69,13 +69,14 @@ def prefill_body(
     transfer_id: str,
     *,
     token: str,
-    target: dict[str, Any] | None = None,
+    targets: list[dict[str, Any]] | None = None,
     router_url: str | None = None,
     target_timeout_s: float | None = None,
     traceparent: str | None = None,
 ) -> dict[str, Any]:
-    """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``target``
-    (decode first), or to the target its connector fetches from ``router_url`` (concurrent)."""
+    """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``targets``
+    (decode first: one per decode pipeline stage), or to the target its connector fetches from
+    ``router_url`` (concurrent)."""
     # min_tokens above 1 would make vLLM refuse max_tokens=1; stream_options needs a stream.
     out = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
     out["stream"] = False
@@ -87,8 +88,10 @@ def prefill_body(
         "transfer_id": transfer_id,
         TRANSFER_TOKEN_PARAM: token,
     }
-    if target is not None:
-        params["remote"] = target
+    if targets:
+        params["remote"] = targets[0]
+        if len(targets) > 1:  # pipeline parallel: prefill's stage k writes to decode's stage k
+            params["remote_stages"] = targets
     if router_url is not None:
         params["router_url"] = router_url
         params["target_timeout_s"] = target_timeout_s

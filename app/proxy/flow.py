@@ -326,7 +326,7 @@ class PDFlow:
         t = job.tracker
         tid, timeout = t.transfer_id, self.cfg.target_timeout_s
         try:
-            target = await self.targets.wait(tid, timeout)
+            stages = await self.targets.wait(tid, timeout)
         except TimeoutError:
             t.prefill_outcome = "target_timeout"
             msg = f"no target from decode {t.decode} within {timeout:g} s; prefill skipped"
@@ -343,7 +343,7 @@ class PDFlow:
         self.targets.close(tid, "its target already arrived")
         call = call_span(self.tracing, t, "prefill", job.lease.url, job.path)
         out = prefill_body(
-            job.body, tid, token=job.token, target=target, traceparent=call.traceparent.header
+            job.body, tid, token=job.token, targets=stages, traceparent=call.traceparent.header
         )
         await self._post_prefill(job, out, call)
 

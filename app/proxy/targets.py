@@ -8,6 +8,10 @@ prefill; concurrent, prefill's connector (every rank) GETs ``/v1/kv_targets/<id>
 Each id is opened with its transfer's token (bodies.py); every post and fetch for an id this
 rendezvous knows must carry it, or is refused (401) before anything about the id is said. The
 token is forgotten with the id.
+
+Pipeline parallel: each of decode's ``pp_size`` stages posts a target of its own (its own
+sidecar, its own layers) with its ``pp_stage``; an id has its targets once every stage posted,
+and prefill's stage k fetches stage k's. Both sides must run the same number of stages.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ from typing import Any
 
 from app.proxy.bodies import TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
 from app.proxy.errors import TargetError
+
+# Bounds a post's pp_size: far above any real pipeline, and a stranger cannot make an id hold
+# many partial targets.
+MAX_PP_STAGES = 64
+Targets = list[dict[str, Any]]  # decode's target per pipeline stage
 
 
 @dataclass(frozen=True)
@@ -35,10 +44,13 @@ class Delivery:
 
 
 class TargetRendezvous:
-    """Waiters by transfer id; the first target (or error) posted for an id resolves it."""
+    """Waiters by transfer id; the id resolves once every stage's target came, or at the
+    first error posted for it."""
 
     def __init__(self, remember: int = 1000) -> None:
-        self._waiting: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._waiting: dict[str, asyncio.Future[Targets]] = {}
+        # Stages posted so far and how many decode runs, for ids still short of a stage.
+        self._partial: dict[str, tuple[int, dict[int, dict[str, Any]]]] = {}
         # Why recent ids stopped waiting, so a late post gets a useful answer instead of 404.
         self._closed: OrderedDict[str, str] = OrderedDict()
         # Each known id's token: waiting ones and the closed ones still remembered.
@@ -49,8 +61,15 @@ class TargetRendezvous:
         self._waiting[transfer_id] = asyncio.get_running_loop().create_future()
         self._tokens[transfer_id] = token
 
-    def deliver(self, transfer_id: str, token: str | None, target: dict[str, Any]) -> Delivery:
-        return self._resolve(transfer_id, token, target, None)
+    def deliver(
+        self,
+        transfer_id: str,
+        token: str | None,
+        target: dict[str, Any],
+        pp_stage: int = 0,
+        pp_size: int = 1,
+    ) -> Delivery:
+        return self._resolve(transfer_id, token, (pp_stage, pp_size, target), None)
 
     def fail(self, transfer_id: str, token: str | None, error: str) -> Delivery:
         return self._resolve(transfer_id, token, None, error)
@@ -80,7 +99,7 @@ class TargetRendezvous:
         self,
         transfer_id: str,
         token: str | None,
-        target: dict[str, Any] | None,
+        staged: tuple[int, int, dict[str, Any]] | None,
         error: str | None,
     ) -> Delivery:
         refused = self.refusal(transfer_id, token)
@@ -92,10 +111,29 @@ class TargetRendezvous:
         if fut.done():
             return Delivery(409, f"transfer {transfer_id!r} already has a target")
         if error is not None:
+            self._partial.pop(transfer_id, None)
             fut.set_exception(TargetError(f"decode gave no target: {error}"))
-        else:
-            assert target is not None
-            fut.set_result(target)
+            return Delivery(200, "ok")
+        assert staged is not None
+        stage, size, target = staged
+        if not 0 <= stage < size <= MAX_PP_STAGES:
+            return Delivery(
+                400,
+                f"pp_stage {stage} of pp_size {size}: expected 0 <= pp_stage < pp_size <= "
+                f"{MAX_PP_STAGES}",
+            )
+        known, got = self._partial.setdefault(transfer_id, (size, {}))
+        if size != known:
+            return Delivery(
+                409,
+                f"decode's stages disagree: pp_size {size}, where an earlier stage said {known}",
+            )
+        if stage in got:
+            return Delivery(409, f"transfer {transfer_id!r} stage {stage} already has a target")
+        got[stage] = target
+        if len(got) == size:
+            del self._partial[transfer_id]
+            fut.set_result([got[s] for s in range(size)])
         return Delivery(200, "ok")
 
     def _gone(self, transfer_id: str) -> Delivery:
@@ -108,19 +146,25 @@ class TargetRendezvous:
             f"(or it is older than the last {self._remember})",
         )
 
-    async def wait(self, transfer_id: str, timeout_s: float) -> dict[str, Any]:
-        """The target, or ``TimeoutError`` / ``TargetError``."""
+    async def wait(self, transfer_id: str, timeout_s: float) -> Targets:
+        """The targets (one per decode pipeline stage), or ``TimeoutError`` / ``TargetError``."""
         fut = self._waiting[transfer_id]
         async with asyncio.timeout(timeout_s):
             # Shielded: a timeout must not cancel the future a concurrent post resolves.
             return await asyncio.shield(fut)
 
     async def fetch(
-        self, transfer_id: str, token: str | None, timeout_s: float
+        self,
+        transfer_id: str,
+        token: str | None,
+        timeout_s: float,
+        pp_stage: int = 0,
+        pp_size: int = 1,
     ) -> dict[str, Any] | Delivery:
-        """For prefill's connector: the target once posted, or why none will come (401 wrong
-        token, 409 the id stopped waiting or decode posted an error, 404 unknown, 504 not
-        within ``timeout_s``). Any number of callers may wait on one id."""
+        """For prefill's connector (its stage ``pp_stage`` of ``pp_size``): decode's target for
+        that stage once every stage posted, or why none will come (401 wrong token, 409 the id
+        stopped waiting, decode posted an error or runs another number of stages, 404 unknown,
+        504 not within ``timeout_s``). Any number of callers may wait on one id."""
         refused = self.refusal(transfer_id, token)
         if refused is not None:
             return refused
@@ -129,7 +173,15 @@ class TargetRendezvous:
             return self._gone(transfer_id)
         try:
             async with asyncio.timeout(timeout_s):
-                return await asyncio.shield(fut)
+                got = await asyncio.shield(fut)
+            if len(got) != pp_size or not 0 <= pp_stage < pp_size:
+                return Delivery(
+                    409,
+                    f"decode runs {len(got)} pipeline stage(s) and prefill {pp_size} (this is "
+                    f"stage {pp_stage}): each decode stage takes the layers of the prefill stage "
+                    "of its number, so run both with the same pipeline_parallel_size",
+                )
+            return got[pp_stage]
         except TargetError as e:
             return Delivery(409, str(e))
         except TimeoutError:
@@ -143,6 +195,7 @@ class TargetRendezvous:
     def close(self, transfer_id: str, reason: str) -> None:
         """Stop waiting for ``transfer_id``; later posts for it are told ``reason``."""
         fut = self._waiting.pop(transfer_id, None)
+        self._partial.pop(transfer_id, None)
         if fut is None:
             return
         if fut.done() and not fut.cancelled():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from app.errors import ConfigError
@@ -14,6 +14,8 @@ _ROLES: dict[str, Role] = {"kv_producer": "prefill", "kv_consumer": "decode", "k
 DEFAULT_TARGET_TIMEOUT_S = 30.0
 # Replaced by the DP rank in "sidecar" and "target_url": each DP rank has an agent of its own.
 DP_PLACEHOLDER = "{dp}"
+# Replaced by the pipeline stage in the same two: each PP stage has an agent of its own.
+PP_PLACEHOLDER = "{pp}"
 
 
 def dp_identity(vllm_config: Any) -> tuple[int, str]:
@@ -40,6 +42,16 @@ def _per_rank(value: str, key: str, rank: int, data_parallel: bool) -> str:
     return value
 
 
+def _per_stage(value: str, key: str, pp_size: int) -> str:
+    if pp_size > 1 and PP_PLACEHOLDER not in value:
+        raise ConfigError(
+            f"pipeline parallel: every one of the {pp_size} stages would use "
+            f'kv_connector_extra_config "{key}" {value!r}; put {PP_PLACEHOLDER} in it (e.g. '
+            "ipc:///run/kvs/engine-pp{pp}.ipc), where each stage finds an agent of its own"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     sidecar: str  # the sidecar's engine-link endpoint, e.g. ipc:///run/kvs/engine.ipc
@@ -61,6 +73,26 @@ class ConnectorConfig:
     # that move only the target's layers do: decode's drafts then read blocks that prefill
     # never wrote (a diagnosis of what the draft's KV is worth; both sides must agree).
     transfer_draft_kv: bool = True
+    # Pipeline parallel: each stage holds layers of its own and is an engine of its own
+    # (``engine_id`` + ``_pp<stage>``, ``{pp}`` in ``sidecar`` and ``target_url``); decode's
+    # stage k takes prefill's stage k's layers, so both run the same number of stages.
+    pp_size: int = 1
+    pp_stage: int | None = None  # set on a worker (``for_stage``); the scheduler spans them all
+
+    def for_stage(self, stage: int) -> ConnectorConfig:
+        """This config as seen by pipeline stage ``stage``'s workers (itself without PP)."""
+        if self.pp_size == 1:
+            return replace(self, pp_stage=0)
+        return replace(
+            self,
+            sidecar=self.sidecar.replace(PP_PLACEHOLDER, str(stage)),
+            engine_id=f"{self.engine_id}_pp{stage}",
+            pp_stage=stage,
+        )
+
+    def stages(self) -> list[ConnectorConfig]:
+        """One config per pipeline stage: the scheduler talks to every stage's agent."""
+        return [self.for_stage(s) for s in range(self.pp_size)]
 
     @classmethod
     def from_vllm(cls, vllm_config: Any) -> ConnectorConfig:
@@ -74,12 +106,6 @@ class ConnectorConfig:
             )
         parallel = vllm_config.parallel_config
         pp = int(getattr(parallel, "pipeline_parallel_size", 1))
-        if pp > 1:
-            raise ConfigError(
-                f"pipeline_parallel_size is {pp}: the sidecar maps one agent rank per TP rank, "
-                "and every pipeline stage has TP rank 0 with layers of its own; run prefill and "
-                "decode with pipeline_parallel_size 1 (TP and DP are supported)"
-            )
         dp, suffix = dp_identity(vllm_config)
         tp = int(parallel.tensor_parallel_size)
         timeout = extra.get("recv_timeout_s")
@@ -95,21 +121,31 @@ class ConnectorConfig:
                 f"one agent for all {tp} ranks of an instance; run the kv-sidecar container, "
                 "or tensor_parallel_size 1"
             )
+        pool = bool(extra.get("pool", False))
+        if pp > 1 and (pool or agent == "in_process"):
+            raise ConfigError(
+                f"pipeline_parallel_size is {pp}: each stage needs a kv-sidecar container of its "
+                'own, and the KV pool stores whole prompts of one agent; set "pool": false and '
+                '"agent": "sidecar" (or run pipeline_parallel_size 1)'
+            )
         target_url = str(extra["target_url"]) if extra.get("target_url") else None
+        if target_url is not None:
+            target_url = _per_stage(
+                _per_rank(target_url, "target_url", dp, bool(suffix)), "target_url", pp
+            )
         return cls(
-            sidecar=_per_rank(str(sidecar), "sidecar", dp, bool(suffix)),
+            sidecar=_per_stage(_per_rank(str(sidecar), "sidecar", dp, bool(suffix)), "sidecar", pp),
             # The name given in the extra config gets vLLM's DP suffix too.
             engine_id=f"{extra['engine_id']}{suffix}" if extra.get("engine_id") else ktc.engine_id,
             tp_size=tp,
             prefill_tp=int(extra.get("prefill_tp", tp)),
             recv_timeout_s=None if timeout is None else float(timeout),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
-            pool=bool(extra.get("pool", False)),
+            pool=pool,
             agent=agent,
             role=_ROLES.get(str(ktc.kv_role), "both"),
-            target_url=None
-            if target_url is None
-            else _per_rank(target_url, "target_url", dp, bool(suffix)),
+            target_url=target_url,
             target_timeout_s=float(extra.get("target_timeout_s", DEFAULT_TARGET_TIMEOUT_S)),
             transfer_draft_kv=bool(extra.get("transfer_draft_kv", True)),
+            pp_size=pp,
         )

@@ -48,10 +48,14 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
                     "with an error; set it to 'recompute' to have decode recompute it instead"
                 )
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import (
+                get_pp_group,
+                get_tensor_model_parallel_rank,
+            )
 
             rank = get_tensor_model_parallel_rank() if config.tp_size > 1 else 0
-            self.worker = WorkerSide(config, rank, vllm_config, kv_cache_config)
+            stage = get_pp_group().rank_in_group if config.pp_size > 1 else 0
+            self.worker = WorkerSide(config.for_stage(stage), rank, vllm_config, kv_cache_config)
 
     # ---- worker ----------------------------------------------------------------------------
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
-from app.transfer.protocol import AddSend, ExpectRecv, StepSlice
+from app.transfer.protocol import AddSend, ExpectRecv, RemoteTarget, StepSlice
 
 BlockIds = list[list[int]]
 
@@ -31,6 +32,14 @@ class Admit:
     router_url: str | None = None
     fetch_timeout_s: float = DEFAULT_TARGET_TIMEOUT_S
     token: str | None = None  # the transfer's capability at the router
+    # Decode first under pipeline parallel: decode's target per stage; each worker sends to
+    # its own stage's (``send.remote`` is stage 0's).
+    stage_remotes: tuple[RemoteTarget, ...] = ()
+
+    def for_stage(self, rank: int, stage: int) -> AddSend:
+        """The send as pipeline stage ``stage``'s rank ``rank`` gives it to its sidecar."""
+        remote = self.stage_remotes[stage] if self.stage_remotes else self.send.remote
+        return msgspec.structs.replace(self.send, rank=rank, remote=remote)
 
 
 @dataclass(frozen=True)

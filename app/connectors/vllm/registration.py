@@ -8,7 +8,9 @@ Nothing here consults a preset: groups, block sizes, shapes and strides are vLLM
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 from math import prod
 from typing import Any
 
@@ -40,6 +42,8 @@ from app.kvcache.engine_spec import (
     StatePart,
     StateTensor,
 )
+
+log = logging.getLogger(__name__)
 
 # vLLM 0.32 hands connectors one 4D logical view per attention layer: [B, H, N, C], with K's
 # head_size channels followed by V's inside C.
@@ -285,8 +289,7 @@ def build_registration(
             storage = t.untyped_storage()
             if not on_device and not storage.is_shared():
                 # Sharing moves the bytes, so key storages by their address afterwards.
-                mp.set_sharing_strategy("file_system")
-                storage.share_memory_()
+                _share(storage)
             key = storage.data_ptr()
             if key not in spans:
                 if on_device:
@@ -347,3 +350,24 @@ def _vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
+
+
+# torch's shared-memory manager must answer each new file within 1 s (libshm's poll); on two
+# busy cores, an engine compiling its graphs beside this one, it did not (measured once in a
+# PP 2 pair: "Shared memory manager connection has timed out" at registration). Nothing is
+# allocated before that answer, so another try is safe.
+_SHARE_TRIES = 5
+
+
+def _share(storage: Any) -> None:
+    """Move ``storage`` into a named shared-memory file (the sidecar maps it by that name)."""
+    mp.set_sharing_strategy("file_system")
+    for attempt in range(1, _SHARE_TRIES + 1):
+        try:
+            storage.share_memory_()
+            return
+        except RuntimeError as e:
+            if "Shared memory manager" not in str(e) or attempt == _SHARE_TRIES:
+                raise
+            log.warning("sharing the KV cache with the sidecar, try %d: %s; again", attempt, e)
+            time.sleep(0.5)

@@ -66,6 +66,8 @@ class _Send:
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
     traceparent: str | None
     token: str | None = None  # the transfer's capability at the router
+    # Decode first: decode's target per pipeline stage (``remote`` is stage 0's).
+    stage_remotes: list[RemoteTarget] = field(default_factory=list)
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
@@ -122,16 +124,13 @@ class SchedulerSide:
 
     @property
     def links(self) -> list[EngineLink]:
-        """One per rank, for one-way aborts only (they never wait for the sidecar)."""
+        """One per rank of every pipeline stage, for one-way aborts only (they never wait
+        for the sidecar)."""
         if self._links is None:
             self._links = [
-                EngineLink(
-                    self.config.sidecar,
-                    self.config.engine_id,
-                    rank,
-                    timeout_s=self.config.link_timeout_s,
-                )
-                for rank in range(self.config.tp_size)
+                EngineLink(stage.sidecar, stage.engine_id, rank, timeout_s=stage.link_timeout_s)
+                for stage in self.config.stages()
+                for rank in range(stage.tp_size)
             ]
         return self._links
 
@@ -222,12 +221,24 @@ class SchedulerSide:
     def _send(self, request: Any, p: dict[str, Any], ids: BlockIds) -> _Send | None:
         rid = request.request_id
         remote: RemoteTarget | None = None
+        stages: list[RemoteTarget] = []
         if p.get("remote") is not None:
             try:
                 remote = remote_target(p["remote"])
+                stages = [remote_target(t) for t in p.get("remote_stages") or [p["remote"]]]
             except ProtocolError as e:
                 # As a missing target: no send; decode's deadline ends its side (it recomputes).
                 log.error("request %s: %s; not sent", rid, e)
+                return None
+            if len(stages) != self.config.pp_size:
+                log.error(
+                    "request %s: decode runs %d pipeline stage(s) and this prefill %d: each "
+                    "decode stage takes the layers of the prefill stage of its number, so run "
+                    "both with the same pipeline_parallel_size; not sent",
+                    rid,
+                    len(stages),
+                    self.config.pp_size,
+                )
                 return None
             sid = remote.request_id
         elif p.get("router_url") and p.get("transfer_id"):
@@ -268,6 +279,7 @@ class SchedulerSide:
             computes,
             _traceparent(p),
             _token(p),
+            stages,
         )
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
@@ -327,7 +339,14 @@ class SchedulerSide:
             target_timeout_s=send.target_timeout_s if prefill_first else None,
             traceparent=send.traceparent,
         )
-        return Admit(req_id, msg, send.router_url, send.target_timeout_s, send.token)
+        return Admit(
+            req_id,
+            msg,
+            send.router_url,
+            send.target_timeout_s,
+            send.token,
+            tuple(send.stage_remotes),
+        )
 
     def request_finished(
         self, request: Any, block_ids: tuple[list[int], ...]
@@ -413,7 +432,9 @@ class SchedulerSide:
             try:
                 link.abort(sid, reason, wait=False)
             except KVSidecarError as e:
-                log.warning("abort of %s on rank %d not sent: %s", sid, link.rank, e)
+                log.warning(
+                    "abort of %s on %s rank %d not sent: %s", sid, link.engine_id, link.rank, e
+                )
 
     def close(self) -> None:
         if self.lookups is not None:

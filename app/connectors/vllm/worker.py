@@ -24,7 +24,7 @@ import msgspec
 
 from app.config import SidecarSettings
 from app.connectors.params import TRANSFER_TOKEN_HEADER
-from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.config import PP_PLACEHOLDER, ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
@@ -72,20 +72,33 @@ def _capability(token: str | None) -> dict[str, str]:
     return {} if token is None else {TRANSFER_TOKEN_HEADER: token}
 
 
+def _stage_fields(stage: int, pp_size: int) -> dict[str, int]:
+    """Which pipeline stage asks (none without PP: the bodies stay as they were)."""
+    return {"pp_stage": stage, "pp_size": pp_size} if pp_size > 1 else {}
+
+
 def post_target(
     router_url: str,
     transfer_id: str,
     target: RemoteTarget,
     token: str | None = None,
     timeout_s: float = 5.0,
+    stage: int = 0,
+    pp_size: int = 1,
 ) -> None:
     """Hand a signed decode target to the router (which gives it to the prefill), with the
-    transfer's capability (``token``) when the router gave one."""
+    transfer's capability (``token``) when the router gave one; pipeline stage ``stage``
+    posts its own (to prefill's stage of that number where ``{pp}`` names it in the URL)."""
+    router_url = router_url.replace(PP_PLACEHOLDER, str(stage))
     try:
         r = httpx.post(
             router_url,
             # JSON-able builtins; prefill's connector reads them back with ``remote_target``.
-            json={"transfer_id": transfer_id, "target": msgspec.to_builtins(target)},
+            json={
+                "transfer_id": transfer_id,
+                "target": msgspec.to_builtins(target),
+                **_stage_fields(stage, pp_size),
+            },
             headers=_capability(token),
             timeout=timeout_s,
         )
@@ -96,16 +109,22 @@ def post_target(
 
 
 def fetch_target(
-    router_url: str, transfer_id: str, timeout_s: float, token: str | None = None
+    router_url: str,
+    transfer_id: str,
+    timeout_s: float,
+    token: str | None = None,
+    stage: int = 0,
+    pp_size: int = 1,
 ) -> RemoteTarget | str:
-    """Decode's target for a transfer, from the router (concurrent dispatch), or why none came.
+    """Decode's target for a transfer (for pipeline stage ``stage``), from the router
+    (concurrent dispatch), or why none came.
 
     The router holds the request until decode posted it, the transfer closed, or ``timeout_s``.
     """
     try:
         r = httpx.get(
             f"{router_url}/{transfer_id}",
-            params={"timeout_s": timeout_s},
+            params={"timeout_s": timeout_s, **_stage_fields(stage, pp_size)},
             headers=_capability(token),
             timeout=timeout_s + 5.0,
         )
@@ -139,6 +158,7 @@ class WorkerSide:
     def __init__(self, config: ConnectorConfig, rank: int, vllm_config: Any, kv_cache_config: Any):
         self.config = config
         self.rank = rank
+        self.stage = config.pp_stage or 0  # pipeline stage
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
         self.agent = _host_agent(config, rank) if config.agent == "in_process" else None
@@ -223,7 +243,7 @@ class WorkerSide:
             self._step += 1
         rank = self.rank
         expects = [msgspec.structs.replace(e.recv, rank=rank) for e in meta.expects]
-        admits = [msgspec.structs.replace(a.send, rank=rank) for a in meta.admits]
+        admits = [a.for_stage(rank, self.stage) for a in meta.admits]
         for a in meta.admits:
             self._vllm_ids[a.send.request] = a.req_id
         try:
@@ -252,7 +272,9 @@ class WorkerSide:
         send now (its blocks go back) instead of at the sidecar's deadline."""
         assert a.router_url is not None
         sid = a.send.request
-        got = fetch_target(a.router_url, sid, a.fetch_timeout_s, a.token)
+        got = fetch_target(
+            a.router_url, sid, a.fetch_timeout_s, a.token, self.stage, self.config.pp_size
+        )
         try:
             if isinstance(got, str):
                 log.warning("send %s: no target (%s); ending it", sid, got)
@@ -331,7 +353,15 @@ class WorkerSide:
             return
         for e, target in zip(expects, targets, strict=True):
             assert e.router_url is not None
-            self._posts.submit(post_target, e.router_url, e.recv.request, target, e.token)
+            self._posts.submit(
+                post_target,
+                e.router_url,
+                e.recv.request,
+                target,
+                e.token,
+                stage=self.stage,
+                pp_size=self.config.pp_size,
+            )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(sends ended, loads ended, loads among them that failed).

@@ -57,6 +57,40 @@ def test_without_dp_nothing_is_suffixed() -> None:
     assert (c.engine_id, c.sidecar) == ("decode", "ipc:///run/kvs/engine.ipc")
 
 
-def test_pipeline_parallel_is_refused_with_the_reason() -> None:
-    with pytest.raises(ConfigError, match=r"pipeline_parallel_size is 2.*TP rank 0"):
+def test_each_pp_stage_is_an_engine_with_a_sidecar_of_its_own() -> None:
+    extra = {
+        "sidecar": "ipc:///run/kvs/engine-pp{pp}.ipc",
+        "engine_id": "prefill",
+        "target_url": "http://kvs-pp{pp}:8080/v1/kv_targets",
+    }
+    c = ConnectorConfig.from_vllm(vllm_config(pp=2, **extra))
+    stages = c.stages()
+    assert [s.engine_id for s in stages] == ["prefill_pp0", "prefill_pp1"]
+    assert [s.sidecar for s in stages] == [
+        "ipc:///run/kvs/engine-pp0.ipc",
+        "ipc:///run/kvs/engine-pp1.ipc",
+    ]
+    assert [s.pp_stage for s in stages] == [0, 1]
+    # Decode's stage k fills in its own number when it posts (prefill first): kept as given.
+    assert {s.target_url for s in stages} == {extra["target_url"]}
+
+
+def test_pp_stages_sharing_one_endpoint_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"2 stages would use .*\"sidecar\".*put \{pp\} in"):
         ConnectorConfig.from_vllm(vllm_config(pp=2))
+    with pytest.raises(ConfigError, match=r"\"target_url\".*put \{pp\} in"):
+        ConnectorConfig.from_vllm(
+            vllm_config(pp=2, sidecar="ipc:///k-{pp}.ipc", target_url="http://kvs/v1/kv_targets")
+        )
+
+
+def test_pp_with_the_pool_is_refused_with_the_reason() -> None:
+    with pytest.raises(ConfigError, match=r"pipeline_parallel_size is 2.*\"pool\": false"):
+        ConnectorConfig.from_vllm(vllm_config(pp=2, sidecar="ipc:///k-{pp}.ipc", pool=True))
+
+
+def test_without_pp_a_stage_is_the_engine_itself() -> None:
+    c = ConnectorConfig.from_vllm(vllm_config(engine_id="decode"))
+    assert [(s.engine_id, s.sidecar) for s in c.stages()] == [
+        ("decode", "ipc:///run/kvs/engine.ipc")
+    ]

@@ -1,9 +1,11 @@
 """The connector's half of the proxy's per-transfer capability and of the "recomputed" record:
 the token in ``kv_transfer_params`` reaches both target calls as a header (over real HTTP), and
-decode's finished request says whether prefill's KV was used or recomputed."""
+decode's finished request says whether prefill's KV was used or recomputed. Under pipeline
+parallel both calls name the stage, and decode first each stage sends to its own target."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -46,6 +48,8 @@ class Router(ThreadingHTTPServer):
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str | None]] = []
+        self.paths: list[str] = []  # path and query of each call
+        self.bodies: list[dict[str, Any]] = []  # each POST's
         super().__init__(("127.0.0.1", 0), _Handler)
 
     @property
@@ -58,6 +62,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _answer(self) -> None:
         self.server.seen.append((self.command, self.headers.get(TRANSFER_TOKEN_HEADER)))
+        self.server.paths.append(self.path)
         body = json.dumps({"target": msgspec.to_builtins(TARGET)}).encode()
         self.send_response(200)
         self.send_header("content-type", "application/json")
@@ -69,7 +74,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._answer()
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.server.bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
         self._answer()
 
     def log_message(self, *args: Any) -> None:
@@ -128,3 +133,47 @@ def test_decode_says_whether_it_used_prefill_kv(failed: bool) -> None:
     assert params is not None
     assert params[KV_LOAD_PARAM] == ("failed" if failed else "ok")
     assert TRANSFER_TOKEN_PARAM not in params  # decode's answer goes to the client
+
+
+def test_pipeline_stages_name_themselves_in_both_target_calls(router: Router) -> None:
+    """Stage 1 of 2: the post carries it (and fills in ``{pp}``: prefill first, the URL of
+    prefill's stage-1 sidecar), and the fetch asks for stage 1's target."""
+    post_target(router.url + "/pp{pp}", "t", TARGET, stage=1, pp_size=2)
+    fetch_target(router.url, "t", 5.0, stage=1, pp_size=2)
+    post_target(router.url, "t", TARGET)  # without PP: the body stays as it was
+    assert router.paths[0] == "/v1/kv_targets/pp1"
+    assert "pp_stage=1" in router.paths[1] and "pp_size=2" in router.paths[1]
+    assert router.bodies[0]["pp_stage"] == 1 and router.bodies[0]["pp_size"] == 2
+    assert "pp_stage" not in router.bodies[1]
+
+
+def _decode_first_admit(config: ConnectorConfig, stages: int) -> list[Any]:
+    prefill = SchedulerSide(config)
+    targets = [
+        msgspec.to_builtins(msgspec.structs.replace(TARGET, port=5600 + s)) for s in range(stages)
+    ]
+    params = {"do_remote_decode": True, "remote": targets[0], "remote_stages": targets}
+    prefill.update_state_after_alloc(request("p", params), Blocks(), 0)
+    out = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([3, 4],))
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+        num_scheduled_tokens={"p": 3},
+        preempted_req_ids=None,
+    )
+    return list(prefill.build_connector_meta(out).admits)
+
+
+def test_decode_first_each_prefill_stage_sends_to_its_own_target() -> None:
+    two = dataclasses.replace(CONFIG, pp_size=2)
+    (admit,) = _decode_first_admit(two, 2)
+    sends = [admit.for_stage(rank=0, stage=s) for s in (0, 1)]
+    assert [s.remote.port for s in sends if s.remote is not None] == [5600, 5601]
+
+
+def test_decode_first_with_other_stage_counts_sends_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    assert _decode_first_admit(CONFIG, 2) == []  # prefill PP 1, decode PP 2
+    assert "decode runs 2 pipeline stage(s) and this prefill 1" in caplog.text
