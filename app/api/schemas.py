@@ -347,6 +347,25 @@ class RegistrationResponse(_Model):
     )
 
 
+class PoolLookupBody(_Model):
+    """A prompt the proxy weighs (its second tier): how much of it the pool could serve."""
+
+    token_ids: list[int] = Field(min_length=1, max_length=131072)
+    extra_keys: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="What roots the prompt's block hashes beside its tokens (as the engine's).",
+    )
+
+
+class PoolLookupResponse(_Model):
+    hit_tokens: int = Field(
+        description="Leading tokens the pool serves, as vLLM's hybrid coordinator would take "
+        "them (0: none, or no rank registered yet)."
+    )
+    block_size: int = Field(description="The tokens of one block (0: no rank registered yet).")
+
+
 class PoolResponse(_Model):
     enabled: bool = Field(description="Whether this sidecar has a Mooncake Store pool client.")
     master_address: str | None

@@ -40,6 +40,8 @@ from app.api.schemas import (
     KVTargetResponse,
     Liveness,
     PeersResponse,
+    PoolLookupBody,
+    PoolLookupResponse,
     PoolResponse,
     Readiness,
     RegionsResponse,
@@ -337,6 +339,29 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
     async def get_pool() -> PoolResponse:
         """The shared KV pool (Mooncake Store): hits, misses, bytes, keys, back-pressure."""
         return views.pool(sidecar)
+
+    @app.post(
+        "/v1/pool/lookup",
+        response_model=PoolLookupResponse,
+        tags=["pool"],
+        responses={
+            409: _error("The KV pool is not enabled on this sidecar."),
+            503: _error("The pool's store did not answer."),
+        },
+    )
+    async def pool_lookup(body: PoolLookupBody) -> PoolLookupResponse:
+        """How much of a prompt the shared KV pool could serve an engine now (the proxy's
+        second tier): one batched existence check, read-only."""
+        svc = sidecar.pool
+        if svc is None:
+            raise HTTPException(
+                409, detail="the KV pool is not enabled on this sidecar (KVSIDECAR_POOL__ENABLED)"
+            )
+        try:
+            hit, block = await svc.router_lookup(body.token_ids, body.extra_keys)
+        except KVSidecarError as e:  # the store unreachable or slow: the router goes without
+            raise HTTPException(503, detail=f"the KV pool did not answer: {e}") from None
+        return PoolLookupResponse(hit_tokens=hit, block_size=block)
 
     return app
 

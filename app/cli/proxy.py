@@ -207,6 +207,19 @@ def proxy_command(
             "by the prefix index until the engine clears or restarts."
         ),
     ] = _DEFAULTS.kv_events_max_blocks,
+    pool_lookup: Annotated[
+        str | None,
+        typer.Option(
+            help="Admin URL of a sidecar of the shared KV pool: each prefill pick asks it how "
+            "much of the prompt the pool serves, its second tier (README, Routing by KV events)."
+        ),
+    ] = None,
+    pool_load_cost: Annotated[
+        float,
+        typer.Option(
+            help="What loading one token from the pool costs, in computed tokens (0 to 1)."
+        ),
+    ] = _DEFAULTS.pool_load_cost,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -244,6 +257,8 @@ def proxy_command(
             kv_events=tuple(parse_kv_events(spec) for spec in kv_events or ()),
             kv_events_unit=kv_events_unit,
             kv_events_max_blocks=kv_events_max_blocks,
+            pool_lookup=pool_lookup,
+            pool_load_cost=pool_load_cost,
         )
     except ConfigError:
         sock.close()

@@ -15,6 +15,7 @@ from app.proxy.breaker import Breaker, BreakerSettings, BreakerState
 from app.proxy.config import Policy
 from app.proxy.dp import upstream
 from app.proxy.errors import NoHealthyInstance
+from app.proxy.pool_tier import PoolAnswer
 from app.proxy.precise import APPROXIMATE, IN_FLIGHT, KV_EVENTS, EngineHits, PreciseHit
 from app.proxy.routing import InFlightPrefixes, Pick, PrefixIndex, RequestShape, cache_score
 
@@ -205,11 +206,11 @@ class Pool:
         self.last_pick: Pick | None = None
         self._next = 0
 
-    def pick(self, shape: RequestShape = _EMPTY) -> Instance:
+    def pick(self, shape: RequestShape = _EMPTY, pool: PoolAnswer | None = None) -> Instance:
         """The instance the policy picks now (raises ``NoHealthyInstance``)."""
-        return self._choose(shape)[0]
+        return self._choose(shape, pool)[0]
 
-    def _choose(self, shape: RequestShape) -> tuple[Instance, Pick]:
+    def _choose(self, shape: RequestShape, pool: PoolAnswer | None) -> tuple[Instance, Pick]:
         n = len(self.instances)
         # Start after the last pick: round-robin takes the first available one, and min()
         # and max() keep the first of equals, so ties rotate too.
@@ -230,7 +231,7 @@ class Pool:
             # the guess is not trusted to steer decode).
             chosen = min(live, key=lambda i: i.tokens - _held(hits.get(i.url)))
         elif self.policy is Policy.CACHE_AWARE:
-            chosen = max(live, key=lambda i: self._score(hits[i.url].tokens, i))
+            chosen = max(live, key=lambda i: self._score(_weigh(hits[i.url], pool)[0], i))
         else:
             chosen = live[0]
         self._next = self.instances.index(chosen) + 1
@@ -238,6 +239,7 @@ class Pool:
             hits = self._hits([chosen], shape)
         hit = hits.get(chosen.url)
         scored = self.policy is Policy.CACHE_AWARE and hit is not None
+        weighed, tier = _weigh(hit, pool) if hit is not None else (0.0, None)
         pick = Pick(
             url=chosen.url,
             policy=self.policy.value,
@@ -246,11 +248,14 @@ class Pool:
             tokens_in_flight=chosen.tokens,
             outstanding=chosen.outstanding,
             hit_tokens=None if hit is None else hit.tokens,
-            score=self._score(hit.tokens, chosen) if scored and hit is not None else None,
+            score=self._score(weighed, chosen) if scored else None,
             hit_source=None if hit is None else hit.source,
             hit_groups=None if hit is None else hit.groups,
             hit_limited_by=None if hit is None else hit.limited_by,
             hit_note=None if hit is None else hit.note,
+            pool_hit_tokens=None if pool is None else pool.tokens,
+            hit_tier=None if pool is None or hit is None else tier,
+            pool_note=None if pool is None else pool.note,
         )
         self.last_pick = pick
         return chosen, pick
@@ -274,16 +279,17 @@ class Pool:
                 out[inst.url] = _Hit(blocks * shape.block_size, APPROXIMATE, note=why)
         return out
 
-    def _score(self, hit_tokens: int, inst: Instance) -> float:
+    def _score(self, hit_tokens: float, inst: Instance) -> float:
         return cache_score(hit_tokens, inst.tokens, self.routing.alpha)
 
-    def acquire(self, shape: RequestShape = _EMPTY) -> Lease:
-        """Pick an instance and count a request on it (raises ``NoHealthyInstance``).
+    def acquire(self, shape: RequestShape = _EMPTY, pool: PoolAnswer | None = None) -> Lease:
+        """Pick an instance and count a request on it (raises ``NoHealthyInstance``);
+        ``pool``: what the shared KV pool serves of the prompt (the second tier).
 
         With a prefix index (cache_aware, or ``track_prefixes``), the prompt's blocks join the
         picked instance's index, since it is about to compute (or receive, or already holds)
         them."""
-        inst, pick = self._choose(shape)
+        inst, pick = self._choose(shape, pool)
         if inst.index is not None:
             inst.index.add(shape.chain)
         return Lease(inst, shape.cost(self.role), pick, shape.chain)
@@ -318,6 +324,11 @@ def _precise(a: PreciseHit, inst: Instance, shape: RequestShape) -> _Hit:
         return hit
     note = f"a request in flight there shares {pending} tokens; events say {a.tokens}"
     return _Hit(pending, IN_FLIGHT, a.groups, a.limited_by, note)
+
+
+def _weigh(hit: _Hit, pool: PoolAnswer | None) -> tuple[float, str | None]:
+    """The hit the score counts: the instance's own, raised by what the pool would load."""
+    return (float(hit.tokens), None) if pool is None else pool.weigh(hit.tokens)
 
 
 def _held(hit: _Hit | None) -> int:

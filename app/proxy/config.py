@@ -122,6 +122,12 @@ class ProxyConfig:
     kv_events: tuple[EngineEvents, ...] = ()
     kv_events_unit: int = 16
     kv_events_max_blocks: int = 1_000_000
+    # The KV pool as the prefill pick's second tier (pool_tier.py): a sidecar of the shared
+    # pool asked per pick, what loading a token costs in computed tokens, and how long a
+    # lookup may take before the pick goes without it.
+    pool_lookup: str | None = None
+    pool_load_cost: float = 0.5
+    pool_lookup_timeout_s: float = 0.25
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -165,6 +171,7 @@ class ProxyConfig:
             "health_timeout_s",
             "breaker_probe_interval_s",
             "body_timeout_s",
+            "pool_lookup_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -202,6 +209,18 @@ class ProxyConfig:
             )
         if self.prefill_alpha < 0:
             raise ConfigError(f"prefill_alpha must not be negative, got {self.prefill_alpha}")
+        if not 0 <= self.pool_load_cost <= 1:
+            raise ConfigError(
+                f"pool_load_cost must be within [0, 1] (0: a pool token is as good as an "
+                f"engine's cached one, 1: worth nothing), got {self.pool_load_cost}"
+            )
+        if self.pool_lookup is not None and not self.pool_lookup.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(
+                f"--pool-lookup {self.pool_lookup!r}: expected the http(s):// admin URL of a "
+                "sidecar of the shared KV pool"
+            )
         if self.transfer_log_size < 1:
             raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
         if self.admin_token is not None:

@@ -63,6 +63,7 @@ from app.proxy.exchange import (
     until_disconnected,
 )
 from app.proxy.metrics import REFUSED, ProxyMetrics
+from app.proxy.pool_tier import PoolTier
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
 from app.proxy.routing import shape_of
 from app.proxy.spans import TRACE_ID_HEADER, call_span, refused
@@ -104,6 +105,12 @@ class PDFlow:
         self.disagg = cfg.disagg_rules
         self.counts = DisaggCounts()
         self.tracing: Tracing | None = None  # the app's lifespan opens it when configured
+        # The KV pool as the prefill pick's second tier (pool_tier.py).
+        self.pool_tier = (
+            None
+            if cfg.pool_lookup is None
+            else PoolTier(cfg.pool_lookup, client, cfg.pool_load_cost, cfg.pool_lookup_timeout_s)
+        )
 
     def target_arrived(self, transfer_id: str) -> None:
         """Decode posted its target (the rendezvous took it): note when."""
@@ -136,8 +143,9 @@ class PDFlow:
         decision = self.disagg.decide(shape, d.pick)
         p = None
         if decision.disaggregated:
+            tier = None if self.pool_tier is None else await self.pool_tier.lookup(shape)
             try:
-                p = self.prefill.acquire(shape)
+                p = self.prefill.acquire(shape, tier)
             except NoHealthyInstance as e:
                 d.release()
                 answer = error_response(503, str(e), "service_unavailable")

@@ -81,6 +81,12 @@ class Pick:
     hit_groups: dict[str, int] | None = None
     hit_limited_by: str | None = None
     hit_note: str | None = None
+    # With the pool as second tier (pool_tier.py): what the pool serves of the prompt, the
+    # tier the chosen instance's scored hit comes from ("engine" or "pool"), and why a pick
+    # went without the pool.
+    pool_hit_tokens: int | None = None
+    hit_tier: str | None = None
+    pool_note: str | None = None
 
 
 def _is_token_ids(x: Any) -> bool:
@@ -233,6 +239,6 @@ def _leading(chain: Iterable[int], held: Container[int]) -> int:
     return n
 
 
-def cache_score(hit_tokens: int, tokens_in_flight: int, alpha: float) -> float:
+def cache_score(hit_tokens: float, tokens_in_flight: int, alpha: float) -> float:
     """The cache-aware score: cached prompt tokens minus the weighted load ahead."""
     return hit_tokens - alpha * tokens_in_flight

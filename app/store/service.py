@@ -182,9 +182,14 @@ class PoolService:
         return rp
 
     async def lookup(
-        self, rank: int, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+        self,
+        rank: int,
+        token_ids: Sequence[int],
+        extra_keys: Sequence[str] = (),
+        count: bool = True,
     ) -> CacheHit:
-        """The longest prefix the pool can serve, as vLLM's hybrid coordinator computes it."""
+        """The longest prefix the pool can serve, as vLLM's hybrid coordinator computes it
+        (``count``: an engine's lookup, in ``lookups`` and ``hit_tokens``)."""
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids, extra_keys)
         entries = [
@@ -195,9 +200,22 @@ class PoolService:
         for (g, (_, b, _)), ok in zip(entries, found, strict=True):
             masks[g][b] &= ok
         hit = rp.coordinator.find_longest_cache_hit([m.tolist() for m in masks], len(token_ids))
-        self.lookups += 1
-        self.hit_tokens += hit.hit_tokens
+        if count:
+            self.lookups += 1
+            self.hit_tokens += hit.hit_tokens
         return hit
+
+    async def router_lookup(
+        self, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+    ) -> tuple[int, int]:
+        """(hit tokens, block size) for a router weighing where a prompt goes: the lowest
+        registered rank's lookup stands for every rank, as the connector's does; (0, 0)
+        before any rank registered. Not counted as an engine's lookup."""
+        if not self.ranks:
+            return 0, 0
+        rank = min(self.ranks)
+        hit = await self.lookup(rank, token_ids, extra_keys, count=False)
+        return hit.hit_tokens, max(g.block_size for g in self.ranks[rank].desc.groups)
 
     async def save(
         self,

@@ -343,6 +343,7 @@ def test_openapi(prefill: httpx.Client) -> None:
         "/v1/kv_targets",
         "/v1/peers",
         "/v1/pool",
+        "/v1/pool/lookup",
     }
     abort = paths["/v1/requests/{request_id}/abort"]["post"]
     assert {"200", "401", "404", "409"} <= set(abort["responses"])
@@ -355,3 +356,10 @@ def test_openapi(prefill: httpx.Client) -> None:
     ok = paths["/v1/requests"]["get"]["responses"]["200"]["content"]["application/json"]
     assert ok["schema"]["$ref"] == "#/components/schemas/RequestList"
     assert "text/html" in prefill.get("/docs").headers["content-type"]
+
+
+def test_pool_lookup_without_a_pool_says_how_to_enable_it(prefill: httpx.Client) -> None:
+    r = prefill.post("/v1/pool/lookup", json={"token_ids": [1, 2, 3]})
+    assert r.status_code == 409
+    assert "KVSIDECAR_POOL__ENABLED" in r.json()["detail"]
+    assert prefill.post("/v1/pool/lookup", json={"token_ids": []}).status_code == 422

@@ -77,3 +77,43 @@ def test_prefill_that_loaded_from_the_pool_pushes_the_whole_prompt(pd: LocalPD) 
     assert pool_stats(admin)["keys_got"] > stats["keys_got"]
     # Decode still computed only the last token: every earlier one arrived from prefill.
     assert d_after.get("local_compute", 0) - d_before.get("local_compute", 0) == 1
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_the_proxys_pool_tier_foresees_what_prefill_loads(pd: LocalPD) -> None:
+    """A proxy with the pool as its second tier asks prefill's sidecar (``/v1/pool/lookup``)
+    what the pool serves of a prompt; the engine then loads exactly that, by its own counter."""
+    admin, url = pd.prefill.admin, pd.prefill.url
+    stats = pool_stats(admin)
+    x, reference = pd.reference(prompt(400, 13), MAX_TOKENS)  # stores the seed's blocks
+    wait_stored(admin, stats["keys_put"])
+    router = pd.start_router("proxy-pool-tier", "--pool-lookup", admin)
+
+    asked = httpx.post(f"{admin}/v1/pool/lookup", json={"token_ids": x[:-1]}, timeout=10).json()
+    size = block_size(admin)
+    assert asked == {"hit_tokens": (len(x) - 2) // size * size, "block_size": size}
+    lookups = pool_stats(admin)["lookups"]
+
+    before = prompt_tokens_by_source(url)
+    r = httpx.post(
+        f"{router}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": x,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+        timeout=120,
+    )
+    assert r.status_code == 200
+    assert r.json()["choices"][0]["token_ids"] == reference
+    loaded = prompt_tokens_by_source(url).get("external_kv_transfer", 0) - before.get(
+        "external_kv_transfer", 0
+    )
+    tid = r.headers["x-kv-transfer-id"]
+    pick = httpx.get(f"{router}/v1/transfers/{tid}", timeout=10).json()["prefill_pick"]
+    assert pick["pool_hit_tokens"] == asked["hit_tokens"] == loaded > 0
+    assert pick["hit_tier"] == "pool"
+    # The router's lookups are not the engines': the pool's lookup count moved by prefill's.
+    assert pool_stats(admin)["lookups"] == lookups + 1

@@ -1,0 +1,80 @@
+"""The KV pool as the prefill pick's second tier (README "Routing by KV events").
+
+Every prefill instance's connector looks its prompt up in the shared KV pool (Mooncake Store)
+and loads the hit instead of computing it. So an instance that holds none of a prompt in its
+own cache still computes only what the pool lacks, at the price of the load. The proxy asks
+the pool once per pick (``POST /v1/pool/lookup`` on a sidecar of the pool, the prompt less
+its last token as the connector asks) and scores each candidate with
+
+    engine hit + (1 - load_cost) * max(0, pool hit - engine hit)
+
+``load_cost``: what loading one token from the pool costs, in computed tokens (0: as good as
+the engine's own cache; 1: worth nothing). A lookup that fails or comes late leaves the pick
+to the first tier, and the record says why.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+from app.proxy.routing import RequestShape
+
+log = logging.getLogger(__name__)
+
+POOL = "pool"
+ENGINE = "engine"
+
+
+@dataclass(frozen=True)
+class PoolAnswer:
+    """What the pool holds of one prompt (``tokens``), or why the pick goes without (``note``)."""
+
+    tokens: int
+    load_cost: float
+    note: str | None = None
+
+    def weigh(self, engine_hit: int) -> tuple[float, str]:
+        """A candidate's hit in computed-token terms and the tier it comes from."""
+        extra = self.tokens - engine_hit
+        if extra <= 0:
+            return float(engine_hit), ENGINE
+        return engine_hit + (1.0 - self.load_cost) * extra, POOL
+
+
+class PoolTier:
+    """Asks one sidecar of the shared pool how much of a prompt it serves."""
+
+    def __init__(
+        self, url: str, client: httpx.AsyncClient, load_cost: float, timeout_s: float
+    ) -> None:
+        self.url = f"{url.rstrip('/')}/v1/pool/lookup"
+        self.client = client
+        self.load_cost = load_cost
+        self.timeout_s = timeout_s
+
+    async def lookup(self, shape: RequestShape) -> PoolAnswer:
+        if shape.token_ids is None:
+            return self._without("a text prompt: the proxy has no tokenizer to key it")
+        ids = list(shape.token_ids[:-1])  # the engine computes the last token itself
+        if not ids:
+            return PoolAnswer(0, self.load_cost)
+        try:
+            r = await self.client.post(self.url, json={"token_ids": ids}, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            return self._without(f"pool lookup failed: {type(e).__name__}: {e}")
+        if r.status_code != 200:
+            return self._without(f"pool lookup answered {r.status_code}: {r.text[:200]}")
+        try:
+            hit = r.json().get("hit_tokens")
+        except (ValueError, AttributeError):
+            hit = None
+        if type(hit) is not int or not 0 <= hit <= len(ids):
+            return self._without(f"pool lookup answered an unusable hit: {hit!r}")
+        return PoolAnswer(hit, self.load_cost)
+
+    def _without(self, why: str) -> PoolAnswer:
+        log.debug("prefill pick without the pool tier: %s", why)
+        return PoolAnswer(0, self.load_cost, why)
