@@ -240,11 +240,16 @@ class Pool:
         hit = hits.get(chosen.url)
         scored = self.policy is Policy.CACHE_AWARE and hit is not None
         weighed, tier = _weigh(hit, pool) if hit is not None else (0.0, None)
+        cost = shape.cost(self.role)
+        if scored:
+            # The load this request adds is what is left to compute of it: a prompt whose
+            # prefix the instance holds weighs its suffix, not its whole length.
+            cost = max(1, cost - int(weighed))
         pick = Pick(
             url=chosen.url,
             policy=self.policy.value,
             prompt_tokens=shape.prompt_tokens,
-            cost_tokens=shape.cost(self.role),
+            cost_tokens=cost,
             tokens_in_flight=chosen.tokens,
             outstanding=chosen.outstanding,
             hit_tokens=None if hit is None else hit.tokens,
@@ -292,7 +297,7 @@ class Pool:
         inst, pick = self._choose(shape, pool)
         if inst.index is not None:
             inst.index.add(shape.chain)
-        return Lease(inst, shape.cost(self.role), pick, shape.chain)
+        return Lease(inst, pick.cost_tokens, pick, shape.chain)
 
     def first_healthy(self) -> Instance:
         """The first healthy instance whose breaker is not open (for ``/v1/models``)."""

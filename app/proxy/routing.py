@@ -69,7 +69,9 @@ class Pick:
     url: str
     policy: str
     prompt_tokens: int
-    cost_tokens: int  # tokens in flight this request adds
+    # Tokens in flight this request adds: cache_aware, what is left to compute of it (the
+    # prompt less the scored hit); else its whole cost.
+    cost_tokens: int
     tokens_in_flight: int  # on the instance, before this request
     outstanding: int  # requests on the instance, before this request
     hit_tokens: int | None = None  # instances with a prefix index or KV events only

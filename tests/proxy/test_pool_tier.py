@@ -21,14 +21,16 @@ from fastapi.responses import JSONResponse
 from tests.proxy.conftest import Cluster, ServerThread, bound_socket, wait_for
 
 A = list(range(1000, 2088))  # 1088 tokens
-B = [*A[:512], *range(5000, 5588)]  # shares A's first 512: picked where A is
+B = [*A[:512], *range(5000, 6500)]  # shares A's first 512: picked where A is
+BLOCK = 128
 
 
 class FakePool:
-    """A pool sidecar's lookup: serves ``hit`` tokens of any prompt (or answers ``status``)."""
+    """A pool sidecar's lookup: serves the whole blocks a prompt shares with one it ``holds``
+    (or answers ``status``)."""
 
     def __init__(self) -> None:
-        self.hit = 0
+        self.holds: list[list[int]] = []
         self.status = 200
         self.asked: list[list[int]] = []
         app = FastAPI()
@@ -39,9 +41,19 @@ class FakePool:
             self.asked.append(ids)
             if self.status != 200:
                 return JSONResponse({"detail": "store down"}, status_code=self.status)
-            return JSONResponse({"hit_tokens": min(self.hit, len(ids)), "block_size": 128})
+            return JSONResponse({"hit_tokens": self.hit(ids), "block_size": BLOCK})
 
         self.server = ServerThread(app, bound_socket()).start()
+
+    def hit(self, ids: list[int]) -> int:
+        shared = 0
+        for held in self.holds:
+            n = next(
+                (i for i, (a, b) in enumerate(zip(ids, held, strict=False)) if a != b),
+                min(len(ids), len(held)),
+            )
+            shared = max(shared, n)
+        return shared // BLOCK * BLOCK
 
 
 @pytest.fixture
@@ -52,8 +64,8 @@ def pool() -> Iterator[FakePool]:
 
 
 def busy_cluster(make: Callable[..., Cluster], **cfg: Any) -> tuple[Cluster, str]:
-    """Two prefills, cache-aware with a light load weight: A went to one (returned) and B,
-    which shares its start, is held there."""
+    """Two prefills, cache-aware with a light load weight: A went to one (returned); B, which
+    shares its start, will be held there, adding what is left to compute of it (1501)."""
     c = make(2, 1).start_proxy(prefill_policy="cache_aware", prefill_alpha=0.5, **cfg)
     first = c.post(prompt=A, max_tokens=1)
     assert first.status_code == 200
@@ -78,7 +90,7 @@ def pick_for_a(c: Cluster, holder: str) -> dict[str, Any]:
 def test_a_busy_holder_loses_to_an_idle_instance_the_pool_serves(
     make_cluster: Callable[..., Cluster], pool: FakePool
 ) -> None:
-    pool.hit = 1024
+    pool.holds = [A]
     c, holder = busy_cluster(make_cluster, pool_lookup=pool.server.url, pool_load_cost=0.25)
     pick = pick_for_a(c, holder)
     assert pick["url"] != holder
@@ -91,7 +103,8 @@ def test_a_busy_holder_loses_to_an_idle_instance_the_pool_serves(
 def test_without_the_pool_the_busy_holder_keeps_its_prompt(
     make_cluster: Callable[..., Cluster], pool: FakePool
 ) -> None:
-    """The same requests: a pool that holds nothing leaves the pick to the engines' hits."""
+    """The same requests: a pool that holds none of A leaves the pick to the engines' hits
+    (B's 512 shared tokens are the holder's own hit: no pool tier for it either)."""
     c, holder = busy_cluster(make_cluster, pool_lookup=pool.server.url, pool_load_cost=0.25)
     pick = pick_for_a(c, holder)
     assert pick["url"] == holder
@@ -101,7 +114,7 @@ def test_without_the_pool_the_busy_holder_keeps_its_prompt(
 def test_a_pool_that_does_not_answer_leaves_the_pick_to_the_engines(
     make_cluster: Callable[..., Cluster], pool: FakePool
 ) -> None:
-    pool.hit, pool.status = 1024, 503
+    pool.holds, pool.status = [A], 503
     c, holder = busy_cluster(make_cluster, pool_lookup=pool.server.url)
     pick = pick_for_a(c, holder)
     assert pick["url"] == holder and pick["pool_hit_tokens"] == 0

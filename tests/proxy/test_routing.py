@@ -91,7 +91,12 @@ def test_cache_aware_prefers_the_cached_instance_until_its_load_outweighs_the_hi
     assert again.url == "http://p0"  # round robin would have said p1
     assert again.pick is not None
     assert (again.pick.hit_tokens, again.pick.tokens_in_flight, again.pick.score) == (320, 0, 320)
-    # p0 now has 321 tokens in flight: 320 - 321 < 0, the idle p1 wins.
+    # What is left to compute of it is its load: 1 token (320 + 1 less the 320 held).
+    assert again.pick.cost_tokens == pool.instances[0].tokens == 1
+    # A longer prompt that starts with it goes there too and adds its 1000 new tokens + 1.
+    longer = pool.acquire(shape_of({"prompt": ids(320) + ids(1000, 9000)}, "/v1/completions", BS))
+    assert longer.url == "http://p0" and pool.instances[0].tokens == 1002
+    # 320 - 1002 < 0: the idle p1 wins.
     other = pool.acquire(prompt)
     assert other.url == "http://p1"
     assert other.pick is not None and other.pick.hit_tokens == 0
@@ -166,8 +171,9 @@ def test_a_loaded_prefill_loses_its_cached_prompt_to_an_idle_one(
         r = c.post(prompt=prompt + ids(4900, 10_000), max_tokens=1)
         assert r.status_code == 200  # decode answered; p0's prefill is still in flight
         assert len(p0.requests) == 2
-        assert [i["tokens_in_flight"] for i in c.get("/health").json()["prefill"]] == [5001, 0]
-        # p0: 96 cached - 5001 in flight < 0 = p1's score: the idle p1 computes it all.
+        # What is left to compute of it: 5001 less the 96 p0 held.
+        assert [i["tokens_in_flight"] for i in c.get("/health").json()["prefill"]] == [4905, 0]
+        # p0: 96 cached - 4905 in flight < 0 = p1's score: the idle p1 computes it all.
         r = c.post(prompt=prompt, max_tokens=4)
         assert r.status_code == 200
         pick = c.record(r.headers["x-kv-transfer-id"])["prefill_pick"]
@@ -218,6 +224,9 @@ def test_decode_goes_to_the_fewest_tokens_in_flight(make_cluster: Callable[..., 
             "hit_groups": None,
             "hit_limited_by": None,
             "hit_note": None,
+            "pool_hit_tokens": None,
+            "hit_tier": None,
+            "pool_note": None,
         }
     finally:
         gate.set()
