@@ -42,6 +42,18 @@ def request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
     )
 
 
+def first_step(rid: str) -> SimpleNamespace:
+    """vLLM's scheduler output of a new request's first step: its whole 3-token prompt."""
+    return SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id=rid, num_computed_tokens=0, block_ids=([3, 4],))
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+        num_scheduled_tokens={rid: 3},
+        preempted_req_ids=None,
+    )
+
+
 class Router(ThreadingHTTPServer):
     """A router on loopback that answers every call with decode's target and keeps the
     capability header each call carried."""
@@ -108,15 +120,7 @@ def test_scheduler_carries_the_token_to_both_sides_workers() -> None:
     assert expect.token == "cap"
     p_req = request("p", {"do_remote_decode": True, **common, TRANSFER_TOKEN_PARAM: "cap"})
     prefill.update_state_after_alloc(p_req, Blocks(), 0)
-    out = SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([3, 4],))
-        ],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
-        num_scheduled_tokens={"p": 3},
-        preempted_req_ids=None,
-    )
-    (admit,) = prefill.build_connector_meta(out).admits
+    (admit,) = prefill.build_connector_meta(first_step("p")).admits
     assert admit.token == "cap"
 
 
@@ -154,15 +158,7 @@ def _decode_first_admit(config: ConnectorConfig, stages: int) -> list[Any]:
     ]
     params = {"do_remote_decode": True, "remote": targets[0], "remote_stages": targets}
     prefill.update_state_after_alloc(request("p", params), Blocks(), 0)
-    out = SimpleNamespace(
-        scheduled_new_reqs=[
-            SimpleNamespace(req_id="p", num_computed_tokens=0, block_ids=([3, 4],))
-        ],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
-        num_scheduled_tokens={"p": 3},
-        preempted_req_ids=None,
-    )
-    return list(prefill.build_connector_meta(out).admits)
+    return list(prefill.build_connector_meta(first_step("p")).admits)
 
 
 def test_decode_first_each_prefill_stage_sends_to_its_own_target() -> None:
