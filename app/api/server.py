@@ -345,6 +345,7 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
         response_model=PoolLookupResponse,
         tags=["pool"],
         responses={
+            400: _error("The body is not JSON."),
             409: _error("The KV pool is not enabled on this sidecar."),
             503: _error("The pool's store did not answer."),
         },

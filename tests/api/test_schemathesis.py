@@ -23,7 +23,7 @@ def test_admin_api_conforms_to_openapi(cluster: Cluster) -> None:
     url = cluster.sides["prefill"].admin_url
     schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
     operations = [r.ok() for r in schema.get_all_operations()]
-    assert len(operations) == 13, [op.label for op in operations]
+    assert len(operations) == 14, [op.label for op in operations]
     for op in operations:
         # Invalid inputs exist only where there is a query or a body to get wrong.
         modes = [schemathesis.GenerationMode.POSITIVE]
