@@ -372,6 +372,10 @@ def main(argv: list[str] | None = None) -> None:
         while True:
             cmd = msgspec.json.decode(sock.recv(), type=Command)
             if cmd.cmd == "exit":
+                # The driver's SIGTERM follows this reply at once: ignored from before the
+                # reply, it cannot land between the loop and the clean-up below and cut it
+                # short (seen once under load: an engine exited 0 with its segments left).
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
                 sock.send(msgspec.json.encode({}))
                 break
             handler = handlers.get(cmd.cmd)
