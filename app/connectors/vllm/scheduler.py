@@ -225,7 +225,8 @@ class SchedulerSide:
         if p.get("remote") is not None:
             try:
                 remote = remote_target(p["remote"])
-                stages = [remote_target(t) for t in p.get("remote_stages") or [p["remote"]]]
+                staged = p.get("remote_stages")
+                stages = [remote_target(t) for t in staged] if staged else [remote]
             except ProtocolError as e:
                 # As a missing target: no send; decode's deadline ends its side (it recomputes).
                 log.error("request %s: %s; not sent", rid, e)
