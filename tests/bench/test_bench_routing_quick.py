@@ -31,6 +31,11 @@ def test_quick_run_measures_every_policy_on_the_same_requests(tmp_path: Path) ->
         seen = run["prefill_tokens_computed"] + run["prefill_tokens_cached"]
         assert seen >= requests * prompt, run
         assert run["ttft_p50_ms"] > 0 and run["ttft_p90_ms"] >= run["ttft_p50_ms"]
+        # The slowest tenth's timings come from the routers' records of those very requests:
+        # decode's target came before the answer did.
+        slow = run["tail"]
+        assert slow["requests"] >= 1 and 0 <= slow["in_burst"] <= slow["requests"], run
+        assert 0 < slow["decode_target_ms"] < slow["ttft_ms"], run
     # The precise proxy's index held the engines' blocks; round-robin keeps no index.
     assert runs["precise"]["index_blocks"] > 0 and runs["round_robin"]["index_blocks"] == 0
     ratio = result["summary"]["precise_over_approximate"]["prefill_tokens_computed"]

@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from app.bench.routing_bench import summarize
+from app.bench.routing_bench import Answer, summarize, tail
 from app.bench.routing_workload import Workload, arrivals
 from app.errors import ConfigError
 
@@ -43,6 +43,9 @@ def test_arrivals_are_poisson_at_the_rate_with_one_burst() -> None:
     # The burst: 49 requests at the time of its first, half-way through.
     assert len(zero) == 49 and zero == list(range(zero[0], zero[0] + 49))
     assert abs(zero[0] - 975) <= 1
+    # Flagged: the burst's first request (the one before the zero gaps) and the 49 after it.
+    flagged = [i for i, a in enumerate(arrivals(w)) if a.burst]
+    assert flagged == list(range(zero[0], zero[0] + 50))
     spaced = [g for g in gaps if g > 0]
     assert statistics.mean(spaced) == pytest.approx(1 / 5.0, rel=0.1)
 
@@ -80,6 +83,7 @@ def test_summary_ratios_pair_each_rep() -> None:
             "ttft_p50_ms": p90 / 2,
             "ttft_p90_ms": p90,
             "index_blocks": 10,
+            "tail": {"requests": 1, "in_burst": 1, "decode_target_ms": p90 / 3, "prefill_ms": 5},
         }
 
     runs = [
@@ -95,3 +99,27 @@ def test_summary_ratios_pair_each_rep() -> None:
     assert (ratio["min"], ratio["max"], ratio["n"]) == (0.5, 0.75, 2)
     assert s["precise_over_approximate"]["ttft_p90_ms"]["median"] == pytest.approx(0.75)
     assert s["policies"]["approximate"]["prefill_tokens_computed"]["median"] == 900
+    assert s["policies"]["precise"]["tail_decode_target_ms"]["median"] == pytest.approx(175 / 3)
+
+
+def test_the_tail_is_the_slowest_tenth_read_from_the_proxys_records() -> None:
+    # 20 answers, 10..200 ms; the slowest tenth is the last two (190 and 200 ms), both of the
+    # burst. An answer the proxy kept no record of counts, with no timings.
+    answers = [Answer(0, (i + 1) / 100, 200, burst=i >= 17, transfer_id=f"t{i}") for i in range(20)]
+    answers.append(Answer(0, 1.0, 500, transfer_id="failed"))  # not answered: not counted
+    records = {
+        f"t{i}": {"target_ms": 10.0 * i, "prefill_ms": None if i == 19 else 3.0 * i}
+        for i in range(20)
+        if i != 18
+    }
+    got = tail(answers, records)
+    assert got == {
+        "requests": 2,
+        "in_burst": 2,
+        "ttft_ms": pytest.approx(195.0),
+        "decode_target_ms": 190.0,
+        "prefill_ms": None,
+    }
+    records["t18"] = {"target_ms": 100.0, "prefill_ms": 40.0}
+    got = tail(answers, records)
+    assert got["decode_target_ms"] == 145.0 and got["prefill_ms"] == 40.0
