@@ -48,8 +48,8 @@ class RoutingOptions:
     cache_blocks: int = 16  # per prefill: what makes tenants evict each other
     reps: int = 3
     routers: int = 1
-    # Decode's: enough for the burst, so the tail is the prefills' and not decode's admission
-    # queue (16 blocks held three 577-token requests and queued the rest of a burst of 8).
+    # Decode's: enough for the whole burst, so no request waits for decode's blocks (16 held
+    # three 577-token requests); decode's steps still pace a burst (README).
     decode_cache_blocks: int = 64
 
 
