@@ -40,7 +40,7 @@ def routing_command(
         int, typer.Option(help="KV cache blocks (of 128 tokens) per prefill: small, so they evict.")
     ] = 16,
     decode_cache_blocks: Annotated[
-        int, typer.Option(help="Decode's KV cache blocks: enough to admit the burst at once.")
+        int, typer.Option(help="Decode's KV cache blocks: enough for the whole burst.")
     ] = 64,
     reps: Annotated[int, typer.Option(help="Runs of every policy, in rotation.")] = 3,
     routers: Annotated[
