@@ -16,8 +16,8 @@ from typing import Any
 from app.config import SidecarSettings
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.ports import clear_port_file, write_port_file
-from app.transfer.mooncake import MooncakeEngine
-from app.transfer.sidecar import Sidecar
+from app.transfer.lanes.mooncake import MooncakeEngine
+from app.transfer.sidecar.process import Sidecar
 
 log = logging.getLogger(__name__)
 

@@ -330,7 +330,7 @@ def test_each_invalid_value_is_a_config_error(overrides: dict[str, object], env:
 
 def test_advertise_host() -> None:
     assert load_settings().resolved_advertise_host() == "127.0.0.1"
-    # A control port other hosts can reach needs the control-plane key (app.transfer.auth).
+    # A control port other hosts can reach needs the control-plane key (app.transfer.wire.auth).
     key = {"auth_key": "k" * 32}
     s = load_settings({"control_host": "0.0.0.0", "advertise_host": "10.0.0.5", **key})
     assert s.resolved_advertise_host() == "10.0.0.5"

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.transfer.control import LogThrottle
+from app.transfer.control.framing import LogThrottle
 
 log = logging.getLogger(__name__)
 

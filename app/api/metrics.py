@@ -15,8 +15,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from app.api.views import queue_depth, readiness, versions
-from app.transfer.protocol import Status
-from app.transfer.sidecar import Sidecar
+from app.transfer.sidecar.process import Sidecar
+from app.transfer.wire.protocol import Status
 
 # Loopback TCP moves a layer of a few MB in ~1-10 ms; RDMA in well under 1 ms.
 LAYER_BUCKETS = (

@@ -1,6 +1,6 @@
 """Response models of the admin API (pydantic, JSON), separate from the msgspec wire messages.
 
-The wire messages (``app.transfer.protocol``) are what sidecars and engines exchange and are
+The wire messages (``app.transfer.wire.protocol``) are what sidecars and engines exchange and are
 versioned with the protocol; these models are what operators and scrapers read, and evolve with
 the HTTP API. Byte counts are bytes, durations seconds, times ISO 8601 UTC.
 """

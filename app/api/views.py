@@ -41,7 +41,7 @@ from app.api.schemas import (
     Versions,
 )
 from app.kvcache.desc import GroupDesc
-from app.transfer.agent import (
+from app.transfer.requests.agent import (
     Agent,
     GroupProgress,
     GroupStats,
@@ -49,9 +49,9 @@ from app.transfer.agent import (
     Request,
     SendRequest,
 )
-from app.transfer.protocol import PROTOCOL_VERSION, Status
-from app.transfer.sidecar import Sidecar
-from app.transfer.timeline import StepRecord
+from app.transfer.requests.timeline import StepRecord
+from app.transfer.sidecar.process import Sidecar
+from app.transfer.wire.protocol import PROTOCOL_VERSION, Status
 
 
 def _dist_version(*names: str) -> str | None:

@@ -30,8 +30,8 @@ from app.bench.pd_stats import (
 )
 from app.bench.pd_systems import CPU_SCOPE, SIDECAR, SYSTEMS, System, start_systems, stop_systems
 from app.bench.pd_trial import line, run_trial, seed
-from app.connectors.local_pd import LocalPD
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 
 FULL_MODEL = {  # random-weight Llama: hidden 1024, 16 layers, 4 KV heads of 128, bf16
     "hidden_size": 1024,

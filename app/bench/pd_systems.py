@@ -26,7 +26,8 @@ from app.bench.pd_observe import (
     write_logging_config,
 )
 from app.bench.pd_stats import Iteration
-from app.connectors.local_pd import MAX_MODEL_LEN, Instance, LocalPD, vllm_command, vllm_env
+from app.harness.engines import MAX_MODEL_LEN, Instance, vllm_command, vllm_env
+from app.harness.local_pd import LocalPD
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 

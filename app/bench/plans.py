@@ -13,7 +13,7 @@ from app.kvcache.preset_registration import describe
 from app.sim.commands import SimRequest
 from app.sim.ranks import CacheParams, allocate_rank, preset_config
 from app.sim.reference import BlockAllocator, Instance, empty_allocator
-from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
+from app.transfer.planning.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
 Pairs = Sequence[tuple[SimRequest, SimRequest]]
 

@@ -20,7 +20,7 @@ from types import TracebackType
 import numpy as np
 
 from app.errors import TransferError
-from app.transfer.mooncake import EngineConfig, MooncakeEngine, Wait
+from app.transfer.lanes.mooncake import EngineConfig, MooncakeEngine, Wait
 
 WAITS: tuple[Wait, ...] = ("poll", "spin")
 

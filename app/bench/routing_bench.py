@@ -30,9 +30,10 @@ import httpx
 
 from app.bench.pd_stats import spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
-from app.connectors.tiny_models import write_tiny_model
 from app.errors import BenchError
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from app.proxy.flow import TRANSFER_ID_HEADER
 
 POLICIES = ("round_robin", "approximate", "precise")

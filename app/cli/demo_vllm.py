@@ -20,9 +20,10 @@ from rich.console import Console
 from rich.table import Table
 
 from app.cli import layer_timeline
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
-from app.connectors.tiny_models import TINY_MODELS, write_tiny_model
 from app.errors import ConfigError
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import TINY_MODELS, write_tiny_model
 
 TIMES = ("target_ms", "prefill_ms", "total_ms")
 

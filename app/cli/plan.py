@@ -15,7 +15,7 @@ from app.kvcache.groups import group_rows
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
 from app.sim.reference import blocks_needed, build_instance, empty_allocator, run_transfer
-from app.transfer.planner import Descriptors
+from app.transfer.planning.planner import Descriptors
 
 
 class SendMode(StrEnum):

@@ -411,7 +411,7 @@ class SidecarSettings(BaseSettings):
     @field_validator("auth_key")
     @classmethod
     def _check_auth_key(cls, value: SecretStr | None) -> SecretStr | None:
-        # 32 bytes: the HMAC-SHA256 key size that gives its full strength (app.transfer.auth).
+        # 32 bytes: the HMAC-SHA256 key size that gives its full strength (app.transfer.wire.auth).
         if value is not None and len(value.get_secret_value().strip().encode()) < 32:
             raise ValueError(
                 "must be at least 32 characters; generate one with "

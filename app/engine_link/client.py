@@ -30,8 +30,8 @@ from app.devices.events import DEFAULT_SLOTS, EngineRing
 from app.engine_link.sync_client import SyncClient
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
-from app.transfer.planner import MambaMode
-from app.transfer.protocol import (
+from app.transfer.planning.planner import MambaMode
+from app.transfer.wire.protocol import (
     AbortRequest,
     AddSend,
     AnyMsg,
@@ -148,7 +148,8 @@ class EngineLink:
         return dict(reply.data)
 
     def sign_targets(self, targets: Sequence[RemoteTarget]) -> list[RemoteTarget]:
-        """``targets`` (naming this sidecar) signed by it, in order (app.transfer.target_auth)."""
+        """``targets`` (naming this sidecar) signed by it, in order
+        (app.transfer.wire.target_auth)."""
         reply = self._call(SignTargets(targets=list(targets)))
         assert isinstance(reply, SignedTargets)
         return reply.targets

@@ -8,8 +8,8 @@ import zmq
 import zmq.asyncio
 
 from app.errors import DeadlineExceeded, ProtocolError
-from app.transfer.control import ONE_WAY, ClientClosed, corr_ids
-from app.transfer.protocol import AnyMsg, Msg, decode, encode
+from app.transfer.control.framing import ONE_WAY, ClientClosed, corr_ids
+from app.transfer.wire.protocol import AnyMsg, Msg, decode, encode
 
 # A one-way message to the sidecar waits this long for room in the queue.
 _SYNC_NOTIFY_TIMEOUT_S = 1.0

@@ -7,7 +7,7 @@ import msgspec
 import numpy as np
 
 from app.sim.fill import request_salt
-from app.transfer.protocol import RemoteTarget
+from app.transfer.wire.protocol import RemoteTarget
 
 
 class SimRequest(msgspec.Struct):

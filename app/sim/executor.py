@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from app.transfer.planner import Descriptors
+from app.transfer.planning.planner import Descriptors
 
 
 def execute(descs: Descriptors) -> int:

@@ -23,8 +23,8 @@ from app.sim.kv_io import (
     write_tokens,
 )
 from app.sim.ranks import CacheParams
-from app.transfer.planner import MambaMode
-from app.transfer.protocol import Status, StepSlice
+from app.transfer.planning.planner import MambaMode
+from app.transfer.wire.protocol import Status, StepSlice
 
 T = TypeVar("T")
 DEFAULT_SENTINEL = 0x5E471E1

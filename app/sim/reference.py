@@ -27,7 +27,7 @@ from app.kvcache.specs import SpecKind
 from app.sim.executor import execute
 from app.sim.fill import request_salt
 from app.sim.kv_io import untouched, verify_request, write_state, write_tokens
-from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
+from app.transfer.planning.planner import Descriptors, MambaMode, PairPlanner, StepRequest
 
 
 def empty_allocator(nbytes: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ import numpy as np
 from app.kvcache.groups import build_cache_config
 from app.kvcache.presets import load_preset
 from app.sim.commands import Command, SimRequest
-from app.transfer.planner import MambaMode
+from app.transfer.planning.planner import MambaMode
 
 if TYPE_CHECKING:
     from app.sim.cluster import Cluster, ClusterSpec

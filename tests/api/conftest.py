@@ -19,7 +19,7 @@ from app.api.server import AdminServer
 from app.config import SidecarSettings
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import Command, SimRequest
-from app.transfer.sidecar import Sidecar
+from app.transfer.sidecar.process import Sidecar
 from tests.conftest import wait_for
 
 TOKEN = "api-test-token"

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.sim.cluster import Cluster
-from app.transfer.protocol import PROTOCOL_VERSION
+from app.transfer.wire.protocol import PROTOCOL_VERSION
 from tests.api.conftest import AUTH, Batch, statuses, wait_for
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]

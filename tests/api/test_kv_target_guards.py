@@ -23,10 +23,11 @@ import pytest
 
 from app.engine_link.client import EngineLink, EngineLinkError
 from app.errors import ProtocolError
-from app.sim.cluster import Cluster, ClusterSpec, target_signer
+from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import Command, SimRequest
-from app.transfer.protocol import RemoteTarget, remote_target
-from app.transfer.target_auth import TargetSigner
+from app.sim.side import target_signer
+from app.transfer.wire.protocol import RemoteTarget, remote_target
+from app.transfer.wire.target_auth import TargetSigner
 from tests.api.conftest import AUTH, TOKEN, wait_ready
 from tests.conftest import wait_for
 

@@ -13,7 +13,7 @@ from app.api.server import AdminServer
 from app.engine_link.client import EngineLink
 from app.errors import ConfigError
 from app.sim.ranks import CacheParams, SimKV, register_rank
-from app.transfer.sidecar import Sidecar
+from app.transfer.sidecar.process import Sidecar
 from tests.api.conftest import in_process_sidecar
 
 PARAMS = CacheParams("llama-3.1-8b", tp_size=1, block_size=16, num_blocks=8, layers=2)

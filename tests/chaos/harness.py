@@ -35,10 +35,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from app.sim.cluster import Cluster, Side
+from app.sim.cluster import Cluster
 from app.sim.commands import Command, SimRequest
 from app.sim.fill import request_salt
 from app.sim.kv_io import changed_in_blocks, changed_outside, verify_request
+from app.sim.side import Side
 
 TERMINAL = ("DONE", "FAILED", "ABORTED", "EXPIRED")
 # Prompt lengths in whole kernel blocks (16 tokens). The planner sends a partial last kernel

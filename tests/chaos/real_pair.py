@@ -41,7 +41,8 @@ import httpx
 import numpy as np
 import psutil
 
-from app.connectors.local_pd import Instance, LocalPD, prompt_tokens_by_source
+from app.harness.engines import Instance, prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
 from tests.chaos.harness import ROWS, TERMINAL, Row
 from tests.connectors.vllm.conftest import prompt
 

@@ -24,9 +24,9 @@ import msgspec
 import pytest
 import zmq
 
-from app.transfer.auth import FrameAuth, user_key
-from app.transfer.control import ONE_WAY
-from app.transfer.protocol import (
+from app.transfer.control.framing import ONE_WAY
+from app.transfer.wire.auth import FrameAuth, user_key
+from app.transfer.wire.protocol import (
     PROTOCOL_VERSION,
     AddSend,
     BeginStep,

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_lengths
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, kv_usage, prompt

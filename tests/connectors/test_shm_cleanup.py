@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from app.connectors.local_pd import LocalPD
-from app.connectors.proc_tree import kill_trees, process_tree, remove_orphans, shm_segments_of
+from app.harness.local_pd import LocalPD
+from app.harness.proc_tree import kill_trees, process_tree, remove_orphans, shm_segments_of
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 

@@ -13,7 +13,7 @@ import pytest
 
 from app.config import env_var_for, load_settings
 from app.errors import ConfigError
-from app.transfer.auth import MIN_KEY_BYTES, FrameAuth, load_auth
+from app.transfer.wire.auth import MIN_KEY_BYTES, FrameAuth, load_auth
 from tests.deploy.test_manifests import (
     K8S,
     POD_FILES,

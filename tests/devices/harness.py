@@ -22,7 +22,7 @@ from app.engine_link.client import EngineLink, FinishedRequests
 from app.kvcache.layout import RankLayout
 from app.ports import clear_port_file, wait_port_file
 from app.sim.ranks import CacheParams, SimKV, register_rank
-from app.transfer.protocol import FailedRequest, RemoteTarget
+from app.transfer.wire.protocol import FailedRequest, RemoteTarget
 
 # Two layers of Llama 3.1 8B: 64 KiB per 16-token block and layer, one full-attention group.
 PARAMS = CacheParams("llama-3.1-8b", 1, 16, 32, layers=2, events=True)

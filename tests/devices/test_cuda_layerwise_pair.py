@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from app.sim.ranks import CacheParams
-from app.transfer.protocol import StepSlice
+from app.transfer.wire.protocol import StepSlice
 from tests.devices.harness import PAGE, require_device, require_device_mooncake, start_pair
 
 pytestmark = pytest.mark.timeout(300)

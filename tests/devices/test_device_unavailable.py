@@ -22,7 +22,7 @@ from app.kvcache.engine_spec import (
     MemorySpan,
 )
 from app.kvcache.preset_registration import preset_registration
-from app.transfer.protocol import RegisterEngine, Reply
+from app.transfer.wire.protocol import RegisterEngine, Reply
 from tests.devices.harness import Pair
 
 pytestmark = pytest.mark.skipif(

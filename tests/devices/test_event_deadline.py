@@ -11,7 +11,7 @@ import torch
 
 from app.sim.fill import request_salt
 from app.sim.kv_io import write_tokens
-from app.transfer.protocol import FailedRequest, Status, StepSlice
+from app.transfer.wire.protocol import FailedRequest, Status, StepSlice
 from tests.devices.harness import SEND_TIMEOUT_S, LateEvent, Pair
 
 pytestmark = pytest.mark.timeout(240)

@@ -16,7 +16,7 @@ import torch
 
 from app.sim.fill import request_salt
 from app.sim.kv_io import check_tokens, verify_request, write_tokens
-from app.transfer.protocol import StepSlice
+from app.transfer.wire.protocol import StepSlice
 from tests.devices.harness import PAGE, LateEvent, Pair
 
 pytestmark = pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from app.engine_link.client import EngineLink
-from app.transfer.protocol import LayerReady, decode
+from app.transfer.wire.protocol import LayerReady, decode
 from tests.devices.harness import LateEvent
 
 

@@ -9,8 +9,8 @@ import pytest
 import zmq
 
 from app.sim.cluster import Cluster, ClusterSpec
-from app.transfer.auth import FrameAuth, user_key
-from app.transfer.protocol import AnyMsg, Msg, decode, encode
+from app.transfer.wire.auth import FrameAuth, user_key
+from app.transfer.wire.protocol import AnyMsg, Msg, decode, encode
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import sys
 
 from app.config import load_settings
 from app.service import serve
-from app.transfer.mooncake import MooncakeEngine
+from app.transfer.lanes.mooncake import MooncakeEngine
 
 
 def command(*, fail_writes: int) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.sim.cluster import Cluster
-from app.transfer.protocol import Error, PoolLookup
+from app.transfer.wire.protocol import Error, PoolLookup
 from tests.e2e.conftest import ask_control
 
 CAP = 64 << 10

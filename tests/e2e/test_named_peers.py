@@ -13,7 +13,7 @@ import httpx
 from app.sim.cluster import Cluster
 from app.sim.commands import Command
 from app.sim.rounds import summarize
-from app.transfer.protocol import Abort, Ack, Claim, Done, Status
+from app.transfer.wire.protocol import Abort, Ack, Claim, Done, Status
 from tests.conftest import wait_for
 from tests.e2e.conftest import ask_control
 

@@ -11,7 +11,7 @@ import pytest
 from app.sim.cluster import Cluster
 from app.sim.commands import Command
 from app.sim.rounds import summarize
-from app.transfer.planner import MambaMode
+from app.transfer.planning.planner import MambaMode
 
 
 def _tokens(n: int, seed: int = 0) -> list[int]:

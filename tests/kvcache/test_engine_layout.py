@@ -19,7 +19,7 @@ from app.errors import ConfigError
 from app.kvcache.engine_layout import describe_engine, engine_compat_hash
 from app.kvcache.engine_spec import Axis, EngineGroup, EngineLayer, EngineRegistration, MemorySpan
 from app.kvcache.specs import held_units
-from app.transfer.planner import PairPlanner, StepRequest
+from app.transfer.planning.planner import PairPlanner, StepRequest
 
 HEADS, HEAD, KB, BLOCKS, LAYERS = 4, 64, 16, 12, 2
 CH = 2 * HEAD  # K then V channels per token row

@@ -55,7 +55,7 @@ BLOCKED = textwrap.dedent(
 
     sys.meta_path.insert(0, Block())
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    import app.proxy.app, app.transfer.sidecar  # noqa: E401
+    import app.proxy.app, app.transfer.sidecar.process  # noqa: E401
     from app.tracing.otel import open_tracing, start
     from app.tracing.traceparent import new_trace
 

@@ -24,11 +24,14 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
 from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
-from app.transfer.agent import Agent, LayerTask, RecvRequest, SendRequest
-from app.transfer.links import PeerLink
-from app.transfer.peers import Peer, Peers, PeerSettings
-from app.transfer.planner import PairPlanner
-from app.transfer.protocol import (
+from app.transfer.control.links import PeerLink
+from app.transfer.control.peers import Peer, Peers, PeerSettings
+from app.transfer.planning.planner import PairPlanner
+from app.transfer.requests.agent import Agent, LayerTask, RecvRequest, SendRequest
+from app.transfer.requests.receiving import RecvSettings, RecvSide
+from app.transfer.requests.send_ending import SendSettings
+from app.transfer.requests.sending import SendSide
+from app.transfer.wire.protocol import (
     Abort,
     Ack,
     AddSend,
@@ -48,9 +51,7 @@ from app.transfer.protocol import (
     Status,
     StepSlice,
 )
-from app.transfer.receiving import RecvSettings, RecvSide
-from app.transfer.sending import SendSettings, SendSide
-from app.transfer.target_auth import TargetSigner
+from app.transfer.wire.target_auth import TargetSigner
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ import asyncio
 import queue
 from typing import cast
 
-from app.transfer.agent import LayerResult, LayerTask, StreamThread
-from app.transfer.protocol import Abort, BeginStep, Done, LayerReady, Reply, Status, StepSlice
+from app.transfer.requests.agent import LayerResult, LayerTask, StreamThread
+from app.transfer.wire.protocol import Abort, BeginStep, Done, LayerReady, Reply, Status, StepSlice
 from tests.transfer.conftest import D_ENDPOINT, Prefill, until
 
 

@@ -16,17 +16,17 @@ import zmq
 import zmq.asyncio
 
 from app.errors import AuthError, ConfigError, ProtocolError
-from app.transfer.auth import (
+from app.transfer.control.client import PeerClient
+from app.transfer.control.framing import ONE_WAY
+from app.transfer.control.server import ControlServer
+from app.transfer.wire.auth import (
     AUTH_VERSION,
     MAX_SKEW_S,
     OVERHEAD,
     UNAUTHENTICATED_REASON,
     FrameAuth,
 )
-from app.transfer.control import ONE_WAY
-from app.transfer.control_client import PeerClient
-from app.transfer.control_server import ControlServer
-from app.transfer.protocol import (
+from app.transfer.wire.protocol import (
     Abort,
     Ack,
     AgentMetadata,

@@ -17,8 +17,8 @@ import pytest
 
 from app.config import env_var_for, load_settings
 from app.errors import ConfigError
-from app.transfer import auth
-from app.transfer.auth import FrameAuth, load_auth, read_key_file, user_key, user_key_path
+from app.transfer.wire import auth
+from app.transfer.wire.auth import FrameAuth, load_auth, read_key_file, user_key, user_key_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -131,7 +131,7 @@ def test_processes_creating_at_once_end_with_one_key(tmp_path: Path) -> None:
     # waits until all have, before any of them creates the file.
     script = (
         "import sys, time, pathlib, secrets\n"
-        "from app.transfer import auth\n"
+        "from app.transfer.wire import auth\n"
         "path, go, me, n = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], "
         "int(sys.argv[4])\n"
         "real = secrets.token_hex\n"

@@ -11,7 +11,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
 from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
-from app.transfer.planner import check_block_ids
+from app.transfer.planning.planner import check_block_ids
 
 NUM_BLOCKS = 12
 

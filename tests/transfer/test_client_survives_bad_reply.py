@@ -10,9 +10,9 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
-from app.transfer import control_client
-from app.transfer.control_client import PeerClient
-from app.transfer.protocol import Ack, AnyMsg, Hello, Role, decode, encode
+from app.transfer.control import client as control_client
+from app.transfer.control.client import PeerClient
+from app.transfer.wire.protocol import Ack, AnyMsg, Hello, Role, decode, encode
 
 pytestmark = pytest.mark.timeout(30)
 

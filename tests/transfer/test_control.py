@@ -15,10 +15,10 @@ import zmq.asyncio
 
 from app.engine_link.sync_client import SyncClient
 from app.errors import DeadlineExceeded
-from app.transfer.control import ONE_WAY, ClientClosed
-from app.transfer.control_client import PeerClient
-from app.transfer.control_server import ControlServer
-from app.transfer.protocol import (
+from app.transfer.control.client import PeerClient
+from app.transfer.control.framing import ONE_WAY, ClientClosed
+from app.transfer.control.server import ControlServer
+from app.transfer.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
     Ack,

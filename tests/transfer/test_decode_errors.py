@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from app.errors import ProtocolError
-from app.transfer.protocol import PROTOCOL_VERSION, Hello, Role, decode, encode
+from app.transfer.wire.protocol import PROTOCOL_VERSION, Hello, Role, decode, encode
 
 HELLO = msgspec.msgpack.decode(encode(Hello(compat_hash="c", engine_id="e", role=Role.PREFILL)))
 

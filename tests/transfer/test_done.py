@@ -4,7 +4,7 @@ group; a repeated Done (a retry after a lost ack) is acknowledged again and coun
 
 from __future__ import annotations
 
-from app.transfer.protocol import Status
+from app.transfer.wire.protocol import Status
 from tests.transfer.conftest import P_ENGINE, Decode
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 
 from app.kvcache.desc import LayoutDesc
-from app.transfer.protocol import Abort, Done, Status
+from app.transfer.wire.protocol import Abort, Done, Status
 from tests.transfer.conftest import D_ENDPOINT, D_ENGINE, Prefill, make_prefill
 
 

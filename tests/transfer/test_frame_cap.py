@@ -13,10 +13,24 @@ import zmq
 import zmq.asyncio
 
 from app.errors import DeadlineExceeded
-from app.transfer.control import DEFAULT_ENGINE_FRAME_BYTES, DEFAULT_MAX_FRAME_BYTES, ONE_WAY
-from app.transfer.control_client import PeerClient
-from app.transfer.control_server import ControlServer
-from app.transfer.protocol import Ack, AnyMsg, Error, Hello, Msg, PoolLookup, Role, decode, encode
+from app.transfer.control.client import PeerClient
+from app.transfer.control.framing import (
+    DEFAULT_ENGINE_FRAME_BYTES,
+    DEFAULT_MAX_FRAME_BYTES,
+    ONE_WAY,
+)
+from app.transfer.control.server import ControlServer
+from app.transfer.wire.protocol import (
+    Ack,
+    AnyMsg,
+    Error,
+    Hello,
+    Msg,
+    PoolLookup,
+    Role,
+    decode,
+    encode,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,10 +18,10 @@ from app.devices.shm import SHM_DIR
 from app.errors import ConfigError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import Axis, EngineGroup, EngineLayer, EngineRegistration, MemorySpan
-from app.transfer.agent import Agent, RecvRequest, SendRequest, StreamThread
-from app.transfer.peers import Peer, Peers
-from app.transfer.protocol import Ack, Hello, NewEpoch, Role, Status
-from app.transfer.registry import Registry, RegistrySettings
+from app.transfer.control.peers import Peer, Peers
+from app.transfer.requests.agent import Agent, RecvRequest, SendRequest, StreamThread
+from app.transfer.requests.registry import Registry, RegistrySettings
+from app.transfer.wire.protocol import Ack, Hello, NewEpoch, Role, Status
 from tests.transfer.conftest import D_ENDPOINT, Clock, Net, make_peers
 
 BLOCKS, HEADS, KB, CH = 8, 2, 16, 128

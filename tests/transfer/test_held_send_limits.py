@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.kvcache.desc import LayoutDesc
-from app.transfer.protocol import AddSend, Reply, Status
+from app.transfer.wire.protocol import AddSend, Reply, Status
 from tests.transfer.conftest import Prefill, ids, make_prefill, send_settings
 
 

@@ -4,7 +4,7 @@ may declare us lost a whole lease after it last heard from us."""
 
 from __future__ import annotations
 
-from app.transfer.protocol import Hello, Pong, Role, Status
+from app.transfer.wire.protocol import Hello, Pong, Role, Status
 from tests.transfer.conftest import (
     D_ENDPOINT,
     D_ENGINE,

@@ -11,9 +11,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from app.transfer.control import ONE_WAY
-from app.transfer.control_server import ControlServer
-from app.transfer.protocol import AnyMsg, GetFinished, Msg, encode
+from app.transfer.control.framing import ONE_WAY
+from app.transfer.control.server import ControlServer
+from app.transfer.wire.protocol import AnyMsg, GetFinished, Msg, encode
 
 pytestmark = pytest.mark.timeout(30)
 

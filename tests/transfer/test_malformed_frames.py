@@ -13,10 +13,10 @@ import zmq
 import zmq.asyncio
 
 from app.errors import ProtocolError
-from app.transfer.control import ONE_WAY
-from app.transfer.control_client import PeerClient
-from app.transfer.control_server import ControlServer
-from app.transfer.protocol import (
+from app.transfer.control.client import PeerClient
+from app.transfer.control.framing import ONE_WAY
+from app.transfer.control.server import ControlServer
+from app.transfer.wire.protocol import (
     Abort,
     Ack,
     AddSend,

@@ -27,9 +27,9 @@ from app.kvcache.layout import LayerPlacement, LayoutMode, Piece, Region, Stream
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
 from app.kvcache.specs import RegionKind, SpecKind
-from app.transfer.control_server import ControlServer
-from app.transfer.planner import MambaMode
-from app.transfer.protocol import (
+from app.transfer.control.server import ControlServer
+from app.transfer.planning.planner import MambaMode
+from app.transfer.wire.protocol import (
     MAX_DEADLINE_S,
     MAX_TP,
     AddSend,

@@ -25,7 +25,7 @@ import numpy.typing as npt
 import pytest
 
 from app.errors import ConfigError, TransferError
-from app.transfer.mooncake import EngineConfig, MooncakeEngine, Wait
+from app.transfer.lanes.mooncake import EngineConfig, MooncakeEngine, Wait
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -393,7 +393,11 @@ def _imported_modules(path: Path) -> set[str]:
 
 def test_engine_modules_import_one_way() -> None:
     """mooncake -> lane_pool -> mooncake_lane: no module imports one above it, even for typing."""
-    order = ["app.transfer.mooncake", "app.transfer.lane_pool", "app.transfer.mooncake_lane"]
+    order = [
+        "app.transfer.lanes.mooncake",
+        "app.transfer.lanes.lane_pool",
+        "app.transfer.lanes.mooncake_lane",
+    ]
     root = Path(__file__).resolve().parents[2]
     for i, module in enumerate(order):
         bad = _imported_modules(root / f"{module.replace('.', '/')}.py") & set(order[: i + 1])

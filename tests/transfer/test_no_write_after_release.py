@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.kvcache.desc import LayoutDesc
-from app.transfer.protocol import Done, Status
+from app.transfer.wire.protocol import Done, Status
 from tests.transfer.conftest import D_ENGINE, Prefill, make_prefill, until
 
 # The send deadline, in real seconds: the drain's wait runs on the loop's clock.

@@ -5,7 +5,7 @@ request in its next ``get_finished``."""
 
 from __future__ import annotations
 
-from app.transfer.protocol import AddSend, Claim, ExpectRecv, Reply, Status
+from app.transfer.wire.protocol import AddSend, Claim, ExpectRecv, Reply, Status
 from tests.transfer.conftest import (
     D_ENDPOINT,
     MINE,

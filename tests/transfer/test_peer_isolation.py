@@ -26,8 +26,8 @@ import numpy.typing as npt
 import pytest
 
 from app.errors import TransferError
-from app.transfer import lane_pool
-from app.transfer.mooncake import EngineConfig, MooncakeEngine
+from app.transfer.lanes import lane_pool
+from app.transfer.lanes.mooncake import EngineConfig, MooncakeEngine
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
 from app.sim.reference import blocks_needed, build_instance, run_transfer
-from app.transfer.planner import MambaMode
+from app.transfer.planning.planner import MambaMode
 
 PRESETS = {  # name: (layers, block size)
     "llama-3.1-8b": (3, 16),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from app.transfer.protocol import Abort, Ack, Msg, Status
+from app.transfer.wire.protocol import Abort, Ack, Msg, Status
 from tests.transfer.conftest import P_ENDPOINT, P_ENGINE, TICK_S, Decode, until
 
 

@@ -12,8 +12,8 @@ import pytest
 
 from app.devices import CpuEvent
 from app.devices.events import Gate
-from app.transfer.agent import LayerTask, StreamThread
-from app.transfer.protocol import (
+from app.transfer.requests.agent import LayerTask, StreamThread
+from app.transfer.wire.protocol import (
     Abort,
     Ack,
     Claim,

@@ -4,7 +4,7 @@ it instead of waiting for its deadline."""
 
 from __future__ import annotations
 
-from app.transfer.protocol import Ack, Claim, Done, Hello, Status
+from app.transfer.wire.protocol import Ack, Claim, Done, Hello, Status
 from tests.transfer.conftest import D_ENDPOINT, D_EPOCH, MINE, P_ENGINE, Prefill
 
 

@@ -4,7 +4,7 @@ at all to a decode that is gone."""
 
 from __future__ import annotations
 
-from app.transfer.protocol import Ack, Done, Msg, Status
+from app.transfer.wire.protocol import Ack, Done, Msg, Status
 from tests.transfer.conftest import D_ENDPOINT, Prefill
 
 

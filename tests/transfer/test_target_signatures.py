@@ -7,8 +7,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from app.transfer.protocol import AddSend, RemoteTarget, SetTarget, Status
-from app.transfer.target_auth import TargetSigner
+from app.transfer.wire.protocol import AddSend, RemoteTarget, SetTarget, Status
+from app.transfer.wire.target_auth import TargetSigner
 from tests.transfer.conftest import Prefill, ids, target
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from app.kvcache.layout import Piece
 from app.kvcache.specs import RegionKind, held_units
-from app.transfer.tp_mapping import first_holder, piece_template, replicate_sender
+from app.transfer.planning.tp_mapping import first_holder, piece_template, replicate_sender
 
 PAIRS = [(1, 1), (1, 2), (2, 1), (2, 4), (4, 2), (4, 1), (1, 4), (8, 2), (2, 8)]
 

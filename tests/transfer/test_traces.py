@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 
 from app.tracing.spans import SpanRecord
-from app.transfer.agent import RecvRequest, SendRequest
-from app.transfer.protocol import Status
-from app.transfer.traces import TransferTraces, transfer_span
+from app.transfer.requests.agent import RecvRequest, SendRequest
+from app.transfer.requests.traces import TransferTraces, transfer_span
+from app.transfer.wire.protocol import Status
 
 TP = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

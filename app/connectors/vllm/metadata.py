@@ -12,7 +12,7 @@ import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
-from app.transfer.protocol import AddSend, ExpectRecv, RemoteTarget, StepSlice
+from app.transfer.wire.protocol import AddSend, ExpectRecv, RemoteTarget, StepSlice
 
 BlockIds = list[list[int]]
 

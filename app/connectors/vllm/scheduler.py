@@ -42,8 +42,8 @@ from app.connectors.vllm.metadata import (
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
 from app.tracing.traceparent import parse as parse_traceparent
-from app.transfer.planner import MambaMode
-from app.transfer.protocol import (
+from app.transfer.planning.planner import MambaMode
+from app.transfer.wire.protocol import (
     MAX_DEADLINE_S,
     AddSend,
     ExpectRecv,

@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from app.engine_link.client import FinishedRequests
-from app.transfer.protocol import Status
+from app.transfer.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 

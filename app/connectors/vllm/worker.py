@@ -35,7 +35,7 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError
 from app.service import InProcessAgent
-from app.transfer.protocol import RemoteTarget, remote_target
+from app.transfer.wire.protocol import RemoteTarget, remote_target
 
 log = logging.getLogger(__name__)
 

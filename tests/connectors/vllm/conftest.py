@@ -22,9 +22,9 @@ import pytest
 import torch
 import zmq
 
-from app.connectors.local_pd import LocalPD
-from app.connectors.tiny_models import write_tiny_model
-from app.transfer.protocol import decode
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
+from app.transfer.wire.protocol import decode
 from tests.conftest import wait_for
 
 SSM_DTYPE_ARGS = {

@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from app.connectors.vllm import KVSidecarConnector
 from app.connectors.vllm.stats import KVSidecarPromMetrics, KVSidecarStats
 from app.engine_link.client import FinishedRequests
-from app.transfer.protocol import RequestTotals, Status
+from app.transfer.wire.protocol import RequestTotals, Status
 from tests.connectors.vllm.vllm_metrics import NAMES, sample
 
 

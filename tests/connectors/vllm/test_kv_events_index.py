@@ -19,9 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.connectors.local_pd import vllm_command, vllm_env
-from app.connectors.proc_tree import kill_trees
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.engines import vllm_command, vllm_env
+from app.harness.proc_tree import kill_trees
+from app.harness.tiny_models import write_tiny_model
 from app.proxy.kv_events import EngineEvents, KvEventFeed, SubscriberSettings
 from app.store.master import free_port
 from tests.conftest import wait_for

@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from tests.connectors.vllm.conftest import engines_up, prompt
 
 LAYERS = 8

@@ -20,7 +20,8 @@ import httpx
 import pytest
 import torch
 
-from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, prompt_tokens_by_source
+from app.harness.engines import MAX_MODEL_LEN, prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import (
     EngineKV,

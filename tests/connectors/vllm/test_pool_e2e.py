@@ -8,7 +8,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import prompt
 

@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 

@@ -29,8 +29,9 @@ import msgspec
 import pytest
 import torch
 
-from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.engines import MAX_MODEL_LEN
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration

@@ -15,7 +15,7 @@ from vllm.v1.request import RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
-from app.transfer.protocol import AbortRequest
+from app.transfer.wire.protocol import AbortRequest
 from tests.connectors.vllm.conftest import Silent
 
 LINK_TIMEOUT_S = 1.0

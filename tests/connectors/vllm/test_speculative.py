@@ -18,8 +18,9 @@ import httpx
 import pytest
 import torch
 
-from app.connectors.local_pd import MAX_MODEL_LEN, LocalPD, prompt_tokens_by_source
-from app.connectors.tiny_models import write_tiny_eagle, write_tiny_model
+from app.harness.engines import MAX_MODEL_LEN, prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_eagle, write_tiny_model
 from tests.connectors.vllm.conftest import (
     EngineKV,
     block_ids,

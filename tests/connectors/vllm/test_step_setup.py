@@ -15,7 +15,7 @@ import time
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.worker import WorkerSide
-from app.transfer.protocol import (
+from app.transfer.wire.protocol import (
     AddSend,
     BeginStep,
     ExpectRecv,

@@ -18,7 +18,7 @@ import pytest
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
 from app.connectors.vllm.worker import decode_target
-from app.transfer.protocol import RemoteTarget
+from app.transfer.wire.protocol import RemoteTarget
 
 CONFIG = ConnectorConfig("ipc:///nowhere", "e", 1, 1, None, 1.0)
 TARGET = RemoteTarget("t", "10.0.0.2", 5600, "d", "ep", 1, [[3, 4]], computed=1)

@@ -7,8 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.connectors.local_pd import LocalPD, prompt_tokens_by_source
-from app.connectors.tiny_models import write_tiny_model
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
 
 # Four engines: CI runs this file in its real-engine step, beside the chaos file, not in the

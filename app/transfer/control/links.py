@@ -14,9 +14,9 @@ from typing import Protocol
 
 import zmq.asyncio
 
-from app.transfer.auth import FrameAuth
-from app.transfer.control_client import PeerClient
-from app.transfer.protocol import AnyMsg, Msg
+from app.transfer.control.client import PeerClient
+from app.transfer.wire.auth import FrameAuth
+from app.transfer.wire.protocol import AnyMsg, Msg
 
 
 class PeerLink(Protocol):

@@ -1,8 +1,8 @@
 """ZMQ request/response plane (DESIGN §4): sidecar <-> sidecar and engine <-> sidecar.
 
-One ``ControlServer`` (a ROUTER, in ``control_server``) serves the peer control port
+One ``ControlServer`` (a ROUTER, in ``control.server``) serves the peer control port
 (``tcp://``) and another the engines' socket (``ipc://``). ``PeerClient`` (asyncio DEALER, in
-``control_client``) talks to a remote sidecar; ``SyncClient`` (blocking DEALER, in
+``control.client``) talks to a remote sidecar; ``SyncClient`` (blocking DEALER, in
 ``app.engine_link.sync_client``) is for engine workers, which are synchronous code. This module
 holds what they share: the framing constants, ``ClientClosed``, ``LogThrottle``.
 
@@ -29,7 +29,7 @@ Framing, fixed:
   ``None`` to a request (not one-way) is answered with ``Error`` too, so the caller fails now
   instead of at its deadline.
 
-Authentication (``auth``, a :class:`~app.transfer.auth.FrameAuth`; the peer port has one, the
+Authentication (``auth``, a :class:`~app.transfer.wire.auth.FrameAuth`; the peer port has one, the
 engines' same-pod ``ipc://`` socket does not): every ``payload`` is sealed (an HMAC header in
 front of ``protocol.encode(msg)``). The server opens each frame after the size cap (which applies
 to the sealed frame) and before decoding; a frame that fails is counted in ``rejected`` and
@@ -57,7 +57,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from app.errors import KVSidecarError
-from app.transfer.protocol import AnyMsg, Msg
+from app.transfer.wire.protocol import AnyMsg, Msg
 
 __all__ = [
     "DEFAULT_ENGINE_FRAME_BYTES",

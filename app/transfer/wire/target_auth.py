@@ -1,6 +1,6 @@
 """Signed targets: decode's sidecar vouches for where prefill may write.
 
-A target (:class:`~app.transfer.protocol.RemoteTarget`) names a host and port that prefill's
+A target (:class:`~app.transfer.wire.protocol.RemoteTarget`) names a host and port that prefill's
 sidecar connects to, and blocks it then writes. It travels through HTTP (the proxy, the prefill
 sidecar's ``/v1/kv_targets``) where anyone on the network could post one. So decode's sidecar
 signs every target it hands out with the control-plane key, and prefill's sidecar uses none
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 import msgspec
 
 from app.errors import AuthError
-from app.transfer.auth import FrameAuth
-from app.transfer.protocol import RemoteTarget
+from app.transfer.wire.auth import FrameAuth
+from app.transfer.wire.protocol import RemoteTarget
 
 __all__ = ["DOMAIN", "TargetSigner"]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from app.store.service import PoolService
-from app.transfer.agent import blocks
-from app.transfer.protocol import Msg, PoolLoad, PoolLoaded, PoolLookup, PoolSave, Reply
+from app.transfer.requests.agent import blocks
+from app.transfer.wire.protocol import Msg, PoolLoad, PoolLoaded, PoolLookup, PoolSave, Reply
 
 
 async def pool_call(pool: PoolService | None, msg: PoolLookup | PoolSave | PoolLoad) -> Msg:

@@ -65,8 +65,8 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import TransferError
-from app.transfer.lane_pool import EngineConfig, LanePool, Wait
-from app.transfer.mooncake_lane import LaneStats, Registered
+from app.transfer.lanes.lane_pool import EngineConfig, LanePool, Wait
+from app.transfer.lanes.mooncake_lane import LaneStats, Registered
 
 # EngineConfig and Wait live with the engines they configure (lane_pool); re-exported here, where
 # callers build a MooncakeEngine.

@@ -12,8 +12,7 @@ import zmq
 import zmq.asyncio
 
 from app.errors import AuthError, ConfigError, ProtocolError
-from app.transfer.auth import UNAUTHENTICATED_REASON, FrameAuth
-from app.transfer.control import (
+from app.transfer.control.framing import (
     _HARD_CAP_FACTOR,
     _LOG_INTERVAL_S,
     DEFAULT_ENGINE_FRAME_BYTES,
@@ -23,7 +22,8 @@ from app.transfer.control import (
     LogThrottle,
     log,
 )
-from app.transfer.protocol import AnyMsg, Error, Msg, decode, describe, encode
+from app.transfer.wire.auth import UNAUTHENTICATED_REASON, FrameAuth
+from app.transfer.wire.protocol import AnyMsg, Error, Msg, decode, describe, encode
 
 
 class ControlServer:

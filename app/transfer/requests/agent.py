@@ -28,10 +28,10 @@ from app.errors import DeadlineExceeded, KVSidecarError, ProtocolError, Transfer
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
-from app.transfer.planner import Descriptors, MambaMode, PairPlanner, StepRequest
-from app.transfer.protocol import FailedRequest, RequestTotals, Status
-from app.transfer.timeline import SendTimeline, StepLog
-from app.transfer.tp_mapping import senders
+from app.transfer.planning.planner import Descriptors, MambaMode, PairPlanner, StepRequest
+from app.transfer.planning.tp_mapping import senders
+from app.transfer.requests.timeline import SendTimeline, StepLog
+from app.transfer.wire.protocol import FailedRequest, RequestTotals, Status
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from app.errors import LayoutMismatchError, OutOfBoundsError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind, SpecKind
-from app.transfer.tp_mapping import Template, coalesce, layer_template
+from app.transfer.planning.tp_mapping import Template, coalesce, layer_template
 
 
 class MambaMode(StrEnum):

@@ -21,7 +21,7 @@ from app.kvcache.bounds import Index, NonNegInt, TpSize
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.tracing.traceparent import PATTERN as TRACEPARENT_PATTERN
-from app.transfer.planner import MambaMode
+from app.transfer.planning.planner import MambaMode
 
 PROTOCOL_VERSION = 2
 
@@ -52,7 +52,7 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
 # The connector passes on only a traceparent it parsed (README "Tracing"); anything else from
 # an engine is a malformed frame.
 TraceParentHeader = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
-# An HMAC-SHA256 in hex (app.transfer.target_auth), or "" for none.
+# An HMAC-SHA256 in hex (app.transfer.wire.target_auth), or "" for none.
 Signature = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
 
 # What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
@@ -209,7 +209,7 @@ class RemoteTarget(msgspec.Struct):
     block_ids: BlockIds
     # Prompt tokens decode already holds (its own prefix cache): prefill sends from here on.
     computed: NonNegInt = 0
-    # Decode's sidecar's signature over the fields above (app.transfer.target_auth): prefill's
+    # Decode's sidecar's signature over the fields above (app.transfer.wire.target_auth): prefill's
     # sidecar uses no target without a good one.
     signature: Signature = ""
 

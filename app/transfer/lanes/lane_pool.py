@@ -1,7 +1,7 @@
 """The local engines of a ``MooncakeEngine``: how they are configured and started
 (``EngineConfig``), and its lanes, one ``TransferEngine`` per peer written to, opened on the first
 write, replaced after a failed one, evicted when idle and over the bound, closed when the peer
-goes (the why is in ``app.transfer.mooncake``'s docstring; a lane itself is in
+goes (the why is in ``app.transfer.lanes.mooncake``'s docstring; a lane itself is in
 ``mooncake_lane``).
 
 ``LanePool`` is the base of ``MooncakeEngine``: it builds the state and locks both use, and is
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.errors import ConfigError, TransferError
-from app.transfer.mooncake_lane import (
+from app.transfer.lanes.mooncake_lane import (
     DRAIN_TIMEOUT_S,
     LANE_QUEUE_LIMIT,
     OK,

@@ -19,10 +19,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.errors import OutOfBoundsError
-from app.transfer.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
-from app.transfer.peers import Peer, Peers
-from app.transfer.planner import check_block_ids
-from app.transfer.protocol import (
+from app.transfer.control.peers import Peer, Peers
+from app.transfer.planning.planner import check_block_ids
+from app.transfer.requests.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
+from app.transfer.requests.send_ending import Spawn
+from app.transfer.wire.protocol import (
     Abort,
     Ack,
     AnyMsg,
@@ -33,7 +34,6 @@ from app.transfer.protocol import (
     Reply,
     Status,
 )
-from app.transfer.sending import Spawn
 
 log = logging.getLogger(__name__)
 

@@ -23,10 +23,10 @@ from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration
 from app.store.service import PoolService, RankPool
-from app.transfer.agent import Agent, SendRequest, StreamThread
-from app.transfer.mooncake import MooncakeEngine
-from app.transfer.peers import Peer, Peers
-from app.transfer.protocol import Msg, NewEpoch, Reply, Status
+from app.transfer.control.peers import Peer, Peers
+from app.transfer.lanes.mooncake import MooncakeEngine
+from app.transfer.requests.agent import Agent, SendRequest, StreamThread
+from app.transfer.wire.protocol import Msg, NewEpoch, Reply, Status
 
 log = logging.getLogger(__name__)
 

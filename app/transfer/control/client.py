@@ -9,8 +9,7 @@ import zmq
 import zmq.asyncio
 
 from app.errors import AuthError, ConfigError, DeadlineExceeded, ProtocolError
-from app.transfer.auth import MAX_SKEW_S, FrameAuth
-from app.transfer.control import (
+from app.transfer.control.framing import (
     _NOTIFY_TIMEOUT_S,
     DEFAULT_MAX_FRAME_BYTES,
     ONE_WAY,
@@ -19,7 +18,8 @@ from app.transfer.control import (
     corr_ids,
     log,
 )
-from app.transfer.protocol import AnyMsg, Error, Msg, decode, describe, encode
+from app.transfer.wire.auth import MAX_SKEW_S, FrameAuth
+from app.transfer.wire.protocol import AnyMsg, Error, Msg, decode, describe, encode
 
 
 class PeerClient:

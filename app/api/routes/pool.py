@@ -1,0 +1,45 @@
+"""The shared KV pool (Mooncake Store): its counters, and the router's lookup."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, HTTPException
+
+from app.api import views
+from app.api.deps import SidecarDep
+from app.api.routes import error_doc
+from app.api.schemas import PoolLookupBody, PoolLookupResponse, PoolResponse
+from app.errors import KVSidecarError
+
+router = APIRouter(tags=["pool"])
+
+
+@router.get("/v1/pool", response_model=PoolResponse)
+async def get_pool(sidecar: SidecarDep) -> PoolResponse:
+    """The shared KV pool (Mooncake Store): hits, misses, bytes, keys, back-pressure."""
+    return views.pool(sidecar)
+
+
+# A POST only because a prompt's token ids do not fit a query string: it changes nothing, so it
+# needs no token.
+@router.post(
+    "/v1/pool/lookup",
+    response_model=PoolLookupResponse,
+    responses={
+        400: error_doc("The body is not JSON."),
+        409: error_doc("The KV pool is not enabled on this sidecar."),
+        503: error_doc("The pool's store did not answer."),
+    },
+)
+async def pool_lookup(body: PoolLookupBody, sidecar: SidecarDep) -> PoolLookupResponse:
+    """How much of a prompt the shared KV pool could serve an engine now (the proxy's
+    second tier): one batched existence check, read-only."""
+    svc = sidecar.pool
+    if svc is None:
+        raise HTTPException(
+            409, detail="the KV pool is not enabled on this sidecar (KVSIDECAR_POOL__ENABLED)"
+        )
+    try:
+        hit, block = await svc.router_lookup(body.token_ids, body.extra_keys)
+    except KVSidecarError as e:  # the store unreachable or slow: the router goes without
+        raise HTTPException(503, detail=f"the KV pool did not answer: {e}") from None
+    return PoolLookupResponse(hit_tokens=hit, block_size=block)

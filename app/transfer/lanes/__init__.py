@@ -1,0 +1,1 @@
+"""The data plane: Mooncake transfer engines, one lane per peer, and the pool of lanes."""

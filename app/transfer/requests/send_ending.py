@@ -1,0 +1,215 @@
+"""How a send ends: ``Done`` to every decode rank it wrote to, an ``Abort`` from either side, a
+lost peer or a new decode epoch, and the waits for writes still on the wire that each needs first.
+
+``SendSide`` (``sending``) admits sends and writes their layers; this base of it ends them.
+Decode frees a request's blocks once told it ended, so whatever ends a send, decode hears of it
+only once none of its writes is on the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from app.errors import DeadlineExceeded, KVSidecarError
+from app.transfer.control.peers import Peer, Peers
+from app.transfer.requests.agent import Agent, SendRequest, agent_of
+from app.transfer.wire.protocol import Abort, Ack, Done, Msg, Status
+
+log = logging.getLogger(__name__)
+
+Spawn = Callable[[Coroutine[Any, Any, None]], None]
+
+
+@dataclass(frozen=True)
+class SendSettings:
+    """What the send side reads of the sidecar's settings."""
+
+    engine_id: str
+    send_timeout_s: float
+    ack_timeout_s: float
+    max_target_timeout_s: float = 120.0
+    max_held_sends: int = 256
+    max_held_blocks: int | None = None
+
+
+class SendEnding:
+    """The ending of prefill's sends, on every local rank (the base of ``SendSide``)."""
+
+    def __init__(
+        self, settings: SendSettings, agents: dict[int, Agent], peers: Peers, *, spawn: Spawn
+    ) -> None:
+        self._settings, self._agents, self._peers = settings, agents, peers
+        self._spawn = spawn
+        self.unconfirmed = 0  # sends whose writes outlived their deadline (each told late)
+        # Set (and replaced) each time writes leave the wire; drains wait on it.
+        self._unpinned: asyncio.Event | None = None
+
+    def _agent(self, rank: int) -> Agent:
+        return agent_of(self._agents, rank)
+
+    def _wake_drains(self) -> None:
+        # A fresh event per wake-up: a waiter that looked at the count before this runs holds
+        # the old one and is woken; one that looks after sees the new count.
+        wake, self._unpinned = self._unpinned, None
+        if wake is not None:
+            wake.set()
+
+    def fail(self, req: SendRequest, error: str, state: Status = Status.FAILED) -> bool:
+        """End ``req`` here and tell decode once its writes drained."""
+        if not req.finish(state, error):
+            return False
+        self._spawn(self.send_done(req))
+        return True
+
+    async def drained(self, req: SendRequest) -> bool:
+        """Wait until none of ``req``'s writes is on the wire; False at the send deadline."""
+        try:
+            async with asyncio.timeout(self._settings.send_timeout_s):
+                await self._until_unpinned(req)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _until_unpinned(self, req: SendRequest) -> None:
+        while req.inflight > 0:
+            if self._unpinned is None:
+                self._unpinned = asyncio.Event()
+            await self._unpinned.wait()
+
+    async def confirmed(self, req: SendRequest) -> None:
+        """Wait until Mooncake confirmed (or failed) every write of ``req`` on the wire.
+
+        Decode frees its blocks once told Done, Abort or Ack, so none goes out while a write
+        may still land: past the send deadline this keeps waiting, bounded by Mooncake's own
+        write timeout (a stalled write fails after its "no transfer progress" timeout, 30 s
+        measured), and the engine gets the blocks back only then too (``Agent.finished``)."""
+        if await self.drained(req):
+            return
+        log.error(
+            "request %s: %d write(s) still on the wire after send_timeout_s (%g s); decode is "
+            "told nothing until Mooncake confirms or fails them",
+            req.id,
+            req.inflight,
+            self._settings.send_timeout_s,
+        )
+        self.unconfirmed += 1
+        await self._until_unpinned(req)
+
+    async def send_done(self, req: SendRequest) -> None:
+        """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
+        status = Status.DONE if not req.state.terminal else req.state
+        peer = self._peers.table.get(req.peer)
+        if req.peer_lost or peer is None:
+            req.finish(Status.FAILED, req.error or "no decode peer")
+            return
+        if not req.d_ranks:
+            # This rank holds nothing any D rank needs (e.g. MLA comes from another P rank).
+            req.finish(status, req.error)
+            return
+        await self.confirmed(req)
+        if req.peer_lost:
+            return  # ended during the drain by an abort, whose Abort replaces this Done
+        status = Status.DONE if not req.state.terminal else req.state
+        errors = []
+        for d_rank, groups in req.d_ranks.items():
+            done = Done(
+                request=req.id,
+                sender_engine=self._settings.engine_id,
+                sender_rank=req.rank,
+                target_rank=d_rank,
+                epoch=peer.epoch,
+                status=status,
+                groups=sorted(groups),
+                bytes=req.d_bytes.get(d_rank, 0),  # what this D rank received
+                error=req.error or None,
+            )
+            try:
+                ack = await self._request_with_retries(peer, done)
+            except (DeadlineExceeded, KVSidecarError) as e:
+                errors.append(str(e))
+                continue
+            if not isinstance(ack, Ack) or not ack.ok:
+                errors.append(f"decode rank {d_rank} refused Done: {why_refused(ack)}")
+        if not errors and status is Status.DONE:
+            for g in {g for groups in req.d_ranks.values() for g in groups}:
+                self._agents[req.rank].groups[g].done += 1
+        if errors:
+            peer.failures += 1
+            req.finish(
+                Status.ABORTED if any("aborted" in e for e in errors) else Status.FAILED,
+                "; ".join(errors),
+            )
+        else:
+            req.finish(Status.DONE)
+
+    async def _request_with_retries(self, peer: Peer, msg: Done, attempts: int = 3) -> Msg:
+        """A lost frame must not turn a good transfer into an expiry: D acknowledges a repeated
+        Done again without counting it twice."""
+        for _ in range(attempts - 1):
+            try:
+                return await peer.client.request(msg, self._settings.ack_timeout_s)
+            except DeadlineExceeded:
+                log.warning("no ack for Done of %s from %s; retrying", msg.request, peer.endpoint)
+        return await peer.client.request(msg, self._settings.ack_timeout_s)
+
+    async def abort(self, rank: int, rid: str, reason: str, *, notify: bool) -> bool:
+        """End a send here (the engine or an operator asked); tell decode if ``notify``."""
+        req = self._agent(rank).sends.get(rid)
+        if req is None or not req.finish(Status.ABORTED, reason):
+            return False
+        req.peer_lost = True  # the Abort below replaces the Done
+        peer = self._peers.table.get(req.peer)
+        if notify and peer is not None:
+            await self.confirmed(req)
+            try:
+                await peer.client.request(
+                    Abort(request=rid, reason=reason, sender_engine=self._settings.engine_id),
+                    self._settings.ack_timeout_s,
+                )
+            except KVSidecarError:
+                peer.failures += 1
+                raise
+        return True
+
+    async def aborted_by_decode(self, rid: str, engine_id: str, reason: str) -> None:
+        """Decode ended the request: stop writing, answer once nothing is on the wire."""
+        # Also one already reported to our engine whose write to a lost peer is still on the
+        # wire: decode holds the blocks until we answer.
+        found = (a.recent(rid, SendRequest) for a in self._agents.values())
+        reqs = [r for r in found if r is not None]
+        for req in reqs:
+            peer = self._peers.table.get(req.peer)
+            if peer is not None and peer.engine_id != engine_id:
+                continue  # only the decode the request targets may end it
+            if req.finish(Status.ABORTED, f"decode: {reason}"):
+                req.peer_lost = True
+        for req in reqs:
+            await self.confirmed(req)
+
+    async def peer_lost(self, peer: Peer, reason: str, *, epoch: str | None = None) -> None:
+        """``peer`` is gone (or its memory is, for requests targeting ``epoch``): end its
+        requests without writing more, and wait for what is on the wire."""
+        ended = []
+        for agent in self._agents.values():
+            for req in list(agent.sends.values()):
+                if req.peer != peer.endpoint or (epoch is not None and req.target_epoch != epoch):
+                    continue
+                if req.finish(Status.FAILED, reason):
+                    req.peer_lost = True
+                    ended.append(req)
+        for req in ended:
+            if not await self.drained(req):
+                # Reported to the engine only once answered (Agent.finished); nothing to tell.
+                log.warning("request %s: %d write(s) still on the wire", req.id, req.inflight)
+
+    def live_peers(self) -> set[str]:
+        return {r.peer for a in self._agents.values() for r in a.sends.values() if r.peer}
+
+
+def why_refused(reply: Msg) -> str:
+    """What a refusal (a nack or an ``Error``/``Rejected`` reply) said."""
+    return (reply.error or "") if isinstance(reply, Ack) else getattr(reply, "reason", "")

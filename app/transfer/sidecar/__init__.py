@@ -1,0 +1,1 @@
+"""The sidecar process core, which wires every other room together (``process.Sidecar``)."""

@@ -1,0 +1,1 @@
+"""The wire: the messages sidecars and engines exchange, and how frames and targets are signed."""
