@@ -313,8 +313,10 @@ class EngineLink:
         block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         hit_tokens: int,
         extra_keys: Sequence[str] = (),
+        held_tokens: int = 0,
     ) -> PoolLoaded:
-        """Load a hit into ``block_ids``; ``failed_blocks`` must be recomputed."""
+        """Load a hit into ``block_ids``, less the ``held_tokens`` the engine's own cache hit
+        holds; ``failed_blocks`` must be recomputed."""
         reply = self._call(
             PoolLoad(
                 rank=self.rank,
@@ -323,6 +325,7 @@ class EngineLink:
                 block_ids=_wire_ids(block_ids),
                 hit_tokens=hit_tokens,
                 extra_keys=list(extra_keys),
+                held_tokens=held_tokens,
             ),
             self.timeout_s * 3,
         )

@@ -322,8 +322,8 @@ class LocalPD:
             else {"target_url": f"{inst.admin}/v1/kv_targets"}
         )
         ktc = {
+            # By name alone: the package's vLLM plugin registers it (plugin.py).
             "kv_connector": "KVSidecarConnector",
-            "kv_connector_module_path": "app.connectors.vllm",
             "kv_role": "kv_both",
             "kv_load_failure_policy": "recompute",
             "kv_connector_extra_config": {

@@ -144,7 +144,7 @@ class _SpecGroup:
     use_eagle: bool
 
 
-def _hit(mask: Mask, i: int) -> bool:
+def _hit(mask: Sequence[bool], i: int) -> bool:
     return i < len(mask) and mask[i]
 
 
@@ -388,33 +388,59 @@ class PoolCoordinator:
             iterations=iterations,
         )
 
-    def load_masks(self, hit_tokens: int) -> tuple[Mask, ...]:
-        """Per group, which of the blocks before ``hit_tokens`` to load from the pool."""
+    def load_masks(self, hit_tokens: int, held_tokens: int = 0) -> tuple[Mask, ...]:
+        """Per group, which of the blocks before ``hit_tokens`` to load from the pool: the ones
+        a resume at ``hit_tokens`` reads, less those the engine's own cache hit of
+        ``held_tokens`` already put in place (its blocks are shared and read-only)."""
         if hit_tokens % self.lcm_block_size:
             raise ValueError(f"hit {hit_tokens} is not a multiple of {self.lcm_block_size}")
         out: list[Mask] = []
         for g in self.groups:
             needed = _needed_blocks(g, hit_tokens)
-            out.append(tuple(i in needed for i in range(hit_tokens // g.block_size)))
+            first = max(0, held_tokens) // g.block_size
+            out.append(tuple(i in needed and i >= first for i in range(hit_tokens // g.block_size)))
         return tuple(out)
 
     def cacheable_tokens(self, num_computed_tokens: int) -> int:
         """Longest prefix a later hit could reuse: computed tokens aligned down to the lcm."""
         return (max(0, num_computed_tokens) // self.lcm_block_size) * self.lcm_block_size
 
-    def store_masks(self, num_computed_tokens: int) -> tuple[Mask, ...]:
-        """Per group, which full blocks of ``num_computed_tokens`` to store after prefill."""
+    def store_masks(
+        self, num_computed_tokens: int, held: Sequence[Sequence[bool]] | None = None
+    ) -> tuple[Mask, ...]:
+        """Per group, which full blocks of ``num_computed_tokens`` to store after prefill.
+
+        ``held`` says, per group, which blocks the request still holds: vLLM hands a sliding
+        window's blocks behind the window back (the null block takes their place) while a
+        request runs, so after a long prompt or generated tokens the tail a hit at the whole
+        prefix needs may be gone. The stored prefix is then the longest one whose every needed
+        block is held, or none: a page read from the null block is not the prefix's KV.
+        """
         cacheable = self.cacheable_tokens(num_computed_tokens)
+        while held is not None and cacheable > 0 and not self._holds(held, cacheable):
+            cacheable -= self.lcm_block_size
         out: list[Mask] = []
         for gid, g in enumerate(self.groups):
             num_full = max(0, num_computed_tokens) // g.block_size
             chosen = set(_needed_blocks(g, cacheable))
             lookahead = cacheable // g.block_size
             # Mamba's lookup takes no look-ahead block, so it needs none stored.
-            if gid in self.eagle_group_ids and g.kind != "mamba" and lookahead < num_full:
+            if (
+                gid in self.eagle_group_ids
+                and g.kind != "mamba"
+                and lookahead < num_full
+                and (held is None or _hit(held[gid], lookahead))
+            ):
                 chosen.add(lookahead)
             out.append(tuple(i in chosen for i in range(num_full)))
         return tuple(out)
+
+    def _holds(self, held: Sequence[Sequence[bool]], length: int) -> bool:
+        """Every block a resume at ``length`` reads is held, in every group."""
+        return all(
+            all(_hit(held[gid], i) for i in _needed_blocks(g, length))
+            for gid, g in enumerate(self.groups)
+        )
 
 
 def find_longest_cache_hit(

@@ -39,6 +39,17 @@ class SaveOutcome:
     bytes: int
 
 
+@dataclass
+class LoadCounters:
+    """Totals over loads for ``/metrics``: what they fetched, and the blocks they left alone
+    because the engine already held them from its own cache hit."""
+
+    loads: int = 0
+    keys: int = 0
+    bytes: int = 0
+    local_blocks: int = 0
+
+
 @dataclass(frozen=True)
 class LoadOutcome:
     loaded: int
@@ -162,6 +173,7 @@ class PoolService:
         self.ranks: dict[int, RankPool] = {}
         self.lookups = 0
         self.hit_tokens = 0
+        self.loads = LoadCounters()
 
     async def start(self) -> None:
         await self.client.start_async()
@@ -230,7 +242,8 @@ class PoolService:
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
         keys, ptrs, sizes = [], [], []
-        for g, mask in enumerate(rp.coordinator.store_masks(num_computed)):
+        held = [(np.asarray(ids) != rp.desc.null_block).tolist() for ids in block_ids]
+        for g, mask in enumerate(rp.coordinator.store_masks(num_computed, held)):
             blocks = [
                 i for i, m in enumerate(mask) if m and i < len(hashes[g]) and i < len(block_ids[g])
             ]
@@ -251,14 +264,27 @@ class PoolService:
         block_ids: Sequence[np.ndarray],
         hit_tokens: int,
         extra_keys: Sequence[str] = (),
+        held_tokens: int = 0,
     ) -> LoadOutcome:
-        """Load what a hit of ``hit_tokens`` needs into ``block_ids``; failed blocks by id."""
+        """Load what a hit of ``hit_tokens`` needs into ``block_ids``, less what the engine's
+        own cache hit of ``held_tokens`` holds; failed blocks by id. A needed block mapped to
+        the null block is refused, with nothing written (the engine recomputes)."""
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids, extra_keys)
+        null = rp.desc.null_block
         entries: list[tuple[int, int]] = []
         keys, ptrs, sizes = [], [], []
-        for g, mask in enumerate(rp.coordinator.load_masks(hit_tokens)):
+        local = 0
+        whole = rp.coordinator.load_masks(hit_tokens)
+        for g, mask in enumerate(rp.coordinator.load_masks(hit_tokens, held_tokens)):
+            local += sum(whole[g]) - sum(mask)
             blocks = [i for i, m in enumerate(mask) if m and i < len(block_ids[g])]
+            if any(int(block_ids[g][b]) == null for b in blocks):
+                raise ConfigError(
+                    f"rank {rank}: a load of {hit_tokens} tokens needs blocks {blocks} of group "
+                    f"{g}, but the engine gave the null block {null} for one of them; nothing "
+                    "was loaded"
+                )
             for layer, b, key in rp.keys(hashes, g, blocks):
                 ptr, size = rp.page(layer, int(block_ids[g][b]))
                 entries.append((g, int(block_ids[g][b])))
@@ -270,4 +296,8 @@ class PoolService:
         for i in res.failed:
             g, block = entries[i]
             failed[g].add(block)
+        self.loads.loads += 1
+        self.loads.keys += len(res.loaded)
+        self.loads.bytes += res.bytes_got
+        self.loads.local_blocks += local
         return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])

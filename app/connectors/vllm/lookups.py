@@ -30,11 +30,13 @@ class PoolLookups:
         self._link: EngineLink | None = None  # made and used on the lookup thread only
         self._pending: dict[str, Future[int]] = {}
 
-    def hit(self, rid: str, token_ids: list[int]) -> int | None:
+    def hit(self, rid: str, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> int | None:
         """Tokens the pool holds for ``rid``'s prompt, or None while the lookup runs."""
         fut = self._pending.get(rid)
         if fut is None:
-            fut = self._pending[rid] = self._thread.submit(self._lookup, rid, list(token_ids))
+            fut = self._pending[rid] = self._thread.submit(
+                self._lookup, rid, list(token_ids), extra_keys
+            )
             try:
                 fut.result(timeout=_FIRST_WAIT_S)
             except FutureTimeout:
@@ -48,12 +50,12 @@ class PoolLookups:
         """The request ended: a lookup still running is answered to nobody."""
         self._pending.pop(rid, None)
 
-    def _lookup(self, rid: str, token_ids: list[int]) -> int:
+    def _lookup(self, rid: str, token_ids: list[int], extra_keys: tuple[str, ...]) -> int:
         if self._link is None:
             c = self._config
             self._link = EngineLink(c.sidecar, c.engine_id, 0, timeout_s=c.link_timeout_s)
         try:
-            return self._link.pool_lookup(rid, token_ids)
+            return self._link.pool_lookup(rid, token_ids, extra_keys)
         except KVSidecarError as e:
             log.warning("request %s: KV pool lookup failed (%s); computing it", rid, e)
             return 0

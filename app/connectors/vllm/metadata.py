@@ -57,12 +57,16 @@ class Expect:
 @dataclass(frozen=True)
 class PoolJob:
     """Load ``tokens`` pool-hit tokens into, or store the first ``tokens`` tokens from, a
-    request's blocks (per group)."""
+    request's blocks (per group). ``held``: tokens of a load the engine's own prefix cache
+    already put in place (never fetched again); ``extra_keys``: what besides the tokens
+    names the prefix (vLLM's ``cache_salt``), as in the engine's own block hashes."""
 
     req_id: str
     token_ids: list[int]
     block_ids: BlockIds
     tokens: int
+    held: int = 0
+    extra_keys: tuple[str, ...] = ()
 
 
 @dataclass

@@ -45,7 +45,14 @@ class PoolJobs:
 
     def _load(self, job: PoolJob) -> None:
         try:
-            reply = self.link.pool_load(job.req_id, job.token_ids, job.block_ids, job.tokens)
+            reply = self.link.pool_load(
+                job.req_id,
+                job.token_ids,
+                job.block_ids,
+                job.tokens,
+                job.extra_keys,
+                held_tokens=job.held,
+            )
             failed = any(reply.failed_blocks)
         except KVSidecarError as e:
             log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
@@ -57,7 +64,9 @@ class PoolJobs:
 
     def _save(self, job: PoolJob) -> None:
         try:
-            self.link.pool_save(job.req_id, job.token_ids, job.block_ids, job.tokens)
+            self.link.pool_save(
+                job.req_id, job.token_ids, job.block_ids, job.tokens, job.extra_keys
+            )
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
         with self._lock:

@@ -80,7 +80,8 @@ class _State:
     recvs: dict[str, str] = field(default_factory=dict)  # decode requests expected -> sid
     expects: list[Expect] = field(default_factory=list)
     local_hits: dict[str, int] = field(default_factory=dict)  # decode's own prefix hit
-    pool_hits: dict[str, int] = field(default_factory=dict)  # tokens to load, by request
+    # (pool hit, tokens the engine's own cache holds) by request: the load fetches between
+    pool_hits: dict[str, tuple[int, int]] = field(default_factory=dict)
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)
     unfinished_saves: set[str] = field(default_factory=set)  # kept blocks, being stored
@@ -162,12 +163,12 @@ class SchedulerSide:
         self.state.pool_hits.pop(rid, None)
         if self.lookups is None:
             return 0, False
-        hit = self.lookups.hit(rid, request.prompt_token_ids[:-1])
+        hit = self.lookups.hit(rid, request.prompt_token_ids[:-1], _extra_keys(request))
         if hit is None:
             return None, False
         if hit <= num_computed:
             return 0, False
-        self.state.pool_hits[rid] = hit
+        self.state.pool_hits[rid] = (hit, num_computed)
         return hit - num_computed, True
 
     def _truncate(self, request: Any) -> None:
@@ -189,10 +190,13 @@ class SchedulerSide:
         p = _params(request)
         rid = request.request_id
         ids = [list(map(int, g)) for g in blocks.get_block_ids()]
-        hit = self.state.pool_hits.pop(rid, None)
-        if hit is not None and num_external > 0:
+        pool_hit = self.state.pool_hits.pop(rid, None)
+        if pool_hit is not None and num_external > 0:
+            hit, held = pool_hit
             tokens = list(request.prompt_token_ids[:hit])
-            self.state.pool_loads.append(PoolJob(rid, tokens, ids, hit))
+            self.state.pool_loads.append(
+                PoolJob(rid, tokens, ids, hit, held=held, extra_keys=_extra_keys(request))
+            )
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             # The proxy's transfer id names the transfer on both sidecars; without a proxy,
             # this engine's request id.
@@ -405,7 +409,13 @@ class SchedulerSide:
         rid = request.request_id
         ids = [list(map(int, g)) for g in block_ids]
         self.state.pool_saves.append(
-            PoolJob(rid, list(request.prompt_token_ids[:tokens]), ids, tokens)
+            PoolJob(
+                rid,
+                list(request.prompt_token_ids[:tokens]),
+                ids,
+                tokens,
+                extra_keys=_extra_keys(request),
+            )
         )
         self.state.unfinished_saves.add(rid)
         return True
@@ -442,6 +452,13 @@ class SchedulerSide:
             self.lookups.close()
         for link in self._links or ():
             link.close(unlink=False)
+
+
+def _extra_keys(request: Any) -> tuple[str, ...]:
+    """What names a prefix besides its tokens: vLLM's ``cache_salt`` keeps one tenant's
+    cache apart from another's in its own prefix cache, so it does in the pool too."""
+    salt = getattr(request, "cache_salt", None)
+    return (f"salt:{salt}",) if salt else ()
 
 
 def _copy(ids: BlockIds) -> BlockIds:

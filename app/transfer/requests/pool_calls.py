@@ -32,6 +32,11 @@ async def pool_call(pool: PoolService | None, msg: PoolLookup | PoolSave | PoolL
             }
         )
     loaded = await pool.load(
-        msg.rank, msg.token_ids, blocks(msg.block_ids), msg.hit_tokens, msg.extra_keys
+        msg.rank,
+        msg.token_ids,
+        blocks(msg.block_ids),
+        msg.hit_tokens,
+        msg.extra_keys,
+        held_tokens=msg.held_tokens,
     )
     return PoolLoaded(loaded=loaded.loaded, bytes=loaded.bytes, failed_blocks=loaded.failed_blocks)

@@ -371,6 +371,9 @@ class PoolLoad(Msg, tag="pool_load"):
     block_ids: BlockIds
     hit_tokens: NonNegInt
     extra_keys: list[str] = []
+    # Tokens the engine's own prefix cache already put in place: never fetched again (its
+    # blocks are shared with other requests).
+    held_tokens: NonNegInt = 0
 
 
 class PoolLoaded(Msg, tag="pool_loaded"):
