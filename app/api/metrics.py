@@ -310,6 +310,18 @@ class SidecarCollector(Collector):
         nbytes.add_metric(["put"], c.bytes_put)
         nbytes.add_metric(["get"], c.bytes_got)
         yield nbytes
+        loads = svc.loads
+        for name, doc, value in (
+            ("loads", "Engine loads from the pool.", loads.loads),
+            ("load_keys", "Keys engine loads fetched.", loads.keys),
+            ("load_bytes", "Bytes engine loads fetched.", loads.bytes),
+            (
+                "load_local_blocks",
+                "Blocks a hit needs that loads left alone: the engine's own cache held them.",
+                loads.local_blocks,
+            ),
+        ):
+            yield CounterMetricFamily(f"kvsidecar_pool_{name}", doc, value=value)
 
     def _peers(self) -> Iterator[Metric]:
         failures = CounterMetricFamily(
