@@ -310,15 +310,21 @@ class SidecarCollector(Collector):
         nbytes.add_metric(["put"], c.bytes_put)
         nbytes.add_metric(["get"], c.bytes_got)
         yield nbytes
-        loads = svc.loads
+        calls = svc.calls
         for name, doc, value in (
-            ("loads", "Engine loads from the pool.", loads.loads),
-            ("load_keys", "Keys engine loads fetched.", loads.keys),
-            ("load_bytes", "Bytes engine loads fetched.", loads.bytes),
+            ("loads", "Engine loads from the pool.", calls.loads),
+            ("load_keys", "Keys engine loads fetched.", calls.keys),
+            ("load_bytes", "Bytes engine loads fetched.", calls.bytes),
             (
                 "load_local_blocks",
                 "Blocks a hit needs that loads left alone: the engine's own cache held them.",
-                loads.local_blocks,
+                calls.local_blocks,
+            ),
+            ("saves", "Engine stores into the pool (a request's computed prompt).", calls.saves),
+            (
+                "saves_cut",
+                "Stores of a shorter prefix than computed: blocks a hit needs were given back.",
+                calls.saves_cut,
             ),
         ):
             yield CounterMetricFamily(f"kvsidecar_pool_{name}", doc, value=value)

@@ -416,9 +416,7 @@ class PoolCoordinator:
         prefix needs may be gone. The stored prefix is then the longest one whose every needed
         block is held, or none: a page read from the null block is not the prefix's KV.
         """
-        cacheable = self.cacheable_tokens(num_computed_tokens)
-        while held is not None and cacheable > 0 and not self._holds(held, cacheable):
-            cacheable -= self.lcm_block_size
+        cacheable = self.storable_tokens(num_computed_tokens, held)
         out: list[Mask] = []
         for gid, g in enumerate(self.groups):
             num_full = max(0, num_computed_tokens) // g.block_size
@@ -434,6 +432,16 @@ class PoolCoordinator:
                 chosen.add(lookahead)
             out.append(tuple(i in chosen for i in range(num_full)))
         return tuple(out)
+
+    def storable_tokens(
+        self, num_computed_tokens: int, held: Sequence[Sequence[bool]] | None = None
+    ) -> int:
+        """The longest cacheable prefix whose every needed block is ``held`` (all of it
+        without ``held``)."""
+        cacheable = self.cacheable_tokens(num_computed_tokens)
+        while held is not None and cacheable > 0 and not self._holds(held, cacheable):
+            cacheable -= self.lcm_block_size
+        return cacheable
 
     def _holds(self, held: Sequence[Sequence[bool]], length: int) -> bool:
         """Every block a resume at ``length`` reads is held, in every group."""

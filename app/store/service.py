@@ -40,14 +40,17 @@ class SaveOutcome:
 
 
 @dataclass
-class LoadCounters:
-    """Totals over loads for ``/metrics``: what they fetched, and the blocks they left alone
-    because the engine already held them from its own cache hit."""
+class CallCounters:
+    """Totals for ``/metrics``: what loads fetched, the blocks they left alone because the
+    engine already held them from its own cache hit, and the saves (``saves_cut``: those that
+    stored a shorter prefix than the request computed, its window's tail being gone)."""
 
     loads: int = 0
     keys: int = 0
     bytes: int = 0
     local_blocks: int = 0
+    saves: int = 0
+    saves_cut: int = 0
 
 
 @dataclass(frozen=True)
@@ -173,7 +176,7 @@ class PoolService:
         self.ranks: dict[int, RankPool] = {}
         self.lookups = 0
         self.hit_tokens = 0
-        self.loads = LoadCounters()
+        self.calls = CallCounters()
 
     async def start(self) -> None:
         await self.client.start_async()
@@ -243,7 +246,10 @@ class PoolService:
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
         keys, ptrs, sizes = [], [], []
         held = [(np.asarray(ids) != rp.desc.null_block).tolist() for ids in block_ids]
-        for g, mask in enumerate(rp.coordinator.store_masks(num_computed, held)):
+        c = rp.coordinator
+        if c.storable_tokens(num_computed, held) < c.cacheable_tokens(num_computed):
+            self.calls.saves_cut += 1
+        for g, mask in enumerate(c.store_masks(num_computed, held)):
             blocks = [
                 i for i, m in enumerate(mask) if m and i < len(hashes[g]) and i < len(block_ids[g])
             ]
@@ -253,6 +259,7 @@ class PoolService:
                 ptrs.append(ptr)
                 sizes.append(size)
         res = await self.client.put_from_async(keys, ptrs, sizes)
+        self.calls.saves += 1
         return SaveOutcome(
             len(res.stored), len(res.skipped), len(res.backpressure), len(res.failed), res.bytes_put
         )
@@ -296,8 +303,8 @@ class PoolService:
         for i in res.failed:
             g, block = entries[i]
             failed[g].add(block)
-        self.loads.loads += 1
-        self.loads.keys += len(res.loaded)
-        self.loads.bytes += res.bytes_got
-        self.loads.local_blocks += local
+        self.calls.loads += 1
+        self.calls.keys += len(res.loaded)
+        self.calls.bytes += res.bytes_got
+        self.calls.local_blocks += local
         return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])

@@ -1,0 +1,155 @@
+"""The KV pool on a sliding-window model (the tiny Gemma-3: window 64, block 128), against
+the engine's own answers (issue 39).
+
+A request that generated tokens no longer holds its window's blocks behind the window: vLLM
+gave them back and the null block took their place. Its store used to read those pages from
+the null block and file them under the prompt's keys, so a later hit on that prompt loaded
+zeros into the window and answered otherwise than the engine. And a load rewrote every block
+of the hit, the ones the engine's own prefix cache held (shared, read-only) included.
+
+The reference is the prefill engine computing the prompt alone: a ``cache_salt`` of its own
+keeps its prefix cache and the pool (which the salt keys) out of it; for a conversation, the
+engine serving the whole conversation under one salt. Prefix caching is on on both engines, as
+a deployment runs them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+from app.harness.tiny_models import write_tiny_model
+from tests.conftest import wait_for
+from tests.connectors.vllm.conftest import engines_up, prompt
+
+pytestmark = pytest.mark.slow_engines
+
+GEN = 16  # enough to slide the 64-token window past a prompt's tail block
+_salts = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    root = tmp_path_factory.mktemp("pool-window")
+    stack = LocalPD(
+        write_tiny_model(root / "model", "gemma3"),
+        root / "run",
+        recv_timeout_s=15.0,
+        kind="gemma3",
+        pool=True,
+        prefill_prefix_caching=True,
+        decode_prefix_caching=True,
+    )
+    with engines_up(stack):
+        yield stack
+
+
+def alone(pd: LocalPD, tokens: list[int], max_tokens: int) -> list[int]:
+    """The prefill engine's answer computing every token itself (its own salt: no hit)."""
+    body = pd.completion(pd.prefill.url, tokens, max_tokens, cache_salt=f"ref-{next(_salts)}")
+    return list(body["choices"][0]["token_ids"])
+
+
+def pool_metric(admin: str, name: str) -> float:
+    text = httpx.get(f"{admin}/metrics", timeout=10).text
+    m = re.search(rf"^kvsidecar_pool_{name}_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def stored(pd: LocalPD, side: str, before: float) -> None:
+    """Stores run after the answer: wait until one more of ``side``'s has gone through."""
+    admin = getattr(pd, side).admin
+    wait_for(f"{side}'s store", lambda: pool_metric(admin, "saves") > before, 30.0, 0.2)
+
+
+@pytest.mark.parametrize("tail", [20, 100], ids=["tail-held", "tail-behind-window"])
+def test_decode_alone_after_a_pool_load_answers_as_the_engine(gemma: LocalPD, tail: int) -> None:
+    """Prefill answers a 2-block + ``tail`` prompt (GEN tokens); decode, serving a longer
+    prompt alone, hits what prefill stored. With ``tail`` = 100 the window of the last
+    generated token no longer covers block 1, which a hit at 256 needs."""
+    pd = gemma
+    first = prompt(256 + tail, 900 + tail)
+    before = pool_metric(pd.prefill.admin, "saves")
+    cut = pool_metric(pd.prefill.admin, "saves_cut")
+    pd.complete(pd.prefill.url, first, GEN)
+    stored(pd, "prefill", before)
+    # The generated tokens slid the window past the prompt's tail (or not): the store says so.
+    assert pool_metric(pd.prefill.admin, "saves_cut") - cut == (tail >= 47)
+
+    turn = [*first, *prompt(40, 950 + tail)]
+    reference = alone(pd, turn, GEN)
+    loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
+    assert pd.complete(pd.decode.url, turn, GEN) == reference
+    loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) - loaded
+    if tail < 47:  # the tail outlived the answer: stored, and decode loaded two blocks
+        assert loaded == 256
+    else:  # nothing a hit could use survived, so nothing of it was stored or loaded
+        assert loaded == 0
+
+
+def test_conversation_turns_through_the_proxy_answer_as_one_engine(gemma: LocalPD) -> None:
+    """Four turns, each appending the answer and a new message (short ones served by decode
+    alone, long ones disaggregated): every answer equals one engine's holding the same
+    conversation, so nothing a turn loaded (pool, or prefill's push onto decode's prefix hit)
+    differs from what that engine holds.
+
+    The reference is the prefill engine serving the conversation itself under a salt of its
+    own: its cache then holds the answers' KV as it computed them, token by token, as decode's
+    does. Computing an answer's tokens as part of a prompt instead rounds otherwise, enough to
+    flip a greedy token of this tiny model a dozen tokens into turn 4 (measured).
+    """
+    pd = gemma
+    salt = f"conversation-{next(_salts)}"
+    history = prompt(512 + 70, 1000)
+    for k, new in enumerate((0, 32, 300, 100)):
+        y = [*history, *prompt(new, 1010 + k)]
+        decode_alone = 0 < new < 64
+        # Disaggregated, decode computes the last prompt token as a decode step: the prompt is
+        # ``y`` and the engine's first token after it, which it then decodes in one step too.
+        one = pd.completion(pd.prefill.url, y, GEN + (not decode_alone), cache_salt=salt)
+        reference = list(one["choices"][0]["token_ids"])
+        before = pool_metric(pd.decode.admin, "saves")
+        if decode_alone:
+            x, answer = y, pd.complete(pd.decode.url, y, GEN)
+        else:
+            x, reference = [*y, reference[0]], reference[1:]
+            answer = pd.complete(pd.proxy, x, GEN)
+        assert answer == reference, f"turn {k + 1}"
+        if decode_alone:
+            stored(pd, "decode", before)  # the next turn may hit what decode stored
+        history = [*x, *answer]
+
+
+def test_a_load_fetches_only_what_the_engine_lacks(gemma: LocalPD) -> None:
+    """Decode's own cache holds block 0 of a prompt prefill stored 3 blocks of: the load fetches
+    blocks 1 and 2 of the full-attention layers and the window's tail (block 2), nothing else."""
+    pd = gemma
+    known = prompt(3 * 128 + 10, 1200)
+    before = pool_metric(pd.prefill.admin, "saves")
+    pd.complete(pd.prefill.url, known, 1)
+    stored(pd, "prefill", before)
+    pd.complete(pd.decode.url, known[:140], 1)  # decode caches block 0 itself
+
+    admin = pd.decode.admin
+    keys, nbytes = pool_metric(admin, "load_keys"), pool_metric(admin, "load_bytes")
+    local = pool_metric(admin, "load_local_blocks")
+    turn = [*known, *prompt(20, 1201)]
+    assert pd.complete(pd.decode.url, turn, GEN) == alone(pd, turn, GEN)
+    fetched = pool_metric(admin, "load_keys") - keys
+    groups = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"]["0"]["groups"]
+    full = [g for g in groups if g["kind"] == "full"]
+    window = [g for g in groups if g["kind"] == "sliding"]
+    full_layers = sum(len(g["layers"]) for g in full)
+    window_layers = sum(len(g["layers"]) for g in window)
+    assert full_layers and window_layers
+    assert fetched == 2 * full_layers + 1 * window_layers
+    # A key is one layer's page of one block (the tiny Gemma-3: 2 KV heads of 64, bf16).
+    assert pool_metric(admin, "load_bytes") - nbytes == fetched * 128 * 2 * 2 * 64 * 2
+    # Block 0 of each full-attention group was the engine's own; nothing of the window was.
+    assert pool_metric(admin, "load_local_blocks") - local == len(full)
