@@ -153,3 +153,44 @@ def test_a_load_fetches_only_what_the_engine_lacks(gemma: LocalPD) -> None:
     assert pool_metric(admin, "load_bytes") - nbytes == fetched * 128 * 2 * 2 * 64 * 2
     # Block 0 of each full-attention group was the engine's own; nothing of the window was.
     assert pool_metric(admin, "load_local_blocks") - local == len(full)
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    root = tmp_path_factory.mktemp("pool-gdn")
+    stack = LocalPD(
+        write_tiny_model(root / "model", "qwen3next"),
+        root / "run",
+        recv_timeout_s=15.0,
+        kind="qwen3next",
+        pool=True,
+        prefill_prefix_caching=True,
+        decode_prefix_caching=True,
+        extra_vllm_args=("--mamba-ssm-cache-dtype", "float32"),
+    )
+    with engines_up(stack):
+        yield stack
+
+
+def test_gdn_state_the_request_gave_back_is_never_stored(qwen: LocalPD) -> None:
+    """Qwen3-Next in vLLM's ``align`` mode keeps one state block per request: once a request
+    computed past a block boundary, the state at that boundary is no longer in its block table
+    (the null block is). The store then files nothing a hit could use, and decode serving a
+    longer prompt alone loads nothing and answers as the engine; storing the null block's page
+    as the state at the boundary would load it as the GDN layers' state."""
+    pd = qwen
+    groups = httpx.get(f"{pd.prefill.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    assert {g["mamba_mode"] for g in groups["groups"] if g["kind"] == "mamba"} == {"align"}
+    bs = max(g["block_size"] for g in groups["groups"])
+    first = prompt(bs + 20, 1300)
+    before = pool_metric(pd.prefill.admin, "saves")
+    cut = pool_metric(pd.prefill.admin, "saves_cut")
+    pd.complete(pd.prefill.url, first, GEN)
+    stored(pd, "prefill", before)
+    assert pool_metric(pd.prefill.admin, "saves_cut") - cut == 1
+
+    turn = [*first, *prompt(40, 1301)]
+    reference = alone(pd, turn, GEN)
+    loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
+    assert pd.complete(pd.decode.url, turn, GEN) == reference
+    assert prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) == loaded
