@@ -366,6 +366,16 @@ class PoolLookupResponse(_Model):
     block_size: int = Field(description="The tokens of one block (0: no rank registered yet).")
 
 
+class PoolCallView(_Model):
+    kind: Literal["save", "load"]
+    request: str = Field(description="The engine's request id.")
+    rank: int
+    tokens: int = Field(description="The prefix stored, or the hit loaded.")
+    held_tokens: int = Field(description="A load's tokens the engine's own cache held.")
+    blocks: list[list[int]] = Field(description="Per group, the block indices stored or loaded.")
+    block_ids: list[list[int]] = Field(description="Per group, the request's block table.")
+
+
 class PoolResponse(_Model):
     enabled: bool = Field(description="Whether this sidecar has a Mooncake Store pool client.")
     master_address: str | None
@@ -381,3 +391,6 @@ class PoolResponse(_Model):
     backpressure: int = Field(description="Keys not stored because the pool was full (-200).")
     failures: int
     timeouts: int
+    recent: list[PoolCallView] = Field(
+        default=[], description="The last engine saves and loads, oldest first."
+    )

@@ -27,6 +27,7 @@ from app.api.schemas import (
     MooncakeStatus,
     PeersResponse,
     PeerView,
+    PoolCallView,
     PoolResponse,
     RankRegions,
     RankStatus,
@@ -373,13 +374,16 @@ def pool(sidecar: Sidecar) -> PoolResponse:
     svc = sidecar.pool
     if svc is None:
         zeros = dict.fromkeys(_POOL_COUNTERS, 0)
-        return PoolResponse(enabled=False, master_address=None, lookups=0, hit_tokens=0, **zeros)
+        return PoolResponse(
+            enabled=False, master_address=None, lookups=0, hit_tokens=0, recent=[], **zeros
+        )
     c = svc.client.counters()
     return PoolResponse(
         enabled=True,
         master_address=svc.client.config.master_address,
         lookups=svc.lookups,
         hit_tokens=svc.hit_tokens,
+        recent=[PoolCallView(**asdict(call)) for call in svc.recent],
         **{k: getattr(c, k) for k in _POOL_COUNTERS},
     )
 

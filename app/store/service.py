@@ -12,6 +12,7 @@ the coordinator decides which of them a hit needs.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -37,6 +38,23 @@ class SaveOutcome:
     backpressure: int
     failed: int
     bytes: int
+
+
+@dataclass(frozen=True)
+class PoolCall:
+    """One engine save or load, for ``/v1/pool``'s ``recent`` (what a person debugging a
+    wrong answer asks first: which blocks of the request were written or read)."""
+
+    kind: Literal["save", "load"]
+    request: str
+    rank: int
+    tokens: int  # stored prefix, or the hit loaded
+    held_tokens: int  # a load's tokens the engine's own cache held (0 for a save)
+    blocks: list[list[int]]  # per group, the block indices stored or loaded
+    block_ids: list[list[int]]  # per group, the request's block table as the engine sent it
+
+
+RECENT_CALLS = 32
 
 
 @dataclass
@@ -177,6 +195,7 @@ class PoolService:
         self.lookups = 0
         self.hit_tokens = 0
         self.calls = CallCounters()
+        self.recent: deque[PoolCall] = deque(maxlen=RECENT_CALLS)
 
     async def start(self) -> None:
         await self.client.start_async()
@@ -239,6 +258,7 @@ class PoolService:
         block_ids: Sequence[np.ndarray],
         num_computed: int,
         extra_keys: Sequence[str] = (),
+        request: str = "",
     ) -> SaveOutcome:
         """Store the fully computed blocks the coordinator's store masks name (the caller
         keeps them pinned until this returns)."""
@@ -247,12 +267,15 @@ class PoolService:
         keys, ptrs, sizes = [], [], []
         held = [(np.asarray(ids) != rp.desc.null_block).tolist() for ids in block_ids]
         c = rp.coordinator
-        if c.storable_tokens(num_computed, held) < c.cacheable_tokens(num_computed):
+        storable = c.storable_tokens(num_computed, held)
+        if storable < c.cacheable_tokens(num_computed):
             self.calls.saves_cut += 1
+        chosen: list[list[int]] = []
         for g, mask in enumerate(c.store_masks(num_computed, held)):
             blocks = [
                 i for i, m in enumerate(mask) if m and i < len(hashes[g]) and i < len(block_ids[g])
             ]
+            chosen.append(blocks)
             for layer, b, key in rp.keys(hashes, g, blocks):
                 ptr, size = rp.page(layer, int(block_ids[g][b]))
                 keys.append(key)
@@ -260,6 +283,7 @@ class PoolService:
                 sizes.append(size)
         res = await self.client.put_from_async(keys, ptrs, sizes)
         self.calls.saves += 1
+        self._record("save", request, rank, storable, 0, chosen, block_ids)
         return SaveOutcome(
             len(res.stored), len(res.skipped), len(res.backpressure), len(res.failed), res.bytes_put
         )
@@ -272,6 +296,7 @@ class PoolService:
         hit_tokens: int,
         extra_keys: Sequence[str] = (),
         held_tokens: int = 0,
+        request: str = "",
     ) -> LoadOutcome:
         """Load what a hit of ``hit_tokens`` needs into ``block_ids``, less what the engine's
         own cache hit of ``held_tokens`` holds; failed blocks by id. A needed block mapped to
@@ -282,10 +307,12 @@ class PoolService:
         entries: list[tuple[int, int]] = []
         keys, ptrs, sizes = [], [], []
         local = 0
+        chosen: list[list[int]] = []
         whole = rp.coordinator.load_masks(hit_tokens)
         for g, mask in enumerate(rp.coordinator.load_masks(hit_tokens, held_tokens)):
             local += sum(whole[g]) - sum(mask)
             blocks = [i for i, m in enumerate(mask) if m and i < len(block_ids[g])]
+            chosen.append(blocks)
             if any(int(block_ids[g][b]) == null for b in blocks):
                 raise ConfigError(
                     f"rank {rank}: a load of {hit_tokens} tokens needs blocks {blocks} of group "
@@ -307,4 +334,18 @@ class PoolService:
         self.calls.keys += len(res.loaded)
         self.calls.bytes += res.bytes_got
         self.calls.local_blocks += local
+        self._record("load", request, rank, hit_tokens, held_tokens, chosen, block_ids)
         return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])
+
+    def _record(
+        self,
+        kind: Literal["save", "load"],
+        request: str,
+        rank: int,
+        tokens: int,
+        held_tokens: int,
+        blocks: list[list[int]],
+        block_ids: Sequence[np.ndarray],
+    ) -> None:
+        table = [[int(b) for b in ids] for ids in block_ids]
+        self.recent.append(PoolCall(kind, request, rank, tokens, held_tokens, blocks, table))

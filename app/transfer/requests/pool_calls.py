@@ -20,7 +20,12 @@ async def pool_call(pool: PoolService | None, msg: PoolLookup | PoolSave | PoolL
         return Reply(data={"hit_tokens": hit.hit_tokens})
     if isinstance(msg, PoolSave):
         saved = await pool.save(
-            msg.rank, msg.token_ids, blocks(msg.block_ids), msg.num_computed, msg.extra_keys
+            msg.rank,
+            msg.token_ids,
+            blocks(msg.block_ids),
+            msg.num_computed,
+            msg.extra_keys,
+            request=msg.request,
         )
         return Reply(
             data={
@@ -38,5 +43,6 @@ async def pool_call(pool: PoolService | None, msg: PoolLookup | PoolSave | PoolL
         msg.hit_tokens,
         msg.extra_keys,
         held_tokens=msg.held_tokens,
+        request=msg.request,
     )
     return PoolLoaded(loaded=loaded.loaded, bytes=loaded.bytes, failed_blocks=loaded.failed_blocks)

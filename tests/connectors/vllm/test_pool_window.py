@@ -18,15 +18,18 @@ from __future__ import annotations
 import itertools
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 from tests.conftest import wait_for
-from tests.connectors.vllm.conftest import engines_up, prompt
+from tests.connectors.vllm.conftest import EngineKV, engines_up, prompt
 
 pytestmark = pytest.mark.slow_engines
 
@@ -35,19 +38,27 @@ WINDOW = 64  # the tiny Gemma-3's sliding window (its config, not the sidecar's 
 _salts = itertools.count()
 
 
-@pytest.fixture(scope="module")
-def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
-    root = tmp_path_factory.mktemp("pool-window")
+@contextmanager
+def pool_pair(factory: pytest.TempPathFactory, kind: str, *vllm_args: str) -> Iterator[LocalPD]:
+    """A P/D pair of a tiny model with the KV pool, prefix caching on both engines."""
+    root = factory.mktemp(f"pool-{kind}")
     stack = LocalPD(
-        write_tiny_model(root / "model", "gemma3"),
+        write_tiny_model(root / "model", kind),
         root / "run",
         recv_timeout_s=15.0,
-        kind="gemma3",
+        kind=kind,
         pool=True,
         prefill_prefix_caching=True,
         decode_prefix_caching=True,
+        extra_vllm_args=vllm_args,
     )
     with engines_up(stack):
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    with pool_pair(tmp_path_factory, "gemma3") as stack:
         yield stack
 
 
@@ -161,18 +172,8 @@ def test_a_load_fetches_only_what_the_engine_lacks(gemma: LocalPD) -> None:
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
-    root = tmp_path_factory.mktemp("pool-gdn")
-    stack = LocalPD(
-        write_tiny_model(root / "model", "qwen3next"),
-        root / "run",
-        recv_timeout_s=15.0,
-        kind="qwen3next",
-        pool=True,
-        prefill_prefix_caching=True,
-        decode_prefix_caching=True,
-        extra_vllm_args=("--mamba-ssm-cache-dtype", "float32"),
-    )
-    with engines_up(stack):
+    # The GDN state dtype told to vLLM, so the test runs alike on every CPU.
+    with pool_pair(tmp_path_factory, "qwen3next", "--mamba-ssm-cache-dtype", "float32") as stack:
         yield stack
 
 
@@ -198,3 +199,69 @@ def test_gdn_state_the_request_gave_back_is_never_stored(qwen: LocalPD) -> None:
     loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
     assert pd.complete(pd.decode.url, turn, GEN) == reference
     assert prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) == loaded
+
+
+def recent(admin: str, kind: str) -> list[dict[str, Any]]:
+    calls = httpx.get(f"{admin}/v1/pool", timeout=10).json()["recent"]
+    return [c for c in calls if c["kind"] == kind]
+
+
+def block_pages(kv: EngineKV, name: str, block: int) -> torch.Tensor:
+    """A manager block's whole pages of layer ``name``, as bytes."""
+    group = kv.groups[kv.layers[name]["group"]]
+    r = group["block_size"] // group["kernel_block_size"]
+    return kv.pages(name, [block], list(range(r)))
+
+
+def test_a_load_writes_the_engines_own_bytes_and_nothing_else(gemma: LocalPD) -> None:
+    """What a load wrote into decode's blocks is byte for byte what prefill's engine computed
+    for those positions (read from both engines' own tensors, with vLLM's geometry), the
+    window group's tail included; and no block decode already held changed."""
+    pd = gemma
+    p_kv = EngineKV(pd.prefill.admin, pd.procs["sidecar-prefill"].pid)
+    d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
+    known = prompt(3 * 128 + 30, 1400)
+    saves = len(recent(pd.prefill.admin, "save"))
+    pd.complete(pd.prefill.url, known, 1)
+    wait_for("prefill's store", lambda: len(recent(pd.prefill.admin, "save")) > saves, 30.0, 0.2)
+    save = recent(pd.prefill.admin, "save")[-1]
+    assert save["tokens"] == 384
+    # Read now: prefill's freed blocks keep their bytes only until it reuses them.
+    computed = {
+        (name, i): block_pages(p_kv, name, save["block_ids"][layer["group"]][i])
+        for name, layer in p_kv.layers.items()
+        for i in save["blocks"][layer["group"]]
+    }
+    pd.complete(pd.decode.url, known[:140], 1)  # decode holds block 0 itself
+
+    before = {name: d_kv.view(name).contiguous().view(torch.uint8).clone() for name in d_kv.layers}
+    earlier = recent(pd.decode.admin, "save")
+    loads = len(recent(pd.decode.admin, "load"))
+    pd.complete(pd.decode.url, [*known, *prompt(20, 1401)], 1)
+    (load,) = recent(pd.decode.admin, "load")[loads:]
+    assert (load["tokens"], load["held_tokens"]) == (384, 128)
+    kinds = {g["kind"] for g in d_kv.groups}
+    assert kinds == {"full", "sliding"}
+    for name, layer in d_kv.layers.items():
+        g = layer["group"]
+        loaded = load["blocks"][g]
+        want = [1, 2] if d_kv.groups[g]["kind"] == "full" else [2]  # the window's tail at 384
+        assert loaded == want, name
+        for i in loaded:
+            got = block_pages(d_kv, name, load["block_ids"][g][i])
+            assert torch.equal(got, computed[(name, i)]), f"{name} block {i}"
+        # Nothing the engine already held changed: its own hit (block 0 of the full group)
+        # and every block decode stored for earlier prompts (still cached: this engine's
+        # cache is far from full, so vLLM hands out never-used blocks first).
+        after = d_kv.view(name).contiguous().view(torch.uint8)
+        kb = d_kv.kernel_block_size(name)
+        ratio = d_kv.groups[g]["block_size"] // kb
+        changed = {
+            int(k) // ratio
+            for k in (after != before[name]).reshape(after.shape[0], -1).any(1).nonzero()
+        }
+        null = d_kv.reg["null_block"]
+        held = {b for b in load["block_ids"][g][: load["held_tokens"] // 128] if b != null}
+        cached = {s["block_ids"][g][i] for s in earlier for i in s["blocks"][g]}
+        assert d_kv.groups[g]["kind"] != "full" or held, name
+        assert not changed & (held | cached), (name, sorted(changed), sorted(held | cached))
