@@ -108,6 +108,22 @@ def test_decode_alone_after_a_pool_load_answers_as_the_engine(gemma: LocalPD, ta
         assert loaded == 0
 
 
+def test_prefill_after_a_pool_load_answers_as_the_engine(gemma: LocalPD) -> None:
+    """Decode serves a prompt alone and stores it (one token: the window still holds its
+    tail); prefill, which never saw it, loads the two blocks for a longer prompt and answers
+    as the engine computing everything."""
+    pd = gemma
+    first = prompt(256 + 10, 1100)
+    before = pool_metric(pd.decode.admin, "saves")
+    pd.complete(pd.decode.url, first, 1)
+    stored(pd, "decode", before)
+    turn = [*first, *prompt(30, 1101)]
+    reference = alone(pd, turn, GEN)
+    loaded = prompt_tokens_by_source(pd.prefill.url).get("external_kv_transfer", 0.0)
+    assert pd.complete(pd.prefill.url, turn, GEN) == reference
+    assert prompt_tokens_by_source(pd.prefill.url).get("external_kv_transfer", 0.0) - loaded == 256
+
+
 def test_conversation_turns_through_the_proxy_answer_as_one_engine(gemma: LocalPD) -> None:
     """Four turns, each appending the answer and a new message (short ones served by decode
     alone, long ones disaggregated): every answer equals one engine's holding the same
