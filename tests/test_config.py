@@ -347,7 +347,7 @@ def test_dtype_choices_are_known_to_the_kv_specs() -> None:
     from app.kvcache import specs
 
     choices = get_args(get_args(SidecarSettings.model_fields["dtype"].annotation)[0])
-    assert set(choices) <= set(specs.DTYPES)
+    assert set(choices) <= set(specs.DTYPE_BYTES)
 
 
 def test_settings_table_covers_every_setting() -> None:

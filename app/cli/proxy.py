@@ -15,7 +15,15 @@ import uvicorn
 from app.errors import ConfigError
 from app.ports import clear_port_file, write_port_file
 from app.proxy import Flow, Policy, ProxyConfig, create_proxy
-from app.proxy.config import ADMIN_TOKEN_ENV, ADMIN_TOKEN_FLAG, KV_EVENTS_FLAG, parse_kv_events
+from app.proxy.config import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_FLAG,
+    KV_EVENTS_FLAG,
+    POOL_TOKEN_ENV,
+    POOL_TOKEN_FLAG,
+    WithoutPrefill,
+    parse_kv_events,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,23 +63,29 @@ def _bind(host: str, port: int) -> socket.socket:
         raise ConfigError(f"the proxy cannot listen on {host}:{port}: {e.strerror or e}") from e
 
 
-def read_admin_token(path: Path | None, env: Mapping[str, str]) -> str | None:
-    """The admin token from ``path`` (a mounted Secret) or ``env``; None when neither is set."""
-    from_env = env.get(ADMIN_TOKEN_ENV) or None
+def read_token(path: Path | None, env: Mapping[str, str], env_var: str, flag: str) -> str | None:
+    """A token from ``path`` (a mounted Secret, given by ``flag``) or ``env[env_var]``; None
+    when neither is set."""
+    from_env = env.get(env_var) or None
     if path is None:
         return from_env
     if from_env is not None:
         raise ConfigError(
-            f"{ADMIN_TOKEN_FLAG} and {ADMIN_TOKEN_ENV} are both set: set one, so that which "
-            "token is used is never a guess"
+            f"{flag} and {env_var} are both set: set one, so that which token is used is never "
+            "a guess"
         )
     try:
         token = path.read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{ADMIN_TOKEN_FLAG} {str(path)!r}: cannot read it: {e}") from e
+        raise ConfigError(f"{flag} {str(path)!r}: cannot read it: {e}") from e
     if not token:
-        raise ConfigError(f"{ADMIN_TOKEN_FLAG} {str(path)!r} is empty: expected the token")
+        raise ConfigError(f"{flag} {str(path)!r} is empty: expected the token")
     return token
+
+
+def read_admin_token(path: Path | None, env: Mapping[str, str]) -> str | None:
+    """The admin token from ``path`` or ``env``; None when neither is set."""
+    return read_token(path, env, ADMIN_TOKEN_ENV, ADMIN_TOKEN_FLAG)
 
 
 def proxy_command(
@@ -131,6 +145,14 @@ def proxy_command(
             "proxy routed there before) goes to decode alone (above 1: never)."
         ),
     ] = _DEFAULTS.decode_hit_fraction,
+    without_prefill: Annotated[
+        WithoutPrefill,
+        typer.Option(
+            help="A prompt that needs a prefill when no prefill instance is available: "
+            "decode_alone (decode computes it; counted in kvproxy_prefill_unavailable_total) "
+            "or refuse (503)."
+        ),
+    ] = _DEFAULTS.without_prefill,
     breaker_failures: Annotated[
         int,
         typer.Option(
@@ -220,12 +242,21 @@ def proxy_command(
             help="What loading one token from the pool costs, in computed tokens (0 to 1)."
         ),
     ] = _DEFAULTS.pool_load_cost,
+    pool_lookup_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            POOL_TOKEN_FLAG,
+            help="File holding the pool sidecars' admin token, sent with each pool lookup "
+            f"(else the token in {POOL_TOKEN_ENV}); the lookup needs it when they have one.",
+        ),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
     if log_level not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"--log-level {log_level!r}: expected debug, info, warning or error")
     admin_token = read_admin_token(admin_token_file, os.environ)
+    pool_token = read_token(pool_lookup_token_file, os.environ, POOL_TOKEN_ENV, POOL_TOKEN_FLAG)
     if port_file is not None:
         clear_port_file(port_file)  # an earlier run's port is not ours
     sock = _bind(host, port)
@@ -245,6 +276,7 @@ def proxy_command(
             prefix_index_blocks=prefix_index_blocks,
             min_prefill_tokens=min_prefill_tokens,
             decode_hit_fraction=decode_hit_fraction,
+            without_prefill=without_prefill,
             breaker_failures=breaker_failures,
             breaker_probe_interval_s=breaker_probe_interval,
             target_timeout_s=target_timeout,
@@ -259,6 +291,7 @@ def proxy_command(
             kv_events_max_blocks=kv_events_max_blocks,
             pool_lookup=pool_lookup,
             pool_load_cost=pool_load_cost,
+            pool_lookup_token=pool_token,
         )
     except ConfigError:
         sock.close()

@@ -81,7 +81,7 @@ class SidecarSettings(BaseSettings):
         ge=1,
         description="Use only the first N layers of the preset (scaled-down demos and tests).",
     )
-    # The names of app.kvcache.specs.DTYPES; fp8 variants travel as raw bytes.
+    # The names of app.kvcache.specs.DTYPE_BYTES; fp8 variants travel as raw bytes.
     dtype: Literal["bfloat16", "float16", "float32", "fp8", "fp8_e4m3"] | None = Field(
         default=None,
         description="KV cache element type; unset: the preset's dtype (bfloat16 for all shipped).",

@@ -15,15 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from math import prod
+from typing import TYPE_CHECKING
 
 import msgspec
-import torch
 
 from app.errors import ConfigError
 from app.kvcache.bounds import Index, NonNegInt, Positive
 from app.kvcache.groups import NULL_BLOCK, CacheConfig, KVGroup
 from app.kvcache.specs import (
-    DTYPES,
     AttentionSpec,
     LayerSpec,
     MambaSpec,
@@ -31,7 +30,11 @@ from app.kvcache.specs import (
     RegionKind,
     dtype_size,
     held_units,
+    torch_dtype,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 class LayoutMode(StrEnum):
@@ -104,6 +107,8 @@ class Region(msgspec.Struct, frozen=True):
 
 
 def zeros_allocator(nbytes: int) -> torch.Tensor:
+    import torch  # only where tensors are made: the proxy plans with this module
+
     return torch.zeros(nbytes, dtype=torch.uint8)
 
 
@@ -404,7 +409,7 @@ def _views(
     lead_strides = (pl.block_stride, pl.kernel_stride)
     out: dict[str, torch.Tensor] = {}
     if isinstance(spec, AttentionSpec):
-        dt = DTYPES[spec.dtype]
+        dt = torch_dtype(spec.dtype)
         size = dt.itemsize
         for pc, hs in zip(pl.pieces, (spec.head_size, spec.head_size_v), strict=True):
             if kv_layout is KVLayout.HND:
@@ -421,11 +426,13 @@ def _views(
             out[pc.name] = strided(buf, dt, off0 + pc.offset, shape, strides)
     elif isinstance(spec, MLASpec):
         row = spec.bytes_per_token(tp)
-        out["latent"] = strided(buf, torch.uint8, off0, (*lead, kb, row), (*lead_strides, row, 1))
+        out["latent"] = strided(
+            buf, torch_dtype("uint8"), off0, (*lead, kb, row), (*lead_strides, row, 1)
+        )
     else:
         offset = off0
         for state in spec.states:
-            dt = DTYPES[state.dtype]
+            dt = torch_dtype(state.dtype)
             dims = state.shape(tp, spec.conv_layout)
             inner = [dt.itemsize * prod(dims[i + 1 :]) for i in range(len(dims))]
             out[state.name] = strided(buf, dt, offset, (n, *dims), (pl.block_stride, *inner))

@@ -30,12 +30,12 @@ from app.kvcache.engine_spec import (
 )
 from app.kvcache.layout import KVLayout, RankLayout
 from app.kvcache.specs import (
-    DTYPES,
     PACKED_MLA_BYTES,
     AttentionSpec,
     MambaSpec,
     MLASpec,
     SpecKind,
+    dtype_size,
 )
 
 _KIND = {
@@ -114,7 +114,7 @@ def _layer(layout: RankLayout, li: int, buffer_ptr: int) -> EngineLayer:
     if isinstance(spec, MLASpec):
         latent = views["latent"]  # uint8 [n, r, tokens, row bytes]
         dtype = "uint8" if spec.cache_dtype in PACKED_MLA_BYTES else spec.dtype
-        elem = DTYPES[dtype].itemsize
+        elem = dtype_size(dtype)
         row = int(latent.shape[3])
         lead = [Axis(a.role, a.size, a.stride // elem) for a in _lead_axes(latent, group.ratio)]
         return EngineLayer(

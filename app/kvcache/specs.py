@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 from math import prod
-
-import torch
+from typing import TYPE_CHECKING
 
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SpecKind(StrEnum):
@@ -34,24 +36,35 @@ class RegionKind(StrEnum):
     STATE = "STATE"
 
 
-# Bytes move as raw bits, so fp8 variants are carried as uint8 storage of the same size.
-DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "fp8": torch.uint8,
-    "fp8_e4m3": torch.uint8,
-    "uint8": torch.uint8,
+# Bytes move as raw bits, so fp8 variants are carried as uint8 storage of the same size. Names
+# and sizes only: the proxy and the control plane plan with them and never import torch.
+DTYPE_BYTES: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "uint8": 1,
 }
+_STORAGE = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a dtype name's bytes are viewed as (fp8 variants as uint8)."""
+    import torch
+
+    dtype_size(name)  # an unknown name fails with the names it could have been
+    dtype: torch.dtype = getattr(torch, _STORAGE.get(name, "uint8"))
+    return dtype
 
 
 def dtype_size(name: str) -> int:
     """Bytes per element of a dtype name."""
     try:
-        return DTYPES[name].itemsize
+        return DTYPE_BYTES[name]
     except KeyError:
         raise ConfigError(
-            f"unknown dtype {name!r}; expected one of {', '.join(sorted(DTYPES))}"
+            f"unknown dtype {name!r}; expected one of {', '.join(sorted(DTYPE_BYTES))}"
         ) from None
 
 

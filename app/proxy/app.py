@@ -200,7 +200,7 @@ def create_proxy(cfg: ProxyConfig) -> FastAPI:
                 "invalid_request_error",
             )
         if not delivery.accepted:
-            log.warning("target post refused: %s", delivery.message)
+            targets.log_refused(delivery)  # throttled: strangers must not flood the log
             kind = _REFUSED_KIND.get(delivery.status, "invalid_request_error")
             return error_response(delivery.status, delivery.message, kind)
         flow.target_arrived(tid)

@@ -308,6 +308,11 @@ class Pool:
         raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried})")
 
     @property
+    def any_available(self) -> bool:
+        """Some instance may be picked now (what ``acquire`` needs)."""
+        return any(inst.available for inst in self.instances)
+
+    @property
     def any_healthy(self) -> bool:
         """Some instance is healthy with its breaker not open (a half-open one counts)."""
         return any(

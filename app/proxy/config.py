@@ -13,6 +13,10 @@ from app.proxy.kv_events.feed import EngineEvents
 # Where ``kv-sidecar proxy`` reads the admin token when no --admin-token-file is given.
 ADMIN_TOKEN_ENV = "KVSIDECAR_PROXY_ADMIN_TOKEN"
 ADMIN_TOKEN_FLAG = "--admin-token-file"
+# The bearer token the proxy sends with POST /v1/pool/lookup: the pool sidecars' admin token
+# (KVSIDECAR_ADMIN_TOKEN there), which the lookup needs when they have one.
+POOL_TOKEN_ENV = "KVSIDECAR_PROXY_POOL_LOOKUP_TOKEN"
+POOL_TOKEN_FLAG = "--pool-lookup-token-file"
 
 
 class Policy(StrEnum):
@@ -65,6 +69,15 @@ def parse_kv_events(spec: str) -> EngineEvents:
     return EngineEvents(url.rstrip("/"), parts[0], parts[1] if len(parts) == 2 else None)
 
 
+class WithoutPrefill(StrEnum):
+    """What a request that needs a prefill gets when no prefill instance can take it."""
+
+    # Decode computes the whole prompt, as it does a short one (disagg.py).
+    DECODE_ALONE = "decode_alone"
+    # 503: shed the load rather than slow decode's running requests with long prompts.
+    REFUSE = "refuse"
+
+
 class Flow(StrEnum):
     """When the prompt goes to prefill (README, "Request flows")."""
 
@@ -97,6 +110,8 @@ class ProxyConfig:
     # picked decode holds at least this fraction, is served by decode alone. 0 / above 1: off.
     min_prefill_tokens: int = 256
     decode_hit_fraction: float = 0.8
+    # A request that needs a prefill when none is available: decode alone, or 503.
+    without_prefill: WithoutPrefill = WithoutPrefill.DECODE_ALONE
     # cache_aware's weight of a token in flight against a cached prompt token.
     prefill_alpha: float = 1.0
     target_timeout_s: float = 30.0
@@ -128,6 +143,8 @@ class ProxyConfig:
     pool_lookup: str | None = None
     pool_load_cost: float = 0.5
     pool_lookup_timeout_s: float = 0.25
+    # Sent as the lookup's bearer token: the pool sidecar's admin token (None: send none).
+    pool_lookup_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -147,6 +164,13 @@ class ProxyConfig:
         object.__setattr__(
             self, "decode_policy", _policy(self.decode_policy, DECODE_POLICIES, "--decode-policy")
         )
+        try:
+            object.__setattr__(self, "without_prefill", WithoutPrefill(self.without_prefill))
+        except ValueError:
+            choices = ", ".join(w.value for w in WithoutPrefill)
+            raise ConfigError(
+                f"--without-prefill {self.without_prefill!r}: expected one of {choices}"
+            ) from None
         try:
             object.__setattr__(self, "flow", Flow(self.flow))
         except ValueError:
@@ -223,12 +247,18 @@ class ProxyConfig:
             )
         if self.transfer_log_size < 1:
             raise ConfigError(f"transfer_log_size must be at least 1, got {self.transfer_log_size}")
-        if self.admin_token is not None:
+        for name, source in (
+            ("admin_token", f"{ADMIN_TOKEN_FLAG} or {ADMIN_TOKEN_ENV}"),
+            ("pool_lookup_token", f"{POOL_TOKEN_FLAG} or {POOL_TOKEN_ENV}"),
+        ):
+            token = getattr(self, name)
+            if token is None:
+                continue
             # Stripped as HTTP strips a header's value (a file's newline would never match).
-            object.__setattr__(self, "admin_token", self.admin_token.strip())
-            if not self.admin_token:
+            object.__setattr__(self, name, token.strip())
+            if not getattr(self, name):
                 raise ConfigError(
-                    f"the admin token ({ADMIN_TOKEN_FLAG} or {ADMIN_TOKEN_ENV}) is blank: "
+                    f"the {name.replace('_', ' ')} ({source}) is blank: "
                     "expected a secret, e.g. the output of "
                     "`python -c 'import secrets; print(secrets.token_urlsafe(32))'`"
                 )

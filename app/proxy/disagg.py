@@ -13,6 +13,13 @@ sidecar pool on its connector loads pool hits by itself) when
   computes only the rest, and a transfer would move little.
 
 Otherwise prefill computes the prompt and pushes its KV to decode (README "Request flows").
+
+A request that needs a prefill when no prefill instance can take one (all unhealthy, or
+their breakers open) is served by decode alone too, as a short one is (kind ``no_prefill``,
+the reason names the instances tried): decode computes the whole prompt, slower than a
+transfer but an answer, where a 503 would fail a request decode can serve. An operator who
+would rather shed that load (decode's running requests slow down while it computes long
+prompts) sets ``--without-prefill refuse`` and gets the 503 back.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ class Decision:
 
     disaggregated: bool
     reason: str
-    kind: str  # "short", "cached" (both local) or "disaggregated": the /health counter
+    # "short", "cached", "no_prefill" (all local) or "disaggregated": the /health counter.
+    kind: str
 
 
 @dataclass(frozen=True)
@@ -58,11 +66,24 @@ class DisaggRules:
         return Decision(True, f"prompt of {m} tokens", "disaggregated")
 
 
+def without_prefill(needed: Decision, why: str) -> Decision:
+    """The decision for a request that ``needed`` a prefill when none could take it
+    (``why``: the pool's refusal, naming what it tried)."""
+    return Decision(
+        False, f"{why}: decode computes the prompt alone ({needed.reason})", "no_prefill"
+    )
+
+
 class DisaggCounts:
     """Requests served by decode alone and through prefill, since start (``/health``)."""
 
     def __init__(self) -> None:
-        self.by_kind: dict[str, int] = {"short": 0, "cached": 0, "disaggregated": 0}
+        self.by_kind: dict[str, int] = {
+            "short": 0,
+            "cached": 0,
+            "no_prefill": 0,
+            "disaggregated": 0,
+        }
 
     def count(self, d: Decision) -> None:
         self.by_kind[d.kind] += 1
@@ -72,8 +93,10 @@ class DisaggCounts:
         return {
             "min_prefill_tokens": rules.min_prefill_tokens,
             "decode_hit_fraction": rules.decode_hit_fraction,
-            "local": k["short"] + k["cached"],
+            "local": k["short"] + k["cached"] + k["no_prefill"],
             "local_short": k["short"],
             "local_cached": k["cached"],
+            # Needed a prefill, found none available: decode computed the prompt alone.
+            "local_no_prefill": k["no_prefill"],
             "disaggregated": k["disaggregated"],
         }

@@ -15,7 +15,9 @@
 4. A failed prefill is only logged: decode's sidecar times out and decode recomputes. A
    client that goes away closes both upstream connections, which vLLM turns into aborts.
 5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
-   decode as a plain request and no prefill is asked; the record says ``local`` and why.
+   decode as a plain request and no prefill is asked; the record says ``local`` and why. So
+   does one that needs a prefill when none is available (``--without-prefill``), counted in
+   ``kvproxy_prefill_unavailable_total``.
 6. Each disaggregated transfer has a secret token (bodies.py) in both bodies'
    ``kv_transfer_params``; the connectors send it back on ``/v1/kv_targets`` (targets.py).
 7. Tracing (README "Tracing"): the request's server span is a child of the client's
@@ -49,8 +51,8 @@ from app.proxy.bodies import (
     new_transfer_token,
     prefill_body,
 )
-from app.proxy.config import Flow, ProxyConfig
-from app.proxy.disagg import Decision, DisaggCounts
+from app.proxy.config import Flow, ProxyConfig, WithoutPrefill
+from app.proxy.disagg import Decision, DisaggCounts, without_prefill
 from app.proxy.dp import upstream as dp_upstream
 from app.proxy.errors import NoHealthyInstance, TargetError, error_response
 from app.proxy.exchange import (
@@ -78,6 +80,7 @@ log = logging.getLogger(__name__)
 TRANSFER_ID_HEADER = "x-kv-transfer-id"
 # nginx's code for "the client closed the request"; nobody reads it, the log does.
 CLIENT_GONE = 499
+NO_PREFILL_LOG_INTERVAL_S = 10.0
 
 
 class PDFlow:
@@ -104,13 +107,27 @@ class PDFlow:
         self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
         self.disagg = cfg.disagg_rules
         self.counts = DisaggCounts()
+        self._no_prefill_logged = float("-inf")  # monotonic time of the last such warning
         self.tracing: Tracing | None = None  # the app's lifespan opens it when configured
         # The KV pool as the prefill pick's second tier (pool_tier.py).
         self.pool_tier = (
             None
             if cfg.pool_lookup is None
-            else PoolTier(cfg.pool_lookup, client, cfg.pool_load_cost, cfg.pool_lookup_timeout_s)
+            else PoolTier(
+                cfg.pool_lookup,
+                client,
+                cfg.pool_load_cost,
+                cfg.pool_lookup_timeout_s,
+                cfg.pool_lookup_token,
+            )
         )
+
+    def _warn_no_prefill(self, reason: str) -> None:
+        # At most one line per interval: with every prefill down, each long prompt comes here.
+        now = time.monotonic()
+        if now - self._no_prefill_logged >= NO_PREFILL_LOG_INTERVAL_S:
+            self._no_prefill_logged = now
+            log.warning("%s (kvproxy_prefill_unavailable_total counts them)", reason)
 
     def target_arrived(self, transfer_id: str) -> None:
         """Decode posted its target (the rendezvous took it): note when."""
@@ -143,14 +160,23 @@ class PDFlow:
         decision = self.disagg.decide(shape, d.pick)
         p = None
         if decision.disaggregated:
-            tier = None if self.pool_tier is None else await self.pool_tier.lookup(shape)
+            tier = None
+            if self.pool_tier is not None and self.prefill.any_available:
+                # Not for a pick that cannot happen: the lookup would only delay the answer.
+                tier = await self.pool_tier.lookup(shape)
             try:
                 p = self.prefill.acquire(shape, tier)
             except NoHealthyInstance as e:
-                d.release()
-                answer = error_response(503, str(e), "service_unavailable")
-                return self._refuse(server, path, decision, answer)
-            self.metrics.pick("prefill", p.pick)
+                if self.cfg.without_prefill is WithoutPrefill.REFUSE:
+                    self.metrics.prefill_unavailable("refused")
+                    d.release()
+                    answer = error_response(503, str(e), "service_unavailable")
+                    return self._refuse(server, path, decision, answer)
+                self.metrics.prefill_unavailable("decode_alone")
+                decision = without_prefill(decision, str(e))
+                self._warn_no_prefill(decision.reason)
+            else:
+                self.metrics.pick("prefill", p.pick)
         self.counts.count(decision)
         tid = uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, None if p is None else p.url)

@@ -87,8 +87,8 @@ class ProxyMetrics:
         self._requests = Counter(
             "kvproxy_requests",
             "Completions requests by route, decision (disaggregated, local, or none when "
-            "refused first), reason of a local one (short, cached) and decode's outcome "
-            "(ok, failed, unreachable, timeout, broken, client_gone, or refused).",
+            "refused first), reason of a local one (short, cached, no_prefill) and decode's "
+            "outcome (ok, failed, unreachable, timeout, broken, client_gone, or refused).",
             ["route", "decision", "reason", "outcome"],
             registry=self.registry,
         )
@@ -111,6 +111,14 @@ class ProxyMetrics:
             ["role", "source"],
             registry=self.registry,
         )
+        self._no_prefill = Counter(
+            "kvproxy_prefill_unavailable",
+            "Requests that needed a prefill when no prefill instance was available (all "
+            "unhealthy or their breakers open), by what the proxy did: decode_alone (decode "
+            "computed the prompt) or refused (503, --without-prefill refuse).",
+            ["action"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pools, feed))
 
     def pick(self, role: str, pick: Pick | None) -> None:
@@ -127,6 +135,10 @@ class ProxyMetrics:
         else:
             kind, reason = "local", decision.kind
         self._requests.labels(route, kind, reason, outcome).inc()
+
+    def prefill_unavailable(self, action: str) -> None:
+        """A request needed a prefill and found none: ``decode_alone`` or ``refused``."""
+        self._no_prefill.labels(action).inc()
 
     def transfer(self, status: str) -> None:
         """A transfer record settled with ``status``."""

@@ -5,9 +5,12 @@ The flow opens a transfer id before it sends the request to decode; decode's con
 blocks are allocated. Decode first, the flow waits on that id and then sends the prompt to
 prefill; concurrent, prefill's connector (every rank) GETs ``/v1/kv_targets/<id>`` and waits.
 
-Each id is opened with its transfer's token (bodies.py); every post and fetch for an id this
-rendezvous knows must carry it, or is refused (401) before anything about the id is said. The
-token is forgotten with the id.
+Each id is opened with its transfer's token (bodies.py); every post and fetch must carry it, or
+is refused (401) before anything about the id is said. An id this rendezvous does not know (never
+issued, or forgotten) is refused alike, same status and same sentence: a stranger cannot tell
+live ids from made-up ones. The token is forgotten with the id. Refusals are logged throttled
+(one line per status per interval, with how many were held back), as the sidecar logs bad
+frames: whoever can reach the proxy must not be able to flood its log.
 
 Pipeline parallel: each of decode's ``pp_size`` stages posts a target of its own (its own
 sidecar, its own layers) with its ``pp_stage``; an id has its targets once every stage posted,
@@ -18,16 +21,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 from app.proxy.bodies import TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
 from app.proxy.errors import TargetError
+from app.transfer.control.framing import LogThrottle
+
+log = logging.getLogger(__name__)
 
 # Bounds a post's pp_size: far above any real pipeline, and a stranger cannot make an id hold
 # many partial targets.
 MAX_PP_STAGES = 64
+# At most one log line per refused status in this many seconds (the sidecar's interval).
+REFUSED_LOG_INTERVAL_S = 5.0
 Targets = list[dict[str, Any]]  # decode's target per pipeline stage
 
 
@@ -51,11 +60,12 @@ class TargetRendezvous:
         self._waiting: dict[str, asyncio.Future[Targets]] = {}
         # Stages posted so far and how many decode runs, for ids still short of a stage.
         self._partial: dict[str, tuple[int, dict[int, dict[str, Any]]]] = {}
-        # Why recent ids stopped waiting, so a late post gets a useful answer instead of 404.
+        # Why recent ids stopped waiting, so a late post with the token gets a useful answer.
         self._closed: OrderedDict[str, str] = OrderedDict()
         # Each known id's token: waiting ones and the closed ones still remembered.
         self._tokens: dict[str, str] = {}
         self._remember = remember
+        self._throttle = LogThrottle(REFUSED_LOG_INTERVAL_S)
 
     def open(self, transfer_id: str, token: str) -> None:
         self._waiting[transfer_id] = asyncio.get_running_loop().create_future()
@@ -75,11 +85,9 @@ class TargetRendezvous:
         return self._resolve(transfer_id, token, None, error)
 
     def refusal(self, transfer_id: str, token: str | None) -> Delivery | None:
-        """401 when ``transfer_id`` is known and ``token`` is not its token; None otherwise
-        (an unknown id has nothing to reveal: its answer stays 404)."""
-        expected = self._tokens.get(transfer_id)
-        if expected is None:
-            return None
+        """401 unless ``token`` is the token of ``transfer_id``, an id this rendezvous knows;
+        None when it is. An unknown id is answered as a known one with the wrong token: a
+        404 there would tell a stranger which ids are live."""
         # Neither token nor id in the answer: a stranger learns nothing from it.
         if token is None:
             return Delivery(
@@ -87,13 +95,25 @@ class TargetRendezvous:
                 f"this transfer needs its token: send the {TRANSFER_TOKEN_HEADER} header with "
                 f"the {TRANSFER_TOKEN_PARAM!r} of the kv_transfer_params the proxy sent",
             )
+        expected = self._tokens.get(transfer_id)  # None: unknown, so no token matches
         # Constant time: how much of the token matched must not show in the answer's timing.
-        if not hmac.compare_digest(token.encode(), expected.encode()):
+        if expected is None or not hmac.compare_digest(token.encode(), expected.encode()):
             return Delivery(
                 401,
-                f"the {TRANSFER_TOKEN_HEADER} header does not match this transfer's token",
+                f"the {TRANSFER_TOKEN_HEADER} header does not match the token of a transfer "
+                f"this proxy knows by that id (it forgets ids older than the last "
+                f"{self._remember} that ended)",
             )
         return None
+
+    def log_refused(self, delivery: Delivery) -> None:
+        """Log a refused post, throttled per status: the kind is the status (a few fixed
+        values), never the id or the sentence, which the poster chooses."""
+        held = self._throttle.allow(str(delivery.status))
+        if held is None:
+            return
+        more = f" ({held} more {delivery.status}s since the last line)" if held else ""
+        log.warning("target post refused (%d): %s%s", delivery.status, delivery.message, more)
 
     def _resolve(
         self,
@@ -137,14 +157,9 @@ class TargetRendezvous:
         return Delivery(200, "ok")
 
     def _gone(self, transfer_id: str) -> Delivery:
-        why = self._closed.get(transfer_id)
-        if why is not None:
-            return Delivery(409, f"transfer {transfer_id!r} is no longer waiting: {why}")
-        return Delivery(
-            404,
-            f"unknown transfer {transfer_id!r}: this proxy did not issue it "
-            f"(or it is older than the last {self._remember})",
-        )
+        # Its token matched, so the id is waiting or remembered as closed: this one is closed.
+        why = self._closed.get(transfer_id, "closed")
+        return Delivery(409, f"transfer {transfer_id!r} is no longer waiting: {why}")
 
     async def wait(self, transfer_id: str, timeout_s: float) -> Targets:
         """The targets (one per decode pipeline stage), or ``TimeoutError`` / ``TargetError``."""
@@ -162,9 +177,9 @@ class TargetRendezvous:
         pp_size: int = 1,
     ) -> dict[str, Any] | Delivery:
         """For prefill's connector (its stage ``pp_stage`` of ``pp_size``): decode's target for
-        that stage once every stage posted, or why none will come (401 wrong token, 409 the id
-        stopped waiting, decode posted an error or runs another number of stages, 404 unknown,
-        504 not within ``timeout_s``). Any number of callers may wait on one id."""
+        that stage once every stage posted, or why none will come (401 wrong token or unknown
+        id, 409 the id stopped waiting, decode posted an error or runs another number of
+        stages, 504 not within ``timeout_s``). Any number of callers may wait on one id."""
         refused = self.refusal(transfer_id, token)
         if refused is not None:
             return refused

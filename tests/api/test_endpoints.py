@@ -359,7 +359,9 @@ def test_openapi(prefill: httpx.Client) -> None:
 
 
 def test_pool_lookup_without_a_pool_says_how_to_enable_it(prefill: httpx.Client) -> None:
-    r = prefill.post("/v1/pool/lookup", json={"token_ids": [1, 2, 3]})
+    # The lookup needs the admin token (test_pool_lookup_auth.py).
+    r = prefill.post("/v1/pool/lookup", headers=AUTH, json={"token_ids": [1, 2, 3]})
     assert r.status_code == 409
     assert "KVSIDECAR_POOL__ENABLED" in r.json()["detail"]
-    assert prefill.post("/v1/pool/lookup", json={"token_ids": []}).status_code == 422
+    empty = prefill.post("/v1/pool/lookup", headers=AUTH, json={"token_ids": []})
+    assert empty.status_code == 422

@@ -1,12 +1,12 @@
 """Prefill's ``POST /v1/kv_targets`` against a stranger on the network: a real P/D pair (sim
 engines, real sidecars and Mooncake), sends held for a target, and posts over real HTTP.
 
-Each test is one thing an attacker was seen doing (issue 25): a target the sidecar cannot
-use is a 400, and one decode's sidecar did not sign a 401 with nothing connected to, both
-leaving the send waiting for decode's real one; two targets racing leave
-exactly one taken; a post for a send that ended gets 409; a target that cannot be reached ends
-the send FAILED with the reason; too many held sends are refused at admission; and the held
-ones show in /metrics.
+Each test is one thing an attacker was seen doing (issues 25, 38): a target the sidecar
+cannot use is a 400, and one decode's sidecar did not sign (or signed for another transfer) a
+401 with nothing connected to, both leaving the send waiting for decode's real one; two
+targets racing leave exactly one taken; a post for a send that ended gets 409; a target that
+cannot be reached ends the send FAILED with the reason; too many held sends are refused at
+admission; and the held ones show in /metrics.
 """
 
 from __future__ import annotations
@@ -239,6 +239,45 @@ def test_target_not_signed_by_decode_is_401_and_nothing_is_connected_to(
     finally:
         lure.close()
         abort(pair, [req])
+
+
+def test_signed_target_of_another_transfer_is_401_and_neither_send_is_touched(
+    pair: Cluster,
+) -> None:
+    """Decode's real signed target for X, posted for Y (issue 38): a good signature vouches
+    for X's blocks only. Taken, it would end Y at decode's claim, and Y's own target would get
+    409."""
+    x, y = hold(pair, "bound", 2)
+    try:
+        r = post(pair, y.id, target_of(x))
+        assert r.status_code == 401, r.text
+        detail = r.json()["detail"]
+        assert f"signed for transfer {x.id!r} was posted for {y.id!r}" in detail, detail
+        assert [entry(pair, s.id)["state"] for s in (x, y)] == ["PENDING", "PENDING"]
+        for own in (y, x):  # each still takes its own
+            ok = post(pair, own.id, target_of(own))
+            assert ok.status_code == 200, ok.text
+    finally:
+        abort(pair, [x, y])
+
+
+def test_engine_link_takes_no_target_of_another_transfer(pair: Cluster) -> None:
+    """The same target through prefill's engine link (``SetTarget``, as the connector hands
+    over what it fetched): refused naming both ids; the engine gives no other, so Y ends
+    FAILED at once, and X, whose target it was, still waits for it and takes it."""
+    x, y = hold(pair, "bound-link", 2)
+    p = pair.sides["prefill"]
+    link = EngineLink(p.ipc, p.engine_id, 0, timeout_s=10)
+    try:
+        assert x.remote is not None
+        with pytest.raises(EngineLinkError, match=f"signed for transfer {x.id!r} was posted"):
+            link.set_target(y.id, x.remote)
+        assert [entry(pair, s.id)["state"] for s in (x, y)] == ["PENDING", "FAILED"]
+        ok = post(pair, x.id, target_of(x))
+        assert ok.status_code == 200, ok.text
+    finally:
+        link.close(unlink=False)
+        abort(pair, [x, y])
 
 
 def test_signed_target_needs_no_admin_token_but_an_error_post_does(pair: Cluster) -> None:

@@ -61,12 +61,12 @@ def test_failed_decode_tells_the_waiting_prefill(make_cluster: Callable[..., Clu
     assert c.record(tid)["status"] == "decode_failed"
 
 
-def test_fetch_of_an_unknown_transfer_is_404_and_a_slow_one_504(
+def test_fetch_of_an_unknown_transfer_is_401_and_a_slow_one_504(
     make_cluster: Callable[..., Cluster],
 ) -> None:
     c = concurrent(make_cluster)
-    r = c.get("/v1/kv_targets/nope?timeout_s=0.1")
-    assert r.status_code == 404 and "unknown transfer 'nope'" in r.json()["error"]["message"]
+    r = c.get("/v1/kv_targets/nope?timeout_s=0.1")  # as a live id without its token
+    assert r.status_code == 401 and "needs its token" in r.json()["error"]["message"]
     d = c.decode[0]
     d.behaviour.post_delay_s = 1.0
     with ThreadPoolExecutor(1) as pool:

@@ -13,7 +13,7 @@ from app.cli.proxy import proxy_command
 from app.errors import ConfigError
 from app.proxy import Policy, ProxyConfig
 from app.proxy.balancer import Pool
-from app.proxy.config import ADMIN_TOKEN_ENV, parse_kv_events
+from app.proxy.config import ADMIN_TOKEN_ENV, POOL_TOKEN_ENV, parse_kv_events
 
 
 def config(**kw: object) -> ProxyConfig:
@@ -82,6 +82,7 @@ def test_cli_defaults_are_the_configs(tmp_path: Path, monkeypatch: pytest.Monkey
     monkeypatch.setattr(cli_proxy, "create_proxy", lambda cfg: made.append(cfg))
     monkeypatch.setattr(cli_proxy._ProxyServer, "run", lambda self, sockets: None)
     monkeypatch.delenv(ADMIN_TOKEN_ENV, raising=False)
+    monkeypatch.delenv(POOL_TOKEN_ENV, raising=False)
     token_file = tmp_path / "admin-token"
     token_file.write_text("operator-only\n")
     app = typer.Typer()

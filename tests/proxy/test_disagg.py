@@ -32,7 +32,7 @@ def served(c: Cluster, **body: Any) -> dict[str, Any]:
 
 def counts(c: Cluster) -> tuple[int, int, int]:
     d = c.get("/health").json()["disaggregation"]
-    assert d["local"] == d["local_short"] + d["local_cached"]
+    assert d["local"] == d["local_short"] + d["local_cached"] + d["local_no_prefill"]
     return d["local_short"], d["local_cached"], d["disaggregated"]
 
 
@@ -127,7 +127,7 @@ def test_each_rule_can_be_turned_off(make_cluster: Callable[..., Cluster]) -> No
 def test_decode_alone_needs_no_healthy_prefill(make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster()
     c.prefill[0].behaviour.health_status = 503
-    c.start_proxy(**RULES_ON)
+    c.start_proxy(without_prefill="refuse", **RULES_ON)
     assert served(c, prompt=ids(40), max_tokens=4)["status"] == "local"
     r = c.post(prompt=ids(300), max_tokens=4)
     assert r.status_code == 503 and "no healthy prefill instance" in r.json()["error"]["message"]

@@ -42,10 +42,13 @@ def test_all_decodes_unhealthy_is_503_naming_them(make_cluster: Callable[..., Cl
     assert c.get("/v1/models").status_code == 503
 
 
-def test_all_prefills_unhealthy_is_503(make_cluster: Callable[..., Cluster]) -> None:
+def test_all_prefills_unhealthy_is_503_when_told_to_refuse(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """--without-prefill refuse (the default serves decode alone: test_no_prefill.py)."""
     c = make_cluster(n_prefill=1, n_decode=1)
     c.prefill[0].behaviour.health_status = 500
-    c.start_proxy()
+    c.start_proxy(without_prefill="refuse")
     r = c.post(prompt="x")
     assert r.status_code == 503
     assert r.json()["error"]["message"] == (

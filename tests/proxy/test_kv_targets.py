@@ -5,12 +5,13 @@ from __future__ import annotations
 from tests.proxy.conftest import Cluster
 
 
-def test_unknown_transfer_is_404_with_a_sentence(cluster: Cluster) -> None:
+def test_unknown_transfer_is_401_with_a_sentence(cluster: Cluster) -> None:
+    """As a live id without its token (test_kv_target_refusals.py): nothing tells them apart."""
     r = cluster.client.post(
         f"{cluster.url}/v1/kv_targets", json={"transfer_id": "nope", "target": {"a": 1}}
     )
-    assert r.status_code == 404
-    assert r.json()["error"]["message"].startswith("unknown transfer 'nope': this proxy did not")
+    assert r.status_code == 401
+    assert r.json()["error"]["message"].startswith("this transfer needs its token")
 
 
 def test_malformed_posts_are_400(cluster: Cluster) -> None:

@@ -27,11 +27,12 @@ BLOCK = 128
 
 class FakePool:
     """A pool sidecar's lookup: serves the whole blocks a prompt shares with one it ``holds``
-    (or answers ``status``)."""
+    (or answers ``status``, or ``forced`` as its hit whatever it holds)."""
 
     def __init__(self) -> None:
         self.holds: list[list[int]] = []
         self.status = 200
+        self.forced: object = None
         self.asked: list[list[int]] = []
         app = FastAPI()
 
@@ -41,7 +42,8 @@ class FakePool:
             self.asked.append(ids)
             if self.status != 200:
                 return JSONResponse({"detail": "store down"}, status_code=self.status)
-            return JSONResponse({"hit_tokens": self.hit(ids), "block_size": BLOCK})
+            hit = self.hit(ids) if self.forced is None else self.forced
+            return JSONResponse({"hit_tokens": hit, "block_size": BLOCK})
 
         self.server = ServerThread(app, bound_socket()).start()
 

@@ -249,3 +249,39 @@ def test_a_prompt_in_flight_counts_before_its_events_come(
     # Both ended: nothing is in flight any more, and no event said p0 stored x.
     after = prefill_pick(c, x)
     assert (after["hit_source"], after["hit_tokens"]) == ("kv_events", 0)
+
+
+def test_a_prompt_identical_to_one_in_flight_scores_at_most_prompt_less_one(
+    make_cluster: Callable[..., Cluster],
+    engines: Callable[..., tuple[CacheEngine, Endpoints]],
+) -> None:
+    """The request in flight will store all 10 blocks of a 160-token prompt, but vLLM always
+    computes a prompt's last token: the same prompt can reuse at most 159 tokens, so 9 whole
+    blocks, 144 (what vLLM's scheduler skips once the blocks are stored, checked last)."""
+    e0, ends0 = engines(num_blocks=24)
+    c = start(make_cluster(n_prefill=1, n_decode=1), [ends0], flow="concurrent")
+    (p0,) = c.prefill
+    gate = threading.Event()
+    p0.behaviour.hold = gate
+    x = prompt(160, 1)
+    tids: list[str] = []
+
+    def post() -> None:
+        r = c.post(prompt=x, max_tokens=4)
+        tids.append(r.headers["x-kv-transfer-id"])
+
+    threads = [threading.Thread(target=post) for _ in range(2)]
+    try:
+        for n, t in enumerate(threads, 1):
+            t.start()
+            wait_for(f"request {n} to reach the prefill", lambda n=n: len(p0.requests) == n)
+    finally:
+        gate.set()
+        for t in threads:
+            t.join()
+    picks = [c.record(tid)["prefill_pick"] for tid in tids]
+    second = next(p for p in picks if p["hit_source"] == "in_flight")
+    assert second["hit_tokens"] <= len(x) - 1
+    assert second["hit_tokens"] == 144
+    e0.serve(x)
+    assert vllm_hit(e0, x) == 144

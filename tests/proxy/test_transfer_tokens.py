@@ -75,8 +75,8 @@ def test_strangers_fetching_a_target_get_401_before_anything_about_the_id(
     assert c.get(f"/v1/kv_targets/{tid}?timeout_s=0.1").status_code == 401
     late = c.get(f"/v1/kv_targets/{tid}?timeout_s=0.1", headers={TRANSFER_TOKEN_HEADER: token})
     assert late.status_code == 409 and "no longer waiting" in late.text
-    # An id the proxy never issued answers as before: there is no token to check.
-    assert c.get("/v1/kv_targets/nope?timeout_s=0.1").status_code == 404
+    # An id the proxy never issued answers alike: which ids are live is nobody else's business.
+    assert c.get("/v1/kv_targets/nope?timeout_s=0.1").status_code == 401
 
 
 @pytest.mark.parametrize("flow", ["decode_first", "concurrent"])
@@ -119,5 +119,5 @@ async def test_a_forgotten_transfer_forgets_its_token() -> None:
     assert r.deliver("a", "token-a", {"x": 1}).status == 409
     r.open("b", "token-b")
     r.close("b", "done")  # pushes "a" out of the memory of 1
-    assert r.deliver("a", "wrong", {"x": 1}).status == 404
-    assert r.refusal("a", "wrong") is None
+    assert r.deliver("a", "token-a", {"x": 1}).status == 401  # forgotten: as any unknown id
+    assert r.refusal("a", "token-a") is not None

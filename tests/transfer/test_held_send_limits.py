@@ -13,12 +13,14 @@ from app.transfer.wire.protocol import AddSend, Reply, Status
 from tests.transfer.conftest import Prefill, ids, make_prefill, send_settings
 
 
-def _held(rid: str, target_timeout_s: float | None = None) -> AddSend:
+def _held(
+    rid: str, target_timeout_s: float | None = None, blocks: tuple[int, ...] = (7, 8, 9)
+) -> AddSend:
     return AddSend(
         rank=0,
         request=rid,
         prompt_len=40,
-        block_ids=ids([7, 8, 9]),
+        block_ids=ids(list(blocks)),
         target_timeout_s=target_timeout_s,
     )
 
@@ -59,5 +61,18 @@ async def test_held_sends_over_the_count_cap_are_refused(layout: LayoutDesc) -> 
         assert await p.side.add(_held("a")) == Reply()
         over = await p.side.add(_held("b"))
         assert isinstance(over, Reply) and "max_held_sends=1" in (over.error or "")
+    finally:
+        await p.tasks.cancel()
+
+
+async def test_held_sends_pinning_exactly_the_block_cap_are_admitted(layout: LayoutDesc) -> None:
+    """The cap is the most that may be pinned, not the first count refused: 3 + 2 blocks under
+    ``max_held_blocks=5`` are admitted, one block more is not."""
+    p = make_prefill(layout, settings=dataclasses.replace(send_settings(), max_held_blocks=5))
+    try:
+        assert await p.side.add(_held("a")) == Reply()
+        assert await p.side.add(_held("b", blocks=(10, 11))) == Reply()  # exactly 5 pinned
+        over = await p.side.add(_held("c", blocks=(12,)))
+        assert isinstance(over, Reply) and "would pin 6 blocks" in (over.error or ""), over
     finally:
         await p.tasks.cancel()

@@ -29,7 +29,10 @@ router = APIRouter(tags=["requests"])
     response_model=KVTargetResponse,
     responses={
         400: error_doc("Neither a usable target nor an error."),
-        401: error_doc("A target not signed by decode's sidecar, or an error without the token."),
+        401: error_doc(
+            "A target not signed by decode's sidecar, or signed for another transfer; or an "
+            "error without the token."
+        ),
         404: error_doc("No rank holds a send by that id."),
         409: error_doc("The send already ended or already has a target."),
     },
@@ -42,7 +45,8 @@ async def post_kv_target(
     ABORTED at once and prefill's blocks go back).
 
     A target is authenticated by decode's sidecar's signature (the engines hold no admin
-    token); an error ends a transfer like an abort and needs the admin token when set."""
+    token) and taken only by the send of the transfer it was signed for; an error ends a
+    transfer like an abort and needs the admin token when set."""
     tid = body.transfer_id
     # Which sends are held is no secret (GET /v1/requests lists them); what a target may do
     # is decided by its signature, below.

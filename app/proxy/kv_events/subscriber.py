@@ -16,6 +16,13 @@ back: a restarted engine) it asks the engine's replay socket (a ROUTER, vLLM's
 The same check runs on start (joining a running engine) and after ``idle_check_s`` without a
 batch (a dropped tail or a restart show up with no next batch to reveal them). ZMQ's receive
 high-water marks bound what waits in each socket; a replay is applied as it streams in.
+
+It runs too when the SUB socket's connection dropped and came back (ZMQ reconnects by itself;
+its socket monitor says so), before the next batch is trusted: the publisher may have restarted
+meanwhile, and batches published while the connection was down are lost. A restarted engine's
+next batch can carry the very seq that follows the old engine's last one, and would read as
+the next batch. Without a replay socket nothing can tell, so the first batch after a
+reconnection, unless it is a fresh engine's seq 0, leaves the index a lower bound.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from enum import Enum
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from app.errors import ProtocolError
 from app.proxy.kv_events.index import DEFAULT_MAX_BLOCKS, IndexStatus, InstanceIndex, Order
@@ -79,6 +87,7 @@ class SubscriberStatus:
     replay_failures: int  # no (valid) answer in time
     last_error: str | None
     last_batch_s_ago: float | None
+    reconnects: int = 0  # the connection to the publisher dropped and came back
 
 
 class _Replay(Enum):
@@ -111,6 +120,11 @@ class EngineSubscriber:
         self.last_error: str | None = None
         self._last_batch_at: float | None = None
         self._replay_failing = False  # log the first failure in a row as a warning only
+        self.reconnects = 0
+        # The connection dropped and was not checked since (module docstring); with no replay
+        # socket to check it with, the next batch is judged alone.
+        self._away = False
+        self._unchecked = False
 
     def status(self) -> SubscriberStatus:
         ago = None if self._last_batch_at is None else time.monotonic() - self._last_batch_at
@@ -123,6 +137,7 @@ class EngineSubscriber:
             replay_failures=self.replay_failures,
             last_error=self.last_error,
             last_batch_s_ago=None if ago is None else round(ago, 3),
+            reconnects=self.reconnects,
         )
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -135,17 +150,46 @@ class EngineSubscriber:
     async def run(self) -> None:
         sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(self.endpoint)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             await self._resync("start")  # the engine may have published before we came
             idle_ms = int(self.settings.idle_check_s * 1000)
             while True:
-                if not await sub.poll(idle_ms):
+                ready = dict(await poller.poll(idle_ms))
+                if not ready:
                     await self._resync("idle check")
                     continue
-                await self._on_message(await sub.recv_multipart())
+                # Connection events first: a drop must be known before the next batch is read.
+                await self._on_connection_events(monitor)
+                if sub in ready:
+                    await self._on_message(await sub.recv_multipart())
         finally:
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
+
+    async def _on_connection_events(self, monitor: zmq.asyncio.Socket) -> None:
+        while await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED and not self._away:
+                self._away = True
+                log.info("%s: connection to %s dropped", self.name, self.endpoint)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and self._away:
+                # Check now, not at the next batch: a restarted engine may publish nothing.
+                await self._back("reconnected")
+
+    async def _back(self, why: str) -> None:
+        """The connection came back: what it missed, and whether it is the same publisher."""
+        self._away = False
+        self.reconnects += 1
+        if self.replay_endpoint is None:
+            self._unchecked = True
+            return
+        await self._resync(f"{why} after the connection to {self.endpoint} dropped")
 
     async def _on_message(self, frames: list[bytes]) -> None:
         try:
@@ -156,6 +200,17 @@ class EngineSubscriber:
         if topic != self._topic:
             return  # SUBSCRIBE matches by prefix: a longer topic is another feed's
         self._last_batch_at = time.monotonic()
+        if self._away:  # its reconnection was not seen yet: check before trusting the batch
+            await self._back("a batch came")
+        if self._unchecked:
+            self._unchecked = False
+            # A fresh engine's seq 0 clears the index anyway; anything else may be either.
+            if seq != 0 and self.index.last_seq is not None:
+                self.index.lose(
+                    f"the connection to {self.endpoint} dropped and there is no replay "
+                    "endpoint to check with: a restarted engine cannot be told from the one "
+                    "followed"
+                )
         await self._take(seq, payload, resync=True)
 
     async def _take(self, seq: int, payload: bytes, resync: bool) -> None:

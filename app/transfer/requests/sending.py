@@ -50,6 +50,7 @@ from app.transfer.wire.protocol import (
     check_target,
     tcp_endpoint,
 )
+from app.transfer.wire.target_auth import check_bound
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ class SendSide(SendEnding):
             check_block_ids(agent.desc, req.blocks, "prefill")
             if msg.remote is not None:
                 self._verify_target(msg.remote)
+                check_bound(msg.remote, msg.request)
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         if msg.remote is None:
@@ -179,6 +181,9 @@ class SendSide(SendEnding):
         try:
             # From the engine (which fetched it from the router): no other target will come.
             self._verify_target(msg.remote)
+            # Another transfer's target is not this send's, however well signed: taking it
+            # would end this send at decode's claim, and its own target would then find it ended.
+            check_bound(msg.remote, msg.request)
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         # The target is the send's from here on, before anything awaits: of two posts racing,

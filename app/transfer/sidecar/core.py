@@ -32,7 +32,7 @@ from app.transfer.requests.sending import SendSide
 from app.transfer.requests.traces import TransferTraces
 from app.transfer.wire.auth import load_auth
 from app.transfer.wire.protocol import Hello, RemoteTarget, Role, SetTarget
-from app.transfer.wire.target_auth import TargetSigner
+from app.transfer.wire.target_auth import TargetSigner, check_bound
 
 Observer = Callable[[float], None]
 ObserverKind = Literal["layer", "handshake"]
@@ -248,9 +248,11 @@ class SidecarCore:
     def set_target(self, rid: str, remote: RemoteTarget) -> dict[int, str | None]:
         """Decode's target for a send admitted without one, on every rank that holds it (the
         prefill-first flow, where decode posts it here). Rank -> None if taken, else why not;
-        raises AuthError for a target decode's sidecar did not sign (the send keeps waiting
-        for the real one), ProtocolError when the target does not fit the send."""
+        raises AuthError for a target decode's sidecar did not sign or signed for another
+        transfer (the send keeps waiting for the real one), ProtocolError when the target does
+        not fit the send."""
         self._targets.verify(remote)
+        check_bound(remote, rid)
         holding = [rank for rank, agent in sorted(self.agents.items()) if rid in agent.sends]
         for rank in holding:  # all checked before any takes it: a bad target is nobody's
             self.send.check_target(rank, rid, remote)

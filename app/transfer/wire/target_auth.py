@@ -12,6 +12,9 @@ The domain keeps a target's signature from ever reading as a control frame's tag
 Decode signs only targets that name itself (its engine id, epoch and control port), so a signed
 target cannot point prefill at a third host. A replayed target cannot do harm: decode accepts a
 write only for a request it expects, in the epoch it runs, and a send takes one target only.
+That last rule would let a target signed for one transfer, posted for another, take that
+other's place and end it (its claim at decode fails, and its own target then finds it ended):
+so a send takes only a target whose signed ``request_id`` is its own (:func:`check_bound`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from app.errors import AuthError
 from app.transfer.wire.auth import FrameAuth
 from app.transfer.wire.protocol import RemoteTarget
 
-__all__ = ["DOMAIN", "TargetSigner"]
+__all__ = ["DOMAIN", "TargetSigner", "check_bound"]
 
 DOMAIN = b"kv-sidecar target v1\x00"
 
@@ -63,3 +66,16 @@ class TargetSigner:
                 f"target for {target.request_id}: bad signature (not signed with this sidecar's "
                 "control-plane key, or changed after signing)"
             )
+
+
+def check_bound(target: RemoteTarget, transfer_id: str) -> None:
+    """Raise :class:`AuthError` unless ``target`` is decode's target for ``transfer_id``.
+
+    Checked after the signature (which covers ``request_id``): a good signature vouches for
+    decode's blocks of that one transfer, not for a send of another."""
+    if target.request_id != transfer_id:
+        raise AuthError(
+            f"target signed for transfer {target.request_id!r} was posted for {transfer_id!r}: "
+            f"expected decode's target for {transfer_id!r} (request_id {transfer_id!r}); a "
+            "signature vouches only for the transfer it names"
+        )

@@ -20,6 +20,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -41,7 +42,7 @@ from app.kvcache.preset_registration import describe
 from app.kvcache.presets import load_preset
 from tests.connectors.vllm.conftest import engines_up
 
-# Four engines, one per model: CI runs this file apart from the default suite, which must stay
+# Four engines, one per case: CI runs this file apart from the default suite, which must stay
 # under 30 minutes on a two-core machine (README "Tests").
 pytestmark = pytest.mark.slow_engines
 
@@ -133,12 +134,6 @@ class Observed:
     regions: dict[str, Any]  # rank 0 of /v1/regions
 
 
-def start_engine(pd: LocalPD, timeout_s: float = 300.0) -> None:
-    """One sidecar and its vLLM, with ``LocalPD``'s flags (one engine is all this needs)."""
-    pd.start_instances([pd.prefill])
-    pd.wait_engine(pd.prefill, timeout_s)
-
-
 def fetch(admin: str, timeout_s: float = 30.0) -> Observed:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -152,17 +147,30 @@ def fetch(admin: str, timeout_s: float = 30.0) -> Observed:
 
 
 @pytest.fixture(scope="module")
-def engine(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[str, Observed]]:
+def observed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Observed]]:
+    """Every case's engine (one sidecar and its vLLM, with ``LocalPD``'s flags), all started
+    at once: one engine's start is mostly one process importing at a time, so two cores start
+    four in about the time of two."""
+    with ExitStack() as stack:
+        started: dict[str, LocalPD] = {}
+        for name, case in CASES.items():
+            root = tmp_path_factory.mktemp(f"reg-{case.kind}")
+            model = write_tiny_model(
+                root / "model", case.kind, overrides=tiny_overrides(name, case)
+            )
+            args = ("--mamba-ssm-cache-dtype", case.ssm_dtype) if case.ssm_dtype else ()
+            pd = LocalPD(model, root / "run", kind=case.kind, extra_vllm_args=args)
+            stack.enter_context(engines_up(pd, lambda p: p.start_instances([p.prefill])))
+            started[name] = pd
+        for pd in started.values():
+            pd.wait_engine(pd.prefill, 400.0)
+        yield {name: fetch(pd.prefill.admin) for name, pd in started.items()}
+
+
+@pytest.fixture
+def engine(request: pytest.FixtureRequest, observed: dict[str, Observed]) -> tuple[str, Observed]:
     name: str = request.param
-    case = CASES[name]
-    root = tmp_path_factory.mktemp(f"reg-{case.kind}")
-    model = write_tiny_model(root / "model", case.kind, overrides=tiny_overrides(name, case))
-    args = ("--mamba-ssm-cache-dtype", case.ssm_dtype) if case.ssm_dtype else ()
-    pd = LocalPD(model, root / "run", kind=case.kind, extra_vllm_args=args)
-    with engines_up(pd, start_engine):
-        yield name, fetch(pd.prefill.admin)
+    return name, observed[name]
 
 
 # ---- the two descriptions ---------------------------------------------------------------------

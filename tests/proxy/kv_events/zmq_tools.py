@@ -52,3 +52,57 @@ async def relay(upstream: str, drop: set[int]) -> AsyncIterator[str]:
         with contextlib.suppress(asyncio.CancelledError):
             await task
         ctx.destroy(linger=0)
+
+
+class Link:
+    """A PUB in front of ``upstream`` whose connection to its subscribers can be cut and
+    restored (a network that went away and came back): ``cut`` closes its PUB, so the
+    subscriber's connection drops and what the upstream publishes meanwhile is lost; ``restore``
+    binds it again on the same port, and the subscriber reconnects by itself."""
+
+    def __init__(self, upstream: str) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(upstream)
+        self.port = free_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.pub: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Link:
+        await self.restore()
+        self._task = asyncio.create_task(self._forward())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.ctx.destroy(linger=0)
+
+    async def _forward(self) -> None:
+        while True:
+            frames = await self.sub.recv_multipart()
+            if self.pub is not None:
+                await self.pub.send_multipart(frames)
+
+    def cut(self) -> None:
+        assert self.pub is not None
+        self.pub.close(linger=0)
+        self.pub = None
+
+    async def restore(self, timeout_s: float = 5.0) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pub = self.ctx.socket(zmq.PUB)
+        while True:  # the closed PUB's listener is released by ZMQ's I/O thread, a bit later
+            try:
+                pub.bind(self.endpoint)
+                break
+            except zmq.ZMQError:
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        self.pub = pub
