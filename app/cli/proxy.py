@@ -18,10 +18,14 @@ from app.proxy import Flow, Policy, ProxyConfig, create_proxy
 from app.proxy.config import (
     ADMIN_TOKEN_ENV,
     ADMIN_TOKEN_FLAG,
+    DECODE_SIDECAR_FLAG,
+    DECODE_SIDECAR_TOKEN_ENV,
+    DECODE_SIDECAR_TOKEN_FLAG,
     KV_EVENTS_FLAG,
     POOL_TOKEN_ENV,
     POOL_TOKEN_FLAG,
     WithoutPrefill,
+    parse_decode_sidecar,
     parse_kv_events,
 )
 
@@ -250,6 +254,34 @@ def proxy_command(
             f"(else the token in {POOL_TOKEN_ENV}); the lookup needs it when they have one.",
         ),
     ] = None,
+    decode_sidecar: Annotated[
+        list[str] | None,
+        typer.Option(
+            DECODE_SIDECAR_FLAG,
+            help="URL=ADMIN_URL[,ADMIN_URL...]: the admin API of the sidecar(s) of the decode "
+            "at URL; a prefill that failed for good is aborted there at once, so decode "
+            "recomputes now instead of at its deadline (repeatable; docs/serving.md).",
+        ),
+    ] = None,
+    decode_sidecar_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            DECODE_SIDECAR_TOKEN_FLAG,
+            help="File holding decode sidecars' admin token, sent with those aborts (else the "
+            f"token in {DECODE_SIDECAR_TOKEN_ENV}); they need it when the sidecars have one.",
+        ),
+    ] = None,
+    retry_budget_ratio: Annotated[
+        float,
+        typer.Option(help="Retries allowed per request seen over the budget's window (0 to 1)."),
+    ] = _DEFAULTS.retry_budget_ratio,
+    retry_budget_min: Annotated[
+        int,
+        typer.Option(help="Retries allowed per window whatever the ratio (ratio and min 0: none)."),
+    ] = _DEFAULTS.retry_budget_min,
+    retry_budget_window: Annotated[
+        float, typer.Option(help="The retry budget's sliding window, in seconds.")
+    ] = _DEFAULTS.retry_budget_window_s,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -257,6 +289,9 @@ def proxy_command(
         raise ConfigError(f"--log-level {log_level!r}: expected debug, info, warning or error")
     admin_token = read_admin_token(admin_token_file, os.environ)
     pool_token = read_token(pool_lookup_token_file, os.environ, POOL_TOKEN_ENV, POOL_TOKEN_FLAG)
+    sidecar_token = read_token(
+        decode_sidecar_token_file, os.environ, DECODE_SIDECAR_TOKEN_ENV, DECODE_SIDECAR_TOKEN_FLAG
+    )
     if port_file is not None:
         clear_port_file(port_file)  # an earlier run's port is not ours
     sock = _bind(host, port)
@@ -292,6 +327,11 @@ def proxy_command(
             pool_lookup=pool_lookup,
             pool_load_cost=pool_load_cost,
             pool_lookup_token=pool_token,
+            retry_budget_ratio=retry_budget_ratio,
+            retry_budget_min=retry_budget_min,
+            retry_budget_window_s=retry_budget_window,
+            decode_sidecars=tuple(parse_decode_sidecar(spec) for spec in decode_sidecar or ()),
+            decode_sidecar_token=sidecar_token,
         )
     except ConfigError:
         sock.close()

@@ -210,16 +210,20 @@ class Pool:
         """The instance the policy picks now (raises ``NoHealthyInstance``)."""
         return self._choose(shape, pool)[0]
 
-    def _choose(self, shape: RequestShape, pool: PoolAnswer | None) -> tuple[Instance, Pick]:
+    def _choose(
+        self, shape: RequestShape, pool: PoolAnswer | None, exclude: frozenset[str] = frozenset()
+    ) -> tuple[Instance, Pick]:
         n = len(self.instances)
         # Start after the last pick: round-robin takes the first available one, and min()
         # and max() keep the first of equals, so ties rotate too.
         order = [self.instances[(self._next + i) % n] for i in range(n)]
-        live = [inst for inst in order if inst.available]
+        live = [inst for inst in order if inst.available and inst.url not in exclude]
         if not live:
             tried = ", ".join(inst.url for inst in self.instances)
             opened = [i.url for i in self.instances if i.healthy and not i.breaker.allows]
             why = f"; circuit open: {', '.join(opened)}" if opened else ""
+            if exclude:
+                why += f"; already failed this request: {', '.join(sorted(exclude))}"
             raise NoHealthyInstance(f"no healthy {self.role} instance (tried: {tried}{why})")
         # Hits of every candidate when the pick reads them; else of the chosen one only.
         reads_hits = self.policy is Policy.CACHE_AWARE or self.engine_hits is not None
@@ -287,14 +291,20 @@ class Pool:
     def _score(self, hit_tokens: float, inst: Instance) -> float:
         return cache_score(hit_tokens, inst.tokens, self.routing.alpha)
 
-    def acquire(self, shape: RequestShape = _EMPTY, pool: PoolAnswer | None = None) -> Lease:
+    def acquire(
+        self,
+        shape: RequestShape = _EMPTY,
+        pool: PoolAnswer | None = None,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Lease:
         """Pick an instance and count a request on it (raises ``NoHealthyInstance``);
-        ``pool``: what the shared KV pool serves of the prompt (the second tier).
+        ``pool``: what the shared KV pool serves of the prompt (the second tier); ``exclude``:
+        instances not to pick (a retry's, which failed this request).
 
         With a prefix index (cache_aware, or ``track_prefixes``), the prompt's blocks join the
         picked instance's index, since it is about to compute (or receive, or already holds)
         them."""
-        inst, pick = self._choose(shape, pool)
+        inst, pick = self._choose(shape, pool, exclude)
         if inst.index is not None:
             inst.index.add(shape.chain)
         return Lease(inst, pick.cost_tokens, pick, shape.chain)

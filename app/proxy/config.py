@@ -9,6 +9,7 @@ from app.errors import ConfigError
 from app.proxy.disagg import DisaggRules
 from app.proxy.dp import upstream
 from app.proxy.kv_events.feed import EngineEvents
+from app.proxy.retries import BudgetSettings
 
 # Where ``kv-sidecar proxy`` reads the admin token when no --admin-token-file is given.
 ADMIN_TOKEN_ENV = "KVSIDECAR_PROXY_ADMIN_TOKEN"
@@ -17,6 +18,10 @@ ADMIN_TOKEN_FLAG = "--admin-token-file"
 # (KVSIDECAR_ADMIN_TOKEN there), which the lookup needs when they have one.
 POOL_TOKEN_ENV = "KVSIDECAR_PROXY_POOL_LOOKUP_TOKEN"
 POOL_TOKEN_FLAG = "--pool-lookup-token-file"
+# The bearer token the proxy sends with an abort to decode's sidecar (its admin token).
+DECODE_SIDECAR_TOKEN_ENV = "KVSIDECAR_PROXY_DECODE_SIDECAR_TOKEN"
+DECODE_SIDECAR_TOKEN_FLAG = "--decode-sidecar-token-file"
+DECODE_SIDECAR_FLAG = "--decode-sidecar"
 
 
 class Policy(StrEnum):
@@ -67,6 +72,32 @@ def parse_kv_events(spec: str) -> EngineEvents:
                 f"{KV_EVENTS_FLAG} {spec!r}: endpoint {end!r} is not a ZMQ tcp:// or ipc:// address"
             )
     return EngineEvents(url.rstrip("/"), parts[0], parts[1] if len(parts) == 2 else None)
+
+
+@dataclass(frozen=True)
+class DecodeSidecar:
+    """Where the proxy tells a decode instance's sidecar(s) to stop waiting for a transfer:
+    their admin API (one per pipeline stage or pod that holds the instance's ranks)."""
+
+    decode: str
+    admin_urls: tuple[str, ...]
+
+
+def parse_decode_sidecar(spec: str) -> DecodeSidecar:
+    """``URL=ADMIN_URL[,ADMIN_URL...]``: the admin API of the sidecar(s) of decode at URL."""
+    url, sep, ends = spec.partition("=")
+    admins = tuple(a.rstrip("/") for a in ends.split(",") if a)
+    if not sep or not url or not admins:
+        raise ConfigError(
+            f"{DECODE_SIDECAR_FLAG} {spec!r}: expected URL=ADMIN_URL[,ADMIN_URL...], e.g. "
+            "http://10.0.0.6:8200=http://10.0.0.6:9100"
+        )
+    for a in admins:
+        if not a.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"{DECODE_SIDECAR_FLAG} {spec!r}: {a!r} is not an http(s):// admin URL"
+            )
+    return DecodeSidecar(url.rstrip("/"), admins)
 
 
 class WithoutPrefill(StrEnum):
@@ -145,6 +176,16 @@ class ProxyConfig:
     pool_lookup_timeout_s: float = 0.25
     # Sent as the lookup's bearer token: the pool sidecar's admin token (None: send none).
     pool_lookup_token: str | None = field(default=None, repr=False)
+    # Retries (retries.py): at most this share of the requests of the last window, and at
+    # least this many per window. Both 0: no retries.
+    retry_budget_ratio: float = 0.1
+    retry_budget_min: int = 3
+    retry_budget_window_s: float = 10.0
+    # Decode instances' sidecar admin APIs: a prefill that failed for good is told to decode's
+    # sidecar at once (an abort: decode recomputes now, not at its deadline). None known:
+    # decode waits for its sidecar's deadline, as before.
+    decode_sidecars: tuple[DecodeSidecar, ...] = ()
+    decode_sidecar_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -196,6 +237,7 @@ class ProxyConfig:
             "breaker_probe_interval_s",
             "body_timeout_s",
             "pool_lookup_timeout_s",
+            "retry_budget_window_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -209,6 +251,15 @@ class ProxyConfig:
                 )
         if len(set(named)) != len(named):
             raise ConfigError(f"{KV_EVENTS_FLAG} names an instance twice: {', '.join(named)}")
+        told = [s.decode for s in self.decode_sidecars]
+        for name in told:
+            if name not in self.decode:
+                raise ConfigError(
+                    f"{DECODE_SIDECAR_FLAG} names {name!r}, which is not a --decode URL "
+                    f"({', '.join(self.decode)})"
+                )
+        if len(set(told)) != len(told):
+            raise ConfigError(f"{DECODE_SIDECAR_FLAG} names an instance twice: {', '.join(told)}")
         for name in (
             "kv_events_unit",
             "kv_events_max_blocks",
@@ -231,6 +282,13 @@ class ProxyConfig:
                 f"decode_hit_fraction must be positive (above 1 turns the rule off), "
                 f"got {self.decode_hit_fraction}"
             )
+        if not 0 <= self.retry_budget_ratio <= 1:
+            raise ConfigError(
+                f"retry_budget_ratio must be within [0, 1] (retries per request), "
+                f"got {self.retry_budget_ratio}"
+            )
+        if self.retry_budget_min < 0:
+            raise ConfigError(f"retry_budget_min must not be negative, got {self.retry_budget_min}")
         if self.prefill_alpha < 0:
             raise ConfigError(f"prefill_alpha must not be negative, got {self.prefill_alpha}")
         if not 0 <= self.pool_load_cost <= 1:
@@ -250,6 +308,10 @@ class ProxyConfig:
         for name, source in (
             ("admin_token", f"{ADMIN_TOKEN_FLAG} or {ADMIN_TOKEN_ENV}"),
             ("pool_lookup_token", f"{POOL_TOKEN_FLAG} or {POOL_TOKEN_ENV}"),
+            (
+                "decode_sidecar_token",
+                f"{DECODE_SIDECAR_TOKEN_FLAG} or {DECODE_SIDECAR_TOKEN_ENV}",
+            ),
         ):
             token = getattr(self, name)
             if token is None:
@@ -266,6 +328,12 @@ class ProxyConfig:
     @property
     def disagg_rules(self) -> DisaggRules:
         return DisaggRules(self.min_prefill_tokens, self.decode_hit_fraction)
+
+    @property
+    def retry_budget(self) -> BudgetSettings:
+        return BudgetSettings(
+            self.retry_budget_ratio, self.retry_budget_min, self.retry_budget_window_s
+        )
 
     @property
     def router_url(self) -> str:

@@ -17,6 +17,7 @@ from app.proxy.balancer import Lease
 from app.proxy.breaker import decode_ok
 from app.proxy.errors import error_response
 from app.proxy.records import DecodeOutcome, TransferTracker
+from app.proxy.retries import Retry
 from app.tracing.otel import Span
 
 T = TypeVar("T")
@@ -96,6 +97,7 @@ class Exchange:
         self.upstream: httpx.Response | None = None
         self.server = server  # the request's span; ``call``: the call to decode under it
         self.call: Span | None = None
+        self.retry: Retry | None = None  # decode failed and the request goes again (flow.py)
         self._on_end = on_end
         self._ended = False
 
@@ -115,10 +117,14 @@ class Exchange:
         # A prefill for a decode that never gave a target is pointless now. One that had it
         # is left to finish when decode answered (it is about done), and cut off if the
         # client left.
-        if self.prefill is not None and (outcome == "client_gone" or t.target_s is None):
+        # A retried one's prefill fed a decode that failed: the retry has a prefill of its own.
+        cut = outcome == "client_gone" or t.target_s is None or t.retried_as is not None
+        if self.prefill is not None and cut:
             self.prefill.cancel()
         failure = None if outcome == "ok" else (error or outcome)
-        for span in (self.call, self.server):
+        # A retried request's server span goes on: the retry's exchange ends it.
+        spans = (self.call,) if t.retried_as is not None else (self.call, self.server)
+        for span in spans:
             if span is not None:
                 span.set("http.response.status_code", t.decode_status)
                 span.set("kv.outcome", outcome)

@@ -12,8 +12,14 @@
    its blocks, and one decode never gave a target to is cancelled.
 3. Decode first: the prompt goes to prefill only once the target came, with it
    (``remote: target``). No target in time, or decode ended first: no prefill.
-4. A failed prefill is only logged: decode's sidecar times out and decode recomputes. A
-   client that goes away closes both upstream connections, which vLLM turns into aborts.
+4. Failures (prefill_side.py, retries.py). A prefill the prompt never reached is retried once
+   for the same transfer on another prefill. One that failed for good is told to decode's
+   sidecar (``--decode-sidecar``, decode_stop.py): decode recomputes now, not at its
+   deadline. A decode that failed before the client got a byte (refused, reset, 5xx; a
+   stream's first chunk is read before the client's headers go out) is retried once as a new
+   transfer on another decode; after the first byte a stream ends with an error event. Both
+   within the retry budget; the records say ``attempts`` and why. A client that goes away
+   closes both upstream connections, which vLLM turns into aborts.
 5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
    decode as a plain request and no prefill is asked; the record says ``local`` and why. So
    does one that needs a prefill when none is available (``--without-prefill``), counted in
@@ -49,12 +55,12 @@ from app.proxy.bodies import (
     kv_load_of,
     local_body,
     new_transfer_token,
-    prefill_body,
 )
 from app.proxy.config import Flow, ProxyConfig, WithoutPrefill
+from app.proxy.decode_stop import DecodeStopper
 from app.proxy.disagg import Decision, DisaggCounts, without_prefill
 from app.proxy.dp import upstream as dp_upstream
-from app.proxy.errors import NoHealthyInstance, TargetError, error_response
+from app.proxy.errors import NoHealthyInstance, error_response
 from app.proxy.exchange import (
     Exchange,
     PrefillJob,
@@ -66,7 +72,9 @@ from app.proxy.exchange import (
 )
 from app.proxy.metrics import REFUSED, ProxyMetrics
 from app.proxy.pool_tier import PoolTier
+from app.proxy.prefill_side import PrefillSide
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
+from app.proxy.retries import Reason, Retry, RetryBudget
 from app.proxy.routing import shape_of
 from app.proxy.spans import TRACE_ID_HEADER, call_span, refused
 from app.proxy.targets import TargetRendezvous
@@ -103,12 +111,16 @@ class PDFlow:
         self.transfers = transfers
         self.client = client
         self.metrics = metrics
-        self._tasks: set[asyncio.Task[None]] = set()
         self._live: dict[str, TransferTracker] = {}  # by transfer id, until decode ended
         self.disagg = cfg.disagg_rules
         self.counts = DisaggCounts()
         self._no_prefill_logged = float("-inf")  # monotonic time of the last such warning
-        self.tracing: Tracing | None = None  # the app's lifespan opens it when configured
+        self.budget = RetryBudget(cfg.retry_budget)
+        stopper = DecodeStopper(cfg, client)
+        self.prefills = PrefillSide(
+            cfg, prefill, targets, client, metrics, self.budget, self._count_settled, stopper
+        )
+        self._tracing: Tracing | None = None  # the app's lifespan opens it when configured
         # The KV pool as the prefill pick's second tier (pool_tier.py).
         self.pool_tier = (
             None
@@ -121,6 +133,14 @@ class PDFlow:
                 cfg.pool_lookup_token,
             )
         )
+
+    @property
+    def tracing(self) -> Tracing | None:
+        return self._tracing
+
+    @tracing.setter
+    def tracing(self, tracing: Tracing | None) -> None:
+        self._tracing = self.prefills.tracing = tracing
 
     def _warn_no_prefill(self, reason: str) -> None:
         # At most one line per interval: with every prefill down, each long prompt comes here.
@@ -149,9 +169,47 @@ class PDFlow:
         body = await read_json_object(request)
         if isinstance(body, Response):
             return self._refuse(server, path, None, body)
-        shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len)
+        self.budget.request()
+        headers = forwarded_headers(request)
+        disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
-            d = self.decode.acquire(shape)
+            retries: tuple[Retry, ...] = ()
+            tid: str | None = None
+            while True:  # at most twice: a decode retry is made once (_decode_retry)
+                x = await self._start(server, body, path, headers, retries, tid)
+                if isinstance(x, Response):
+                    return x
+                try:
+                    answer = await self._answer(x, body, path, headers, disconnected)
+                except asyncio.CancelledError:
+                    with anyio.CancelScope(shield=True):
+                        await x.end("client_gone")
+                    raise
+                if isinstance(answer, Response):
+                    return answer
+                # Decode failed before the client got a byte: again, as a new transfer.
+                assert x.retry is not None
+                retries, tid = (*x.tracker.retries, x.retry), x.tracker.retried_as
+        finally:
+            # A streamed answer's disconnects are Starlette's to watch from here on.
+            disconnected.cancel()
+            await asyncio.gather(disconnected, return_exceptions=True)
+
+    async def _start(
+        self,
+        server: Span,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        retries: tuple[Retry, ...],
+        tid: str | None,
+    ) -> Exchange | Response:
+        """Pick decode (and prefill), open the transfer and start prefill's side; a decode
+        retry (``retries`` ends with one) excludes the decode instances that failed."""
+        shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len)
+        failed = frozenset(r.instance for r in retries if r.stage == "decode")
+        try:
+            d = self.decode.acquire(shape, exclude=failed)
         except NoHealthyInstance as e:
             answer = error_response(503, str(e), "service_unavailable")
             return self._refuse(server, path, None, answer)
@@ -178,12 +236,12 @@ class PDFlow:
             else:
                 self.metrics.pick("prefill", p.pick)
         self.counts.count(decision)
-        tid = uuid.uuid4().hex
+        tid = tid or uuid.uuid4().hex
         t = self.transfers.start(tid, path, d.url, None if p is None else p.url)
         t.decode_pick, t.reason = d.pick, decision.reason
         t.trace = server.traceparent
+        t.retries = retries
         server.set("kv.transfer_id", tid)
-        headers = forwarded_headers(request)
         prefill: asyncio.Task[None] | None = None
         token: str | None = None
         if p is not None:
@@ -192,21 +250,10 @@ class PDFlow:
             # Open before decode hears of the id: its target may come back at once.
             self.targets.open(tid, token)
             self._live[tid] = t
-            prefill = self._spawn_prefill(PrefillJob(t, p, body, path, headers, token))
+            prefill = self.prefills.spawn(PrefillJob(t, p, body, path, headers, token))
         else:
             log.debug("transfer %s: decode alone (%s)", tid, decision.reason)
-        x = Exchange(t, d, prefill, partial(self._decode_ended, t, decision), server, token)
-        disconnected = asyncio.create_task(until_disconnected(request.receive))
-        try:
-            return await self._answer(x, body, path, headers, disconnected)
-        except asyncio.CancelledError:
-            with anyio.CancelScope(shield=True):
-                await x.end("client_gone")
-            raise
-        finally:
-            # A streamed answer's disconnects are Starlette's to watch from here on.
-            disconnected.cancel()
-            await asyncio.gather(disconnected, return_exceptions=True)
+        return Exchange(t, d, prefill, partial(self._decode_ended, t, decision), server, token)
 
     async def _answer(
         self,
@@ -215,7 +262,9 @@ class PDFlow:
         path: str,
         headers: dict[str, str],
         disconnected: asyncio.Task[None],
-    ) -> Response:
+    ) -> Response | None:
+        """Decode's answer, relayed; None: decode failed before the client got a byte, and
+        the request goes again as ``x.tracker.retried_as`` (``x.retry`` says why)."""
         t = x.tracker
         call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
         tp = call.traceparent.header
@@ -239,14 +288,28 @@ class PDFlow:
             return Response(status_code=CLIENT_GONE)
         x.upstream = upstream
         t.decode_status = upstream.status_code
+        if upstream.status_code >= 500:
+            msg = f"decode instance {x.decode.url} answered {upstream.status_code}"
+            if self._decode_retry(x, "status_5xx", msg):
+                await x.end("failed", msg)
+                return None
         out_headers = {TRANSFER_ID_HEADER: t.transfer_id, TRACE_ID_HEADER: x.server.trace_id}
         if "content-type" in upstream.headers:
             out_headers["content-type"] = upstream.headers["content-type"]
         if is_streamed(body):
             # Whether decode loaded the KV is in its last event, not read here: kv_load
             # stays None and a recompute shows as ok.
+            chunks = upstream.aiter_bytes()
+            # The first chunk before the client's headers: until then a failure is retried.
+            try:
+                first = await first_or_none(anext(chunks, b""), disconnected)
+            except httpx.HTTPError as e:
+                return await self._decode_failed(x, e)
+            if first is None:
+                await x.end("client_gone")
+                return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
-                self._relay(x),
+                self._relay(x, first, chunks),
                 status_code=upstream.status_code,
                 headers=out_headers,
                 # Runs even when the client left before the first chunk was asked for.
@@ -270,12 +333,16 @@ class PDFlow:
             return "ok", None
         return "failed", f"decode instance {x.decode.url} answered {code}"
 
-    async def _relay(self, x: Exchange) -> AsyncIterator[bytes]:
+    async def _relay(
+        self, x: Exchange, first: bytes, chunks: AsyncIterator[bytes]
+    ) -> AsyncIterator[bytes]:
         assert x.upstream is not None
         outcome: DecodeOutcome = "client_gone"  # unless the loop below ends on its own
         error: str | None = None
         try:
-            async for chunk in x.upstream.aiter_bytes():
+            if first:
+                yield first
+            async for chunk in chunks:
                 yield chunk
             outcome, error = self._verdict(x)
         except httpx.HTTPError as e:
@@ -291,29 +358,56 @@ class PDFlow:
             with anyio.CancelScope(shield=True):
                 await x.end(outcome, error)
 
-    async def _decode_failed(self, x: Exchange, e: httpx.HTTPError) -> JSONResponse:
+    async def _decode_failed(self, x: Exchange, e: httpx.HTTPError) -> JSONResponse | None:
+        """Decode failed before the client got a byte: the error to answer, or None when the
+        request is retried (``_decode_retry``)."""
         url = x.decode.url
         outcome: DecodeOutcome
+        reason: Reason | None = None
         if is_connection_failure(e):
             x.decode.instance.mark(False, f"connection failed: {describe(e)}")
-            status, kind, outcome = 502, "bad_gateway", "unreachable"
+            status, kind, outcome, reason = 502, "bad_gateway", "unreachable", "connect"
             msg = f"decode instance {url} could not be reached: {describe(e)}"
         elif isinstance(e, httpx.TimeoutException):
+            # Not retried: another request_timeout_s would double the client's wait.
             status, kind, outcome = 504, "gateway_timeout", "timeout"
             msg = (
                 f"decode instance {url} did not answer within "
                 f"{self.cfg.request_timeout_s:g} s: {describe(e)}"
             )
         else:
-            status, kind, outcome = 502, "bad_gateway", "broken"
+            status, kind, outcome, reason = 502, "bad_gateway", "broken", "reset"
             msg = f"decode instance {url} failed: {describe(e)}"
         log.error("transfer %s: %s", x.tracker.transfer_id, msg)
+        if reason is not None and self._decode_retry(x, reason, msg):
+            await x.end(outcome, msg)
+            return None
         await x.end(outcome, msg)
         answer = error_response(status, msg, kind)
         # The id the proxy's and both sidecars' records know, for the operator's curl.
         answer.headers[TRANSFER_ID_HEADER] = x.tracker.transfer_id
         answer.headers[TRACE_ID_HEADER] = x.server.trace_id
         return answer
+
+    def _decode_retry(self, x: Exchange, reason: Reason, error: str) -> bool:
+        """Whether the request goes again on another decode (once, within the budget); if so
+        ``x`` names the new transfer and why."""
+        t, url = x.tracker, x.decode.url
+        if any(r.stage == "decode" for r in t.retries):
+            return False  # once per request
+        failed = {r.instance for r in t.retries if r.stage == "decode"} | {url}
+        if not any(i.available and i.url not in failed for i in self.decode.instances):
+            self.metrics.not_retried("decode", "no_instance")
+            return False
+        if not self.budget.take():
+            self.metrics.not_retried("decode", "budget")
+            log.warning("transfer %s: decode failed; retry budget spent", t.transfer_id)
+            return False
+        self.metrics.retry("decode", reason)
+        x.retry = Retry("decode", reason, url, error, t.transfer_id)
+        t.retried_as = uuid.uuid4().hex
+        log.warning("transfer %s: retrying the request as %s", t.transfer_id, t.retried_as)
+        return True
 
     def _decode_ended(self, t: TransferTracker, decision: Decision, outcome: DecodeOutcome) -> None:
         self._live.pop(t.transfer_id, None)
@@ -322,123 +416,16 @@ class PDFlow:
             self.targets.close(t.transfer_id, f"decode's request ended ({outcome})")
             if t.target_s is None and t.prefill_outcome == "ok":
                 t.prefill_outcome = "no_target"  # it computed, but nothing was sent
-        self.metrics.request(t.path, decision, outcome)
+        if t.retried_as is None:  # a retried request is counted once, when its retry ends
+            self.metrics.request(t.path, decision, outcome)
         self._count_settled(t)
 
     def _count_settled(self, t: TransferTracker) -> None:
         """Count the record's final status once both sides ended (either may end last)."""
         if not t.counted and t.status != "pending":
             t.counted = True
-            self.metrics.transfer(t.status)
-
-    def _spawn_prefill(self, job: PrefillJob) -> asyncio.Task[None]:
-        concurrent = self.cfg.flow is Flow.CONCURRENT
-        run = self._prefill_now if concurrent else self._prefill
-        task = asyncio.create_task(run(job))
-        self._tasks.add(task)
-        t = job.tracker
-
-        def done(task: asyncio.Task[None]) -> None:
-            # Here, not in _prefill: a task cancelled before it ran never enters its body.
-            self._tasks.discard(task)
-            job.lease.release()
-            if not concurrent:  # concurrent: prefill may end before decode's target came
-                self.targets.close(t.transfer_id, "its request already ended")
-            if t.prefill_outcome is None:
-                t.prefill_outcome = "no_target" if t.target_s is None else "cancelled"
-            self._count_settled(t)
-            if not task.cancelled() and task.exception() is not None:
-                log.error(
-                    "transfer %s: prefill side crashed", t.transfer_id, exc_info=task.exception()
-                )
-
-        task.add_done_callback(done)
-        return task
-
-    async def _prefill(self, job: PrefillJob) -> None:
-        """Decode first: the prompt goes to prefill once decode's target came, with it."""
-        t = job.tracker
-        tid, timeout = t.transfer_id, self.cfg.target_timeout_s
-        try:
-            stages = await self.targets.wait(tid, timeout)
-        except TimeoutError:
-            t.prefill_outcome = "target_timeout"
-            msg = f"no target from decode {t.decode} within {timeout:g} s; prefill skipped"
-            t.note_error(msg)
-            log.warning("transfer %s: %s (decode computes the prompt itself)", tid, msg)
-            self.targets.close(tid, f"no target came within {timeout:g} s")
-            return
-        except TargetError as e:
-            t.prefill_outcome = "target_error"
-            t.note_error(str(e))
-            log.warning("transfer %s: %s", tid, e)
-            return
-        t.target_s = t.since_start()
-        self.targets.close(tid, "its target already arrived")
-        call = call_span(self.tracing, t, "prefill", job.lease.url, job.path)
-        out = prefill_body(
-            job.body, tid, token=job.token, targets=stages, traceparent=call.traceparent.header
-        )
-        await self._post_prefill(job, out, call)
-
-    async def _prefill_now(self, job: PrefillJob) -> None:
-        """Concurrent: the prompt goes to prefill at once; its connector fetches the target."""
-        t = job.tracker
-        call = call_span(self.tracing, t, "prefill", job.lease.url, job.path)
-        out = prefill_body(
-            job.body,
-            t.transfer_id,
-            token=job.token,
-            router_url=self.cfg.router_url,
-            target_timeout_s=self.cfg.target_timeout_s,
-            traceparent=call.traceparent.header,
-        )
-        await self._post_prefill(job, out, call)
-
-    async def _post_prefill(self, job: PrefillJob, out: dict[str, Any], call: Span) -> None:
-        """The call to prefill, timed by ``call`` (ended however the call ends)."""
-        t = job.tracker
-        try:
-            await self._send_prefill(
-                job, out, {**job.headers, TRACEPARENT: call.traceparent.header}
-            )
-        finally:
-            call.set("http.response.status_code", t.prefill_status)
-            call.set("kv.outcome", t.prefill_outcome or "cancelled")
-            call.end(None if t.prefill_outcome == "ok" else (t.prefill_outcome or "cancelled"))
-
-    async def _send_prefill(
-        self, job: PrefillJob, out: dict[str, Any], headers: dict[str, str]
-    ) -> None:
-        t, p = job.tracker, job.lease
-        tid = t.transfer_id
-        t0 = time.monotonic()
-        try:
-            base, rank = dp_upstream(p.url)
-            r = await self.client.post(f"{base}{job.path}", json=out, headers={**headers, **rank})
-        except httpx.HTTPError as e:
-            if is_connection_failure(e):
-                p.instance.mark(False, f"connection failed: {describe(e)}")
-            t.prefill_outcome = "prefill_failed"
-            msg = f"prefill instance {p.url} failed: {describe(e)}"
-            p.settle(False, msg)
-            t.note_error(msg)
-            log.error("transfer %s: %s (decode recomputes after its sidecar gives up)", tid, msg)
-            return
-        finally:
-            t.prefill_s = time.monotonic() - t0
-        t.prefill_status = r.status_code
-        p.settle(r.status_code < 500, f"answered {r.status_code}")
-        if r.status_code == 200:
-            t.prefill_outcome = "ok"
-            return
-        t.prefill_outcome = "prefill_failed"
-        msg = f"prefill instance {p.url} answered {r.status_code}: {r.text[:300]}"
-        t.note_error(msg)
-        log.error("transfer %s: %s", tid, msg)
+            self.metrics.transfer(t.status, t.decode, t.disaggregated)
 
     async def close(self) -> None:
         """Cut off every prefill still running (shutdown)."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.prefills.close()

@@ -119,6 +119,45 @@ class ProxyMetrics:
             ["action"],
             registry=self.registry,
         )
+        self._retries = Counter(
+            "kvproxy_retries",
+            "Retries made, by the stage retried (prefill: same transfer, another prefill; "
+            "decode: the whole request on another decode) and why (connect, reset, status_5xx).",
+            ["stage", "reason"],
+            registry=self.registry,
+        )
+        self._not_retried = Counter(
+            "kvproxy_retries_refused",
+            "Failures that could have been retried and were not, by stage and why: budget "
+            "(the retry budget was spent) or no_instance (no other instance available).",
+            ["stage", "why"],
+            registry=self.registry,
+        )
+        # Named after vLLM's vllm:nixl_num_failed_transfers: same meaning, seen from the proxy.
+        self._failed = Counter(
+            "kvproxy_num_failed_transfers",
+            "Disaggregated requests whose KV did not reach decode, by decode instance and the "
+            "record's status (prefill_failed, target_timeout, target_error, no_target, "
+            "recomputed).",
+            ["instance", "status"],
+            registry=self.registry,
+        )
+        self._prompts = Counter(
+            "kvproxy_decode_prompts",
+            "Prompts decode answered, by decode instance and who computed them: transfer "
+            "(prefill, its KV loaded), local (decode alone by choice) or recomputed (a failed "
+            "or missing transfer). Share computed by decode: source!=transfer over all.",
+            ["instance", "source"],
+            registry=self.registry,
+        )
+        self._stops = Counter(
+            "kvproxy_decode_stops",
+            "Transfers whose prefill failed for good and whose decode sidecar the proxy told to "
+            "stop waiting (--decode-sidecar), by outcome: ok (aborted, or ended already) or "
+            "failed (the sidecar did not take it: decode waits for its deadline).",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pools, feed))
 
     def pick(self, role: str, pick: Pick | None) -> None:
@@ -140,9 +179,26 @@ class ProxyMetrics:
         """A request needed a prefill and found none: ``decode_alone`` or ``refused``."""
         self._no_prefill.labels(action).inc()
 
-    def transfer(self, status: str) -> None:
-        """A transfer record settled with ``status``."""
+    def transfer(self, status: str, decode: str, disaggregated: bool) -> None:
+        """A transfer record settled with ``status`` (decode's instance ``decode``)."""
         self._transfers.labels(status).inc()
+        if status in ("decode_failed", "client_gone"):
+            return  # no prompt answered, so nothing to say who computed it
+        if status in ("ok", "local"):
+            self._prompts.labels(decode, "transfer" if status == "ok" else "local").inc()
+            return
+        self._prompts.labels(decode, "recomputed").inc()
+        if disaggregated:
+            self._failed.labels(decode, status).inc()
+
+    def retry(self, stage: str, reason: str) -> None:
+        self._retries.labels(stage, reason).inc()
+
+    def decode_stop(self, outcome: str) -> None:
+        self._stops.labels(outcome).inc()
+
+    def not_retried(self, stage: str, why: str) -> None:
+        self._not_retried.labels(stage, why).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

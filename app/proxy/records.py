@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from app.proxy.dp import dp_rank
+from app.proxy.retries import Retry
 from app.proxy.routing import Pick
 from app.tracing.traceparent import TraceParent
 
@@ -33,6 +34,11 @@ class TransferRecord:
     ``kv_load`` is what decode's connector reported in its answer's ``kv_transfer_params``
     (``ok`` or ``failed``); None when it said nothing or the answer was streamed, which the
     proxy relays without reading: a streamed request whose KV never came shows ``ok``.
+
+    ``attempts``: the upstream tries this client request took so far (1 + ``retries``, which
+    say what failed and why, retries.py). A prefill retry stays in its transfer; a decode
+    retry starts a new transfer that carries the earlier retries, and the failed one names it
+    in ``retried_as``.
     """
 
     transfer_id: str
@@ -59,6 +65,11 @@ class TransferRecord:
     # The DP ranks that served it (instances named ``URL#dp<rank>``; None: no DP rank named).
     decode_dp_rank: int | None = None
     prefill_dp_rank: int | None = None
+    attempts: int = 1
+    retries: tuple[Retry, ...] = ()
+    retried_as: str | None = None
+    # Prefill failed for good: what decode's sidecar answered the proxy's abort (None: not told).
+    decode_stop: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -89,6 +100,9 @@ class TransferTracker:
     trace: TraceParent | None = None  # the proxy's server span: the calls' spans' parent
     kv_load: str | None = None  # decode's answer's kv_transfer_params.kv_load
     counted: bool = False  # its final status is in kvproxy_transfers_total
+    retries: tuple[Retry, ...] = ()  # this request's, the earlier transfers' included
+    retried_as: str | None = None  # decode failed and the request went on as this transfer
+    decode_stop: str | None = None  # what decode's sidecar answered the abort (decode_stop.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -136,6 +150,10 @@ class TransferTracker:
             kv_load=self.kv_load,
             decode_dp_rank=dp_rank(self.decode),
             prefill_dp_rank=None if self.prefill is None else dp_rank(self.prefill),
+            attempts=1 + len(self.retries),
+            retries=self.retries,
+            retried_as=self.retried_as,
+            decode_stop=self.decode_stop,
         )
 
 

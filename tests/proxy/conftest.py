@@ -26,9 +26,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.proxy import Flow, ProxyConfig, create_proxy
 from app.proxy.bodies import TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
+from app.proxy.config import DecodeSidecar, parse_decode_sidecar
 from tests.conftest import wait_for as shared_wait_for
 
 TARGET_BLOCKS = [[3, 4, 5], [9]]
+# start_proxy's settings for a test of what a failure does without the retry (retries.py).
+NO_RETRIES = {"retry_budget_ratio": 0.0, "retry_budget_min": 0}
 # Scraped samples by name and labels.
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -89,6 +92,11 @@ class Behaviour:
     chunks: int = 4
     chunk_delay_s: float = 0.0
     kv_load: str | None = None  # decode: reported in the final answer's kv_transfer_params
+    # Prefill: whether its KV reaches decode (False: it dies mid-prefill, nothing comes).
+    delivers: bool = True
+    # Streams: break the connection after this many events (0: before the first), as a
+    # killed engine does.
+    break_after: int | None = None
 
 
 def token_headers(kv: dict[str, Any]) -> dict[str, str]:
@@ -111,6 +119,7 @@ class Shared:
 
     prefill_seen: dict[str, threading.Event] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)
+    aborted: dict[str, float] = field(default_factory=dict)  # by decode's sidecar: when
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def seen(self, tid: str) -> threading.Event:
@@ -183,7 +192,7 @@ class FakeVLLM:
             # Concurrent: fetch the target as the connector does, without holding the answer;
             # decode (which really waits for the KV) waits for the fetch.
             self._fetches.add(asyncio.create_task(self._fetch_target(kv)))
-        elif kv.get("do_remote_decode"):
+        elif kv.get("do_remote_decode") and b.delivers:
             self.shared.seen(kv["transfer_id"]).set()
         if kv.get("do_remote_prefill") and b.post_target:
             await self._post_target(kv)
@@ -223,7 +232,8 @@ class FakeVLLM:
         self.posts.append((payload, r.status_code, r.json()))
         if r.status_code == 200 and "target" in payload:
             seen = await asyncio.to_thread(self.shared.seen(tid).wait, b.prefill_wait_s)
-            self.prefill_first[tid] = seen
+            # Woken by an abort at decode's sidecar: no KV came, decode recomputes now.
+            self.prefill_first[tid] = seen and tid not in self.shared.aborted
 
     async def _fetch_target(self, kv: dict[str, Any]) -> None:
         if self._client is None:
@@ -238,7 +248,8 @@ class FakeVLLM:
             )
             self.fetched[tid] = (r.status_code, r.json())
         finally:
-            self.shared.seen(tid).set()
+            if self.behaviour.delivers:
+                self.shared.seen(tid).set()
 
     async def _gone_within(self, request: Request, seconds: float) -> bool:
         deadline = time.monotonic() + seconds
@@ -258,7 +269,9 @@ class FakeVLLM:
         kv = body.get("kv_transfer_params") or {}
         # vLLM answers with kv_transfer_params too; the proxy must pass them through.
         answer_kv: dict[str, Any] = {"echo": kv.get("transfer_id")}
-        if self.behaviour.kv_load is not None:
+        if kv.get("transfer_id") in self.shared.aborted:
+            answer_kv["kv_load"] = "failed"
+        elif self.behaviour.kv_load is not None:
             answer_kv["kv_load"] = self.behaviour.kv_load
         return {
             "id": f"cmpl-{self.name}",
@@ -273,6 +286,8 @@ class FakeVLLM:
         b, sent, done = self.behaviour, bytearray(), False
         try:
             for i in range(b.chunks):
+                if i == b.break_after:
+                    raise ConnectionResetError(f"{self.name} died after {i} events")
                 event = f"data: {json.dumps(self._completion(body, i, i == b.chunks - 1))}\n\n"
                 sent += event.encode()
                 yield event.encode()
@@ -286,12 +301,43 @@ class FakeVLLM:
                 self.disconnected.set()  # cancelled: the proxy closed our connection
 
 
+class FakeSidecar:
+    """Decode's sidecar admin API, its abort only: a transfer decode posted a target for is
+    aborted (decode's wait ends, and it answers ``kv_load: failed``); others are 404."""
+
+    def __init__(self, decode: FakeVLLM, token: str | None = None) -> None:
+        self.decode, self.token = decode, token
+        self.aborts: list[Seen] = []
+        app = FastAPI()
+
+        @app.post("/v1/requests/{rid}/abort")
+        async def abort(rid: str, request: Request) -> JSONResponse:
+            self.aborts.append(Seen(request.url.path, await request.json(), dict(request.headers)))
+            if self.token is not None and request.headers.get("authorization") != (
+                f"Bearer {self.token}"
+            ):
+                return JSONResponse({"detail": "wrong token"}, status_code=401)
+            if rid not in self.decode.posted_at:
+                return JSONResponse({"detail": f"request {rid} is not known"}, status_code=404)
+            shared = self.decode.shared
+            shared.aborted[rid] = time.monotonic()
+            shared.seen(rid).set()
+            return JSONResponse({"id": rid, "aborted": [0], "entries": []})
+
+        self.server = ServerThread(app, bound_socket()).start()
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+
 @dataclass
 class Cluster:
     prefill: list[FakeVLLM]
     decode: list[FakeVLLM]
     shared: Shared
     proxy: ServerThread | None = None
+    sidecars: list[FakeSidecar] = field(default_factory=list)  # decode's, in its order
     # One client for the test's calls (a new one per call costs tens of ms for its TLS setup).
     client: httpx.Client = field(default_factory=lambda: httpx.Client(trust_env=False))
 
@@ -329,6 +375,14 @@ class Cluster:
         self.proxy = ServerThread(create_proxy(config), sock).start()
         return self
 
+    def with_decode_sidecars(self, token: str | None = None) -> tuple[DecodeSidecar, ...]:
+        """Start a fake sidecar per decode; the proxy's ``decode_sidecars`` for them."""
+        self.sidecars = [FakeSidecar(d, token) for d in self.decode]
+        return tuple(
+            parse_decode_sidecar(f"{d.url}={s.url}")
+            for d, s in zip(self.decode, self.sidecars, strict=True)
+        )
+
     def post(
         self, path: str = "/v1/completions", timeout: float = 10, **body: Any
     ) -> httpx.Response:
@@ -361,6 +415,7 @@ class Cluster:
     def stop(self) -> None:
         # Signalled together: each server takes up to 0.1 s to notice.
         servers = [f.server for f in (*self.prefill, *self.decode)] + [self.proxy]
+        servers += [s.server for s in self.sidecars]
         live = [s for s in servers if s is not None]
         for s in live:
             s.signal_stop()

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from app.proxy import Policy
 from app.proxy.balancer import Pool, Routing
 from app.proxy.breaker import Breaker, BreakerSettings, BreakerState, decode_ok
-from tests.proxy.conftest import Cluster, ServerThread, wait_for
+from tests.proxy.conftest import NO_RETRIES, Cluster, ServerThread, wait_for
 
 
 class Clock:
@@ -90,7 +90,7 @@ def test_a_decode_answering_500_is_skipped_then_taken_back(
     make_cluster: Callable[..., Cluster],
 ) -> None:
     c = make_cluster(n_prefill=1, n_decode=2).start_proxy(
-        breaker_failures=3, breaker_probe_interval_s=1.0
+        breaker_failures=3, breaker_probe_interval_s=1.0, **NO_RETRIES
     )
     d0, d1 = c.decode
     d0.behaviour.status = 500  # its /health still answers 200: only requests tell
@@ -119,7 +119,7 @@ def test_a_still_failing_decode_costs_one_request_per_probe(
     make_cluster: Callable[..., Cluster],
 ) -> None:
     c = make_cluster(n_prefill=1, n_decode=2).start_proxy(
-        breaker_failures=1, breaker_probe_interval_s=1.0
+        breaker_failures=1, breaker_probe_interval_s=1.0, **NO_RETRIES
     )
     d0 = c.decode[0]
     d0.behaviour.status = 503
@@ -140,7 +140,7 @@ def test_a_stopped_decode_stays_out_until_it_answers_again(
     make_cluster: Callable[..., Cluster],
 ) -> None:
     c = make_cluster(n_prefill=1, n_decode=2).start_proxy(
-        breaker_failures=1, breaker_probe_interval_s=0.2
+        breaker_failures=1, breaker_probe_interval_s=0.2, **NO_RETRIES
     )
     d0, d1 = c.decode
     port = int(d0.url.rsplit(":", 1)[1])

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from tests.proxy.conftest import Cluster, Samples, sample, wait_for
+from tests.proxy.conftest import NO_RETRIES, Cluster, Samples, sample, wait_for
 
 
 def requests(samples: Samples, decision: str, reason: str, outcome: str) -> float | None:
@@ -44,7 +44,7 @@ def test_requests_and_transfers_are_counted_by_decision_and_outcome(
 
 def test_breaker_states_are_read_when_scraped(make_cluster: Callable[..., Cluster]) -> None:
     c = make_cluster(n_prefill=1, n_decode=2).start_proxy(
-        breaker_failures=1, breaker_probe_interval_s=30.0
+        breaker_failures=1, breaker_probe_interval_s=30.0, **NO_RETRIES
     )
     d0, d1 = c.decode
     d0.behaviour.status = 500

@@ -1,4 +1,5 @@
-"""Upstream failures: decode unreachable is a 502 naming it; a failed prefill is only logged."""
+"""Upstream failures: decode unreachable is a 502 naming it; a failed prefill, with no other
+prefill and no ``--decode-sidecar`` to tell, is only logged (test_decode_told.py)."""
 
 from __future__ import annotations
 
