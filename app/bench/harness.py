@@ -92,6 +92,14 @@ class Bench:
                 if b != NULL_BLOCK
             )
 
+    def _renamed(self, pr: SimRequest, dr: SimRequest, rid: str) -> tuple[SimRequest, SimRequest]:
+        """Both sides of a request under a new id, decode's target signed for it anew: a
+        target binds to the transfer it was signed for."""
+        p = msgspec.structs.replace(pr, id=rid)
+        if p.remote is not None:
+            self.cluster.retarget(p, request_id=rid)
+        return p, msgspec.structs.replace(dr, id=rid)
+
     def run(
         self,
         pairs: Sequence[tuple[SimRequest, SimRequest]],
@@ -104,13 +112,7 @@ class Bench:
         """One transfer of ``pairs`` under fresh request ids; with the sidecar's submits as
         planned here and the minimum descriptors for that send mode."""
         self.runs += 1
-        pairs = [
-            (
-                msgspec.structs.replace(pr, id=f"r{self.runs}-{pr.id}"),
-                msgspec.structs.replace(dr, id=f"r{self.runs}-{dr.id}"),
-            )
-            for pr, dr in pairs
-        ]
+        pairs = [self._renamed(pr, dr, f"r{self.runs}-{pr.id}") for pr, dr in pairs]
         submits = self.plans.submits(pairs, bulk=bulk)
         min_desc = self.plans.min_descriptors(submits, across_layers=bulk)
         res = self.cluster.run(

@@ -26,6 +26,7 @@ from app.errors import ConfigError, DeadlineExceeded
 from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
 from app.harness.proc_tree import kill_trees
 from app.ports import clear_port_file, wait_port_file
+from app.proxy.config import DECODE_SIDECAR_FLAG, DECODE_SIDECAR_TOKEN_ENV
 from app.store.master import MasterProcess, free_port, start_master, stop_master
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,9 @@ class LocalPD:
 
     def start_sidecar(self, inst: Instance) -> None:
         env = self._sidecar_env(inst)
-        inst.admin_port = inst.control_port = 0
+        # A restarted sidecar takes its admin port back: the proxy was told it once
+        # (--decode-sidecar), as a deployment's service address stays put.
+        admin, inst.admin_port, inst.control_port = inst.admin_port, 0, 0
         clear_port_file(inst.port_file)
         self._spawn(
             f"sidecar-{inst.name}",
@@ -204,7 +207,7 @@ class LocalPD:
                 "--engine-ipc",
                 inst.ipc,
                 "--admin-port",
-                "0",
+                str(admin),
                 "--port-file",
                 str(inst.port_file),
             ],
@@ -268,11 +271,25 @@ class LocalPD:
                 "0",
                 "--decode-hit-fraction",
                 "2",
+                *self._decode_sidecar_args(decodes),
                 *self.proxy_args,
                 *events,
                 *options,
             ],
+            {} if self.admin_token is None else {DECODE_SIDECAR_TOKEN_ENV: self.admin_token},
         )
+
+    def _decode_sidecar_args(self, decodes: Sequence[Instance]) -> list[str]:
+        """Where the proxy tells a decode to stop waiting for a prefill that failed: the admin
+        APIs of every sidecar of each decode server (its PP stages, its DP rank's)."""
+        if self.in_process:
+            return []
+        routes = {(i.server, i.dp_rank): i.route for i in decodes if i.pp_stage == 0}
+        admins: dict[str, list[str]] = {}
+        for inst in decodes:
+            admins.setdefault(routes[(inst.server, inst.dp_rank)], []).append(inst.admin)
+        flags = [(DECODE_SIDECAR_FLAG, f"{r}={','.join(urls)}") for r, urls in admins.items()]
+        return [a for flag in flags for a in flag]
 
     def _proxy_port(self, name: str) -> int:
         """The port a proxy reported, once it answers ``/health``."""
