@@ -5,10 +5,13 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+
+from app.config import SidecarSettings
 
 # The machine has two cores and other tests run real engines beside these: no deadlines.
 settings.register_profile(
@@ -58,3 +61,16 @@ def wait_for(
             return last
         time.sleep(interval_s)
     pytest.fail(f"timed out after {timeout_s:g}s waiting for {what} (last: {last!r})")
+
+
+def prefill_settings(tmp_path: Path, engine_id: str, admin_token: str | None) -> SidecarSettings:
+    """A one-rank prefill sidecar on port 0 with no engine yet: the admin API's own tests."""
+    return SidecarSettings(
+        role="prefill",
+        engine_id=engine_id,
+        ranks=[0],
+        control_port=0,
+        admin_port=0,
+        engine_ipc=f"ipc://{tmp_path}/engine.sock",
+        admin_token=admin_token,
+    )

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
 from app.api.server import create_app
-from app.config import SidecarSettings
 from app.transfer.sidecar.process import Sidecar
+from tests.conftest import prefill_settings
 
 TOKEN = "in-process-token"
 # A POST only because its input does not fit a query string: it changes nothing.
@@ -29,15 +29,7 @@ BODIES: dict[str, Any] = {"/v1/kv_targets": {"transfer_id": "no-such-send", "err
 
 @pytest.fixture(params=[TOKEN, None], ids=["token", "no-token"])
 async def app(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    settings = SidecarSettings(
-        role="prefill",
-        engine_id="token-check",
-        ranks=[0],
-        control_port=0,
-        admin_port=0,
-        engine_ipc=f"ipc://{tmp_path}/engine.sock",
-        admin_token=request.param,
-    )
+    settings = prefill_settings(tmp_path, "token-check", request.param)
     sidecar = Sidecar(settings)
     app = create_app(sidecar, settings)
     yield app

@@ -16,8 +16,8 @@ import pytest
 from fastapi import FastAPI
 
 from app.api.server import create_app
-from app.config import SidecarSettings
 from app.transfer.sidecar.process import Sidecar
+from tests.conftest import prefill_settings
 
 TOKEN = "pool-lookup-token"
 BODY = {"token_ids": list(range(64))}
@@ -37,15 +37,7 @@ class StubPool:
 
 
 async def _app(tmp_path: Path, token: str | None) -> tuple[FastAPI, Sidecar, StubPool]:
-    settings = SidecarSettings(
-        role="prefill",
-        engine_id="pool-auth",
-        ranks=[0],
-        control_port=0,
-        admin_port=0,
-        engine_ipc=f"ipc://{tmp_path}/engine.sock",
-        admin_token=token,
-    )
+    settings = prefill_settings(tmp_path, "pool-auth", token)
     sidecar = Sidecar(settings)
     stub = StubPool()
     sidecar.registry.pool = stub  # type: ignore[assignment]

@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 
 from app.api.server import create_app
 from app.cli import proxy as cli_proxy
-from app.config import SidecarSettings
 from app.errors import ConfigError
 from app.proxy import ProxyConfig
 from app.proxy.config import POOL_TOKEN_ENV, POOL_TOKEN_FLAG
 from app.transfer.sidecar.process import Sidecar
+from tests.conftest import prefill_settings
 from tests.proxy.conftest import Cluster, ServerThread, bound_socket
 
 TOKEN = "the-pool-sidecars-admin-token"
@@ -41,15 +41,7 @@ class StubPool:
 @pytest.fixture
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     """A prefill sidecar's admin API with an admin token, over HTTP."""
-    settings = SidecarSettings(
-        role="prefill",
-        engine_id="pool-credential",
-        ranks=[0],
-        control_port=0,
-        admin_port=0,
-        engine_ipc=f"ipc://{tmp_path}/engine.sock",
-        admin_token=TOKEN,
-    )
+    settings = prefill_settings(tmp_path, "pool-credential", TOKEN)
     sidecar = Sidecar(settings)
     sidecar.registry.pool = StubPool()  # type: ignore[assignment]
     app = create_app(sidecar, settings)
