@@ -37,6 +37,11 @@ class DeadlineExceeded(KVSidecarError):
     """A wait ran past its deadline."""
 
 
+class SidecarGone(KVSidecarError):
+    """The sidecar closed its end of the engine link (its process exited or was killed): no
+    reply will come, so the engine stops waiting for one."""
+
+
 class PoolError(KVSidecarError):
     """A Mooncake Store operation failed."""
 

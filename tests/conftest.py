@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
+from pydantic import SecretStr
 
 from app.config import SidecarSettings
 
@@ -72,5 +73,5 @@ def prefill_settings(tmp_path: Path, engine_id: str, admin_token: str | None) ->
         control_port=0,
         admin_port=0,
         engine_ipc=f"ipc://{tmp_path}/engine.sock",
-        admin_token=admin_token,
+        admin_token=SecretStr(admin_token) if admin_token is not None else None,
     )

@@ -118,11 +118,17 @@ def map_engine_file(name: str, min_size: int) -> torch.Tensor:
     """Map a shared-memory file the engine made (e.g. torch's own shared storage) whole."""
     fd = _open(name)
     try:
-        size = os.fstat(fd).st_size
-        if size < min_size:
-            raise ConfigError(
-                f"shared memory {name!r} has {size} bytes, the engine registered {min_size}"
-            )
-        return _map(fd, size)
+        return map_engine_fd(fd, min_size, name)
     finally:
         os.close(fd)
+
+
+def map_engine_fd(fd: int, min_size: int, name: str) -> torch.Tensor:
+    """Map the whole file behind ``fd`` (the engine's file ``name``); the caller closes
+    ``fd``, the mapping stays."""
+    size = os.fstat(fd).st_size
+    if size < min_size:
+        raise ConfigError(
+            f"shared memory {name!r} has {size} bytes, the engine registered {min_size}"
+        )
+    return _map(fd, size)

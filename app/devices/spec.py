@@ -20,6 +20,15 @@ SocketPath = Annotated[
 ]
 Handle = Annotated[bytes, msgspec.Meta(max_length=256)]  # cudaIpc*Handle_t is 64 bytes
 
+
+class FdSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Descriptors an engine serves on a unix socket (``app.devices.fdpass``), in order, to a
+    client that sends ``token`` first."""
+
+    socket: SocketPath
+    token: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+
+
 RING_KINDS = ("shm", "cuda", "npu")
 MAX_RING_LAYERS = 4096
 MAX_RING_SLOTS = 64

@@ -17,16 +17,21 @@ the caller is not blocked (except by a ring slot the sidecar still holds) and th
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from app.devices import CpuEvent, Event
 from app.devices.events import DEFAULT_SLOTS, EngineRing
+from app.devices.fdpass import FdServer
+from app.devices.shm import SHM_DIR
+from app.devices.spec import FdSource
 from app.engine_link.sync_client import SyncClient
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
@@ -99,6 +104,15 @@ class EngineLink:
         # The waiter thread sends too, and a ZMQ socket is not thread-safe.
         self._lock = threading.Lock()
         self._signals = _Signals(self._notify)
+        self._registered: _Registered | None = None  # what ``reregister`` sends again
+        self._registered_on = 0  # the connection (``client.connects``) it was registered on
+
+    @property
+    def sidecar_gone(self) -> bool:
+        """The sidecar closed the link (exited or killed) and no sidecar has connected since:
+        it can no longer read this engine's memory, and nothing it was asked will be answered."""
+        with self._lock:
+            return self.client.gone
 
     def _notify(self, msg: Msg) -> None:
         with self._lock:
@@ -134,12 +148,50 @@ class EngineLink:
 
     def register_engine(self, registration: EngineRegistration, timeout_s: float = 60.0) -> str:
         """Register KV memory the engine allocated itself; returns the compat hash. For an
-        event ring, ``create_event_ring`` first and put its ``spec`` in ``events``."""
+        event ring, ``create_event_ring`` first and put its ``spec`` in ``events``.
+
+        CPU memory without a ring can be registered again with a sidecar that replaces this
+        one (``reregister``): its files are kept open here for that, since the engine removes
+        their names once this sidecar mapped them."""
+        again = _Registered.of(registration) if self.ring is None else None
+        try:
+            compat = self._register(registration, timeout_s)
+        except BaseException:
+            if again is not None:
+                again.close()
+            raise
+        if self._registered is not None:
+            self._registered.close()
+        self._registered = again
+        with self._lock:
+            self._registered_on = self.client.connects if not self.client.gone else -1
+        return compat
+
+    def _register(self, registration: EngineRegistration, timeout_s: float) -> str:
         reply = self._call(RegisterEngine(registration=registration), timeout_s)
         assert isinstance(reply, Reply)
         self.epoch = str(reply.data.get("epoch", ""))
         self.control_port = int(reply.data.get("control_port") or 0)
         return str(reply.data.get("compat_hash", ""))
+
+    def reregister(self, timeout_s: float = 30.0) -> bool:
+        """Register the same memory with a sidecar that connected since this one's sidecar
+        closed the link (a restarted sidecar), serving the memory as descriptors. False when
+        there is nothing to do: no new sidecar, or memory that cannot be registered again
+        (device memory, an event ring: the engine restarts for those). Tried once per new
+        sidecar; a refusal raises ``EngineLinkError``."""
+        with self._lock:
+            if self.client.gone or self.client.connects <= self._registered_on:
+                return False
+            self._registered_on = self.client.connects
+        if self._registered is None:
+            return False
+        reg = self._registered.served(f"{SHM_DIR}/{self.shm_prefix}-r{self.rank}.fds")
+        try:
+            self._register(reg.registration, timeout_s)
+        finally:
+            reg.close()
+        return True
 
     def sidecar_info(self) -> dict[str, str | int | float | bool | None]:
         """The sidecar's control address, epoch and readiness."""
@@ -341,11 +393,53 @@ class EngineLink:
             self._notify(msg)
 
     def close(self, unlink: bool = True) -> None:
+        if self._registered is not None:
+            self._registered.close()
         self._signals.close()
         with self._lock:
             self.client.close()
         if self.ring is not None:
             self.ring.close(unlink=unlink)
+
+
+@dataclass
+class _Registered:
+    """A CPU registration and its memory files, kept open to be registered again."""
+
+    registration: EngineRegistration
+    fds: list[int]
+    server: FdServer | None = None
+
+    @classmethod
+    def of(cls, reg: EngineRegistration) -> _Registered | None:
+        if reg.device_memory is not None or reg.events is not None or reg.memory_fds is not None:
+            return None
+        fds: list[int] = []
+        try:
+            for span in reg.memory:
+                fds.append(os.open(f"{SHM_DIR}/{span.name}", os.O_RDWR))
+        except OSError:
+            for fd in fds:
+                os.close(fd)
+            return None  # not /dev/shm files this process can open: registered once only
+        return cls(reg, fds)
+
+    def served(self, path: str) -> _Registered:
+        """The registration naming its files as descriptors served on ``path`` until
+        ``close`` (which closes the copies it serves, not the files kept here)."""
+        token = secrets.token_bytes(32)
+        server = FdServer(path, [os.dup(fd) for fd in self.fds], token)
+        source = FdSource(socket=path, token=token)
+        return _Registered(
+            msgspec.structs.replace(self.registration, memory_fds=source), [], server
+        )
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
 
 
 def _wire_ids(block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]]) -> list[list[int]]:

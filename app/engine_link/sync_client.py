@@ -6,8 +6,9 @@ import time
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
-from app.errors import DeadlineExceeded, ProtocolError
+from app.errors import DeadlineExceeded, ProtocolError, SidecarGone
 from app.transfer.control.framing import ONE_WAY, ClientClosed, corr_ids
 from app.transfer.wire.protocol import AnyMsg, Msg, decode, encode
 
@@ -18,6 +19,12 @@ _SYNC_NOTIFY_TIMEOUT_S = 1.0
 class SyncClient:
     """Blocking DEALER for engine workers. Use from one thread only (ZMQ sockets are not
     thread-safe); create it in the process that uses it, after any fork.
+
+    The socket's monitor tells when the sidecar closed its end (its process exited, killed or
+    stopped): from then until a sidecar accepts the connection again, calls raise
+    ``SidecarGone`` at once, and a call waiting for its reply stops waiting, instead of each
+    running out its deadline. A sidecar that only stalls keeps its end open: calls then wait
+    their deadlines as before.
     """
 
     def __init__(
@@ -37,7 +44,10 @@ class SyncClient:
         self._ctx = ctx
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        self.gone_since: float | None = None  # monotonic time the sidecar closed its end
+        self.connects = 0  # connections a sidecar accepted: a new one follows a gone one
         self._notify_timeout = notify_timeout
         self._next_corr = corr_ids()
         self._closed = False
@@ -45,12 +55,19 @@ class SyncClient:
         self.notifies = 0
         self.dropped = 0
 
+    @property
+    def gone(self) -> bool:
+        """The sidecar closed its end of the connection and none has connected since."""
+        self._read_monitor()
+        return self.gone_since is not None
+
     def counters(self) -> dict[str, int]:
         return {"requests": self.requests, "notifies": self.notifies, "dropped": self.dropped}
 
     def request(self, msg: Msg, timeout: float) -> AnyMsg:
         """Send ``msg`` and block for its reply; ``Error`` replies are returned, not raised."""
         self._check_open()
+        self._check_peer(msg)
         deadline = time.monotonic() + timeout
         corr = self._next_corr()
         self.requests += 1
@@ -74,6 +91,7 @@ class SyncClient:
         waits up to ``notify_timeout`` and raises ``DeadlineExceeded``.
         """
         self._check_open()
+        self._check_peer(msg)
         err = (
             f"could not queue {type(msg).__name__} to {self.endpoint} within "
             f"{self._notify_timeout}s: the sidecar is not reading"
@@ -85,6 +103,8 @@ class SyncClient:
         if self._closed:
             return
         self._closed = True
+        self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
         if self._own_ctx:
             self._ctx.term()
@@ -92,6 +112,24 @@ class SyncClient:
     def _check_open(self) -> None:
         if self._closed:
             raise ClientClosed(f"client to {self.endpoint} is closed")
+
+    def _read_monitor(self) -> None:
+        while self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
+            if event == zmq.EVENT_DISCONNECTED and self.gone_since is None:
+                self.gone_since = time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                self.gone_since = None
+                self.connects += 1
+
+    def _check_peer(self, msg: Msg) -> None:
+        if self.gone:
+            assert self.gone_since is not None
+            raise SidecarGone(
+                f"{type(msg).__name__} not sent: the sidecar at {self.endpoint} closed its "
+                f"connection {time.monotonic() - self.gone_since:.1f}s ago (exited or killed) "
+                "and none has connected since"
+            )
 
     def _send(self, frames: list[bytes], deadline: float, err: str) -> None:
         while True:
@@ -103,5 +141,22 @@ class SyncClient:
                     raise DeadlineExceeded(err) from None
 
     def _wait(self, event: int, deadline: float) -> bool:
-        remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-        return bool(self._sock.poll(remaining_ms, event))
+        """Until ``event`` on the socket (True), the deadline (False), or the sidecar closing
+        its end (``SidecarGone``: a reply or room in its queue will never come)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, event)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            ready = dict(poller.poll(remaining_ms))
+            if self._monitor in ready:
+                self._read_monitor()
+                if self.gone_since is not None:
+                    raise SidecarGone(
+                        f"the sidecar at {self.endpoint} closed its connection while this "
+                        "call waited (exited or killed)"
+                    )
+            if self._sock in ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False

@@ -492,6 +492,17 @@ class LocalPD:
         self.start_instances([inst])
         self.wait_engine(inst)
 
+    def restart_sidecar(self, inst: Instance) -> None:
+        """A fresh sidecar for ``inst`` beside its running vLLM (the old one killed first, its
+        log kept): the engine registers its memory with it again by itself."""
+        name = f"sidecar-{inst.name}"
+        self.kill(name, signal.SIGKILL)
+        log = self.work / f"{name}.log"
+        if log.exists():
+            log.rename(log.with_suffix(f".{time.monotonic():.0f}.log"))
+        self.start_sidecar(inst)
+        self._wait_sidecar(inst)
+
     def close(self) -> None:
         """SIGTERM every process (their trees killed after 30 s), as ``kill_trees``."""
         kill_trees([p.pid for p in self.procs.values() if p.poll() is None], signal.SIGTERM)

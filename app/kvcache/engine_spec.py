@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from app.devices.spec import DeviceBuffer, EventRingSpec
+from app.devices.spec import DeviceBuffer, EventRingSpec, FdSource
 
 # Bounds a registration must meet to decode at all: an engine (or a process on its socket) that
 # sends a negative offset, a TP size of 0 or a billion-entry shape gets a ProtocolError naming
@@ -119,5 +119,9 @@ class EngineRegistration(msgspec.Struct):
     # Device KV (CUDA/NPU): ``memory[i]`` is then ``device_memory[i]`` (its name a label, its
     # offset 0), imported by IPC instead of mapped from /dev/shm (app.devices.memory).
     device_memory: Annotated[list[DeviceBuffer], msgspec.Meta(max_length=4096)] | None = None
+    # CPU KV registered again with a new sidecar: the /dev/shm names of ``memory`` were removed
+    # once the first sidecar mapped them, so the engine serves each span's file as a descriptor
+    # here instead, in order (app.devices.fdpass).
+    memory_fds: FdSource | None = None
     # The engine's speculative decoding settings ("" when off): both sides must run the same.
     speculative: Name = ""

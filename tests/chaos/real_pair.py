@@ -56,9 +56,20 @@ SIDECAR_ENV = {
     "KVSIDECAR_HEARTBEAT_INTERVAL_S": "0.5",
     "KVSIDECAR_LEASE_S": "2",
 }
-# 1024 blocks of 128 tokens (128 MiB of KV: copied whole before each scenario); 256 tokens per
-# step, so a long prompt takes several steps and a fault can fall between its layers.
-VLLM_ARGS = ("--num-gpu-blocks-override", "1024", "--max-num-batched-tokens", "256")
+# 1024 blocks of 128 tokens (256 MiB of KV: copied whole before each scenario); 256 tokens per
+# step, so a long prompt takes several steps and a fault can fall between its layers. float32:
+# decode recomputes a failed load in whatever batch it has, and in bfloat16 a batch's rounding
+# flips a near-tied greedy token of the random model often enough to fail one of 64 prompts
+# now and then (CI stop 41: a recomputed prompt, its whole prompt computed by decode, second
+# token off); in float32 such ties are about a thousand times rarer.
+VLLM_ARGS = (
+    "--num-gpu-blocks-override",
+    "1024",
+    "--max-num-batched-tokens",
+    "256",
+    "--dtype",
+    "float32",
+)
 BLOCK = 128  # vLLM's CPU block size (checked against the registration)
 # Prefill's side of a request whose sidecar died, while its engine still prefills it.
 RUNNING = "P_ENGINE_RUNNING"
@@ -267,6 +278,7 @@ class Scenario:
     name: str
     calls: list[Call] = field(default_factory=list)
     fault_at: float | None = None
+    fault_wall: float | None = None
     notes: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
     killed: set[str] = field(default_factory=set)  # "vllm-prefill", "sidecar-decode", ...
@@ -276,6 +288,7 @@ class Scenario:
     p_bytes_then: int | None = None
     kv_before: list[np.ndarray] | None = None
     p_engine_waited: bool = True
+    p_engine_took: float | None = None  # fault → prefill's engine answered every prefill
 
     def __post_init__(self) -> None:
         self.pd = self.pair.pd
@@ -338,21 +351,28 @@ class Scenario:
 
     def fault(self, what: Callable[[], None], killed: str) -> None:
         self.fault_at = time.monotonic()
+        self.fault_wall = time.time()  # the proxy's records carry wall-clock starts
         answered = sum(f.done() for f in self.futures)
         what()
         self.killed.add(killed)
         self.notes.append(f"{len(self.calls) - answered} in flight at the fault")
 
     def settle(self, timeout_s: float = 90, *, p_engine: bool = True) -> None:
-        """Wait for every answer and for decode's sidecar to hold every request terminal, then
-        (``p_engine``), if prefill's sidecar was killed, for prefill's engine's answers."""
+        """Wait for every answer and for each live sidecar to hold every request terminal,
+        then (``p_engine``), if prefill's sidecar was killed, for prefill's engine's answers.
+
+        Prefill's sidecar may end later than the clients are answered: once prefill's engine
+        failed, the proxy tells decode to stop waiting at once, while prefill's sends (their
+        engine dead) end at their own deadline (``KVSIDECAR_SEND_TIMEOUT_S``)."""
         deadline = time.monotonic() + timeout_s
         p_alive = "sidecar-prefill" not in self.killed
         d_alive = "sidecar-decode" not in self.killed
         while time.monotonic() < deadline:
-            if p_alive:
-                self._match(_entries(self.pd.prefill.admin, "/v1/requests"))
             ended = all(f.done() for f in self.futures)
+            if p_alive:
+                live = _entries(self.pd.prefill.admin, "/v1/requests")
+                self._match(live)
+                ended = ended and all(e["state"] in TERMINAL for e in live)
             if d_alive:
                 live = _entries(self.pd.decode.admin, "/v1/requests")
                 self._match(live)
@@ -366,10 +386,13 @@ class Scenario:
         self.p_engine_waited = p_engine
         while p_engine and not p_alive and time.monotonic() < deadline:
             # Prefill's engine's end stands in for its dead sidecar's: its answer to the proxy.
-            if not self._pending():
-                assert self.fault_at is not None
-                took = time.monotonic() - self.fault_at
-                self.notes.append(f"P's engine answered its prefills {took:.0f} s after")
+            answered = self._prefills_answered()
+            if answered is not None:
+                assert self.fault_wall is not None
+                self.p_engine_took = max(0.0, answered - self.fault_wall)
+                self.notes.append(
+                    f"P's engine answered its prefills {self.p_engine_took:.1f} s after"
+                )
                 break
             time.sleep(0.2)
         for c in self.calls:
@@ -387,11 +410,19 @@ class Scenario:
         assert len(found) <= 1, found  # TP 1: one rank per side
         return found[0] if found else None
 
-    def _pending(self) -> list[str]:
-        """The scenario's transfers whose prefill side has not ended, per the proxy."""
+    def _prefills_answered(self) -> float | None:
+        """When (wall clock, by the proxy's records) prefill's engine had answered every
+        prefill of the scenario; None while one is unanswered."""
         transfers = self._transfers()
-        ids = [c.transfer for c in self.calls if c.transfer]
-        return [t for t in ids if transfers.get(t, {}).get("status", "pending") == "pending"]
+        ends = []
+        for tid in (c.transfer for c in self.calls if c.transfer):
+            t = transfers.get(tid)
+            if t is None:
+                continue  # never reached prefill
+            if t["prefill_status"] is None:
+                return None
+            ends.append(t["started_at"] + (t["prefill_ms"] or 0.0) / 1000)
+        return max(ends, default=self.fault_wall)
 
     def _transfers(self) -> dict[str, dict[str, Any]]:
         r = httpx.get(f"{self.pd.proxy}/v1/transfers", timeout=10).json()["transfers"]

@@ -17,9 +17,17 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
-from tests.chaos.real_pair import SIDECAR_ENV, VLLM_ARGS, Pair, Scenario, seed_lengths
+from tests.chaos.real_pair import (
+    MAX_TOKENS,
+    SIDECAR_ENV,
+    VLLM_ARGS,
+    Pair,
+    Scenario,
+    seed_lengths,
+)
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, kv_usage, prompt
 
@@ -30,9 +38,11 @@ pytestmark = pytest.mark.slow_engines
 # Long prompts (several 256-token steps each) for the single faults; shorter ones for 64.
 LONG = (1500, 1990)
 MANY = (100, 700)
-# Prefill's engine, its sidecar dead, still calls it every step and waits out its GetFinished
-# (3 s; the step's BeginStep is one-way): a prompt of two or three steps keeps that short.
 SHORT = (500, 700)
+# Prefill's engine notices its sidecar's death within a second (the link's socket closed) and
+# runs on without it; each step waiting out its calls instead (``link_timeout_s``, 3 s here)
+# took 30 s for these prompts.
+P_ENGINE_ON_ITS_OWN_S = 8.0
 
 
 @pytest.fixture(scope="module")
@@ -150,28 +160,48 @@ def prefill_lets_go_without_decode(pair: Pair) -> None:
 def test_prefill_sidecar_killed_mid_push(pair: Pair) -> None:
     """Prefill's sidecar dies between layers: decode's sidecar loses it (2 s lease, or the
     refused port), fails the loads, and decode recomputes with the right answers. Prefill's
-    engine ends its requests too (its answers to the proxy), slowly: every step first waits
-    out its calls to the dead sidecar."""
+    engine sees its link close, ends its sends and answers its prefills at its own pace. A new
+    sidecar beside the same engine gets its memory again: the next prompt is transferred."""
     sc = Scenario(pair, "real: P sidecar SIGKILL mid-push")
     sc.launch(2, seed_lengths(5, *SHORT), salt=300)
     sc.until_sends_written()
     sc.fault(lambda: pair.pd.kill("sidecar-prefill", signal.SIGKILL), "sidecar-prefill")
+    resumed = False
     try:
         sc.settle()
         sc.verify(outputs=True)
+        assert sc.p_engine_took is not None and sc.p_engine_took < P_ENGINE_ON_ITS_OWN_S, sc.notes
+        pair.pd.restart_sidecar(pair.pd.prefill)
+        transfers_resume(pair)
+        resumed = True
     finally:
-        pair.restart("prefill")
+        if not resumed:
+            pair.restart("prefill")
+
+
+def transfers_resume(pair: Pair) -> None:
+    """A prompt through the proxy is moved, not recomputed: decode's record is DONE, decode
+    computed one token of it, and the answer is the engine's own."""
+    pair.close_breaker("prefill")
+    seed, reference = pair.reference(640, 777)
+    before = prompt_tokens_by_source(pair.pd.decode.url).get("local_compute", 0)
+    answer = pair.pd.completion(pair.pd.proxy, seed, MAX_TOKENS)
+    rid = answer["kv_transfer_params"]["kv_sidecar_request_id"]
+    (record,) = httpx.get(f"{pair.pd.decode.admin}/v1/requests/{rid}", timeout=10).json()["entries"]
+    assert record["state"] == "DONE", record
+    local = prompt_tokens_by_source(pair.pd.decode.url).get("local_compute", 0) - before
+    assert local == 1, f"decode computed {local} prompt tokens itself"
+    assert answer["choices"][0]["token_ids"] == reference
 
 
 def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     """64 requests through the proxy, prefill's sidecar dies once sends are flowing: decode's
     sidecar ends every request (the lease, or its deadline for those prefill never claimed),
-    decode recomputes, and every client gets the reference answer. Prefill's engine, which
-    waits out a call to its dead sidecar every step, is not waited for: its requests still
-    running are counted in the row. Runs last: the pair is not restarted."""
+    decode recomputes, and every client gets the reference answer. Prefill's engine, its link
+    closed, ends its sends and answers every prefill. Runs last: the pair is not restarted."""
     sc = Scenario(pair, "real: P sidecar SIGKILL, 64 in flight")
     sc.launch(64, seed_lengths(84, *MANY), salt=400)
     sc.until_sends_written()
     sc.fault(lambda: pair.pd.kill("sidecar-prefill", signal.SIGKILL), "sidecar-prefill")
-    sc.settle(timeout_s=150, p_engine=False)
+    sc.settle(timeout_s=150)
     sc.verify(outputs=True)

@@ -11,7 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -205,6 +205,28 @@ def _start_sidecar(
 
 def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> None:
     """Wait for the sidecar's engine socket, then allocate and register rank 0."""
+    _wait_ready(side, timeout_s)
+    prefix = f"kvs-dev-{side.role}-{os.getpid()}-{id(side) % 100000}"
+    side.link = EngineLink(side.ipc, side.engine_id, 0, shm_prefix=prefix)
+    side.kv = register_rank(side.link, params)
+
+
+def restart_sidecar(pair: Pair, role: str, timeout_s: float = 120.0) -> None:
+    """A new sidecar process for ``role`` on the same engine socket, the old one killed (if it
+    still runs); the engine's link and memory stay as they are (it has to register again)."""
+    side = pair.prefill if role == "prefill" else pair.decode
+    if side.proc.poll() is None:
+        side.proc.kill()
+    side.proc.wait(10)
+    params = pair.params if role == "prefill" else replace(pair.params, events=False)
+    sock_dir = Path(side.ipc.removeprefix("ipc://")).parent
+    new = _start_sidecar(role, sock_dir, side.log.parent, params, pair.send_timeout_s, {})
+    side.proc, side.control_port = new.proc, 0
+    _wait_ready(side, timeout_s)
+
+
+def _wait_ready(side: Side, timeout_s: float) -> None:
+    """Until the sidecar's engine socket exists and its port file names its control port."""
     sock = Path(side.ipc.removeprefix("ipc://"))
     deadline = time.monotonic() + timeout_s
     while not sock.exists():
@@ -221,9 +243,6 @@ def _connect(side: Side, params: CacheParams, timeout_s: float = 120.0) -> None:
 
         ports = wait_port_file(side.port_file, ("control_port",), timeout_s, check=alive)
         side.control_port = ports["control_port"]
-    prefix = f"kvs-dev-{side.role}-{os.getpid()}-{id(side) % 100000}"
-    side.link = EngineLink(side.ipc, side.engine_id, 0, shm_prefix=prefix)
-    side.kv = register_rank(side.link, params)
 
 
 def start_pair(

@@ -61,6 +61,9 @@ class ConnectorConfig:
     recv_timeout_s: float | None
     link_timeout_s: float
     pool: bool = False  # load prefix hits from / store prompts into the sidecar's KV pool
+    # Decode also stores what a request computed, its answer included, for the conversation's
+    # next turn (``pool_save_answers``; full-attention models only, see SchedulerSide).
+    save_answers: bool = False
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"
     role: Role = "both"  # the sidecar role of this instance (from vLLM's kv_role)
@@ -128,6 +131,12 @@ class ConnectorConfig:
                 'own, and the KV pool stores whole prompts of one agent; set "pool": false and '
                 '"agent": "sidecar" (or run pipeline_parallel_size 1)'
             )
+        save_answers = bool(extra.get("pool_save_answers", False))
+        if save_answers and not pool:
+            raise ConfigError(
+                '"pool_save_answers" stores decode\'s answers in the KV pool; set "pool": true '
+                "as well (a Mooncake master and the pool on the sidecars)"
+            )
         target_url = str(extra["target_url"]) if extra.get("target_url") else None
         if target_url is not None:
             target_url = _per_stage(
@@ -142,6 +151,7 @@ class ConnectorConfig:
             recv_timeout_s=None if timeout is None else float(timeout),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
             pool=pool,
+            save_answers=save_answers,
             agent=agent,
             role=_ROLES.get(str(ktc.kv_role), "both"),
             target_url=target_url,

@@ -33,9 +33,9 @@ from app.connectors.vllm.stats import KVSidecarStats
 from app.devices import Device, Event
 from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
-from app.errors import KVSidecarError
+from app.errors import KVSidecarError, SidecarGone
 from app.service import InProcessAgent
-from app.transfer.wire.protocol import RemoteTarget, remote_target
+from app.transfer.wire.protocol import FailedRequest, RemoteTarget, Status, remote_target
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,7 @@ class WorkerSide:
         self._active = False
         self._signalled: set[int] = set()
         self._warned_at_end = False
+        self._gone_said = False  # a dead sidecar was logged; quiet until a step reaches one
         self._vllm_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (sends)
         self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
         self._vllm_finished: set[str] = set()
@@ -235,6 +236,7 @@ class WorkerSide:
         with the step's expects, admissions and slices. vLLM 0.32+ runs ``start_load_kv``
         only after the forward pass, where every ``save_kv_layer`` would already have found
         the step unannounced."""
+        self._register_again()  # before the step's transfers reach a sidecar that restarted
         self._active = bool(meta.slices)
         self._signalled = set()
         if not (meta.slices or meta.admits or meta.expects):
@@ -250,13 +252,17 @@ class WorkerSide:
             self.link.begin_step(self._step, meta.slices, admits=admits, expects=expects)
         except KVSidecarError as err:
             # The forward pass goes on without the sidecar: these requests end here (decode
-            # recomputes once its own sidecar gives up waiting).
-            log.error("step %d not announced to the sidecar: %s", self._step, err)
+            # recomputes once its own sidecar gives up waiting). A dead sidecar is said once,
+            # not on every step until one is back.
+            if not (isinstance(err, SidecarGone) and self._gone_said):
+                log.error("step %d not announced to the sidecar: %s", self._step, err)
+            self._gone_said = isinstance(err, SidecarGone)
             self._active = False
             self._sent.update(a.request for a in admits)
             with self._lock:
                 self._failed_recvs.extend(e.req_id for e in meta.expects)
             return
+        self._gone_said = False
         for exp in meta.expects:
             self._recv_ids[exp.recv.request] = exp.req_id
             # Posted after the forward pass: no Claim can reach a rank that does not know the
@@ -372,6 +378,8 @@ class WorkerSide:
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
         try:
             fin = self.link.get_finished()
+        except SidecarGone as e:
+            fin = self._sidecar_gone(e)
         except KVSidecarError as e:
             log.error("sidecar unreachable for get_finished: %s", e)
             fin = FinishedRequests([], [], [])
@@ -408,6 +416,38 @@ class WorkerSide:
                 self._vllm_finished.discard(rid)
                 self._vllm_ids.pop(sid, None)
         return sending, recving | failed, failed
+
+    def _register_again(self) -> None:
+        """A sidecar came back after this rank's closed the link: register the same memory
+        with it, and transfers resume without an engine restart."""
+        try:
+            if self.link.reregister():
+                log.warning("rank %d registered its KV with the new sidecar", self.rank)
+        except KVSidecarError as e:
+            log.error(
+                "rank %d could not register with the new sidecar (%s); this engine serves "
+                "without transfers until it restarts",
+                self.rank,
+                e,
+            )
+
+    def _sidecar_gone(self, err: SidecarGone) -> FinishedRequests:
+        """The sidecar closed the link: every load it was doing fails now (vLLM recomputes),
+        and every send ends, its blocks back to vLLM once vLLM finished the request. Safe: the
+        process that would have read those blocks is gone (a stalled one keeps the link open,
+        and its calls wait their deadlines instead)."""
+        loads = list(self._recv_ids)
+        sends = [sid for sid in self._vllm_ids if sid not in self._sent]
+        if loads or sends:
+            log.error(
+                "%s; failing %d load(s) (recomputed) and ending %d send(s)",
+                err,
+                len(loads),
+                len(sends),
+            )
+        reason = "the sidecar closed the engine link (exited or killed)"
+        failed = [FailedRequest(sid, Status.FAILED, [], reason) for sid in loads]
+        return FinishedRequests(sends, [], failed)
 
     def close(self) -> None:
         self._posts.shutdown(wait=False)

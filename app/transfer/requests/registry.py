@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import torch
+
 from app.devices.events import SidecarRing
+from app.devices.fdpass import receive_fds
 from app.devices.memory import ImportedMemory, check_device_type, import_buffer
-from app.devices.shm import map_engine_file
-from app.devices.spec import EventRingSpec
+from app.devices.shm import map_engine_fd, map_engine_file
+from app.devices.spec import EventRingSpec, FdSource
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_layout import describe_engine
-from app.kvcache.engine_spec import EngineRegistration
+from app.kvcache.engine_spec import EngineRegistration, MemorySpan
 from app.store.service import PoolService, RankPool
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.lanes.mooncake import MooncakeEngine
@@ -79,6 +83,8 @@ class Registry:
             check_device_type(self.settings.device_type, reg.rank, reg.device_memory)
             imported = [import_buffer(b) for b in reg.device_memory]
             buffers = [m.tensor for m in imported]
+        elif reg.memory_fds is not None:
+            buffers = await asyncio.to_thread(_map_served, reg.memory_fds, reg.memory)
         else:
             buffers = [map_engine_file(s.name, s.offset + s.size) for s in reg.memory]
         # Only memory we could open starts a new generation: a refusal changes nothing.
@@ -222,3 +228,15 @@ def _close(memory: list[ImportedMemory]) -> None:
     """Unmap imported device memory that no agent will hold (or holds no longer)."""
     for mem in memory:
         mem.close()
+
+
+def _map_served(source: FdSource, spans: list[MemorySpan]) -> list[torch.Tensor]:
+    """The engine's files, as the descriptors it serves (a re-registration), mapped whole."""
+    fds = receive_fds(source.socket, source.token, len(spans))
+    try:
+        return [
+            map_engine_fd(fd, s.offset + s.size, s.name) for fd, s in zip(fds, spans, strict=True)
+        ]
+    finally:
+        for fd in fds:
+            os.close(fd)

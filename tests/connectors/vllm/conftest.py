@@ -56,7 +56,9 @@ def pd(
         kind=kind,
         pool=mode == "pool",
         in_process=mode == "inproc",
-        extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ()),
+        # The pool pair runs float32: its next-turn test compares with transformers.
+        extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ("--dtype", "float32") if mode == "pool" else ()),
+        connector_extra={"pool_save_answers": True} if mode == "pool" else {},
         # Prompts differ from their first token, so only a repeated prompt hits (one test).
         decode_prefix_caching=str(request.param) == "llama",
         # The plain pair runs as a deployment does: its own control-plane key and an admin

@@ -118,3 +118,64 @@ def test_the_proxys_pool_tier_foresees_what_prefill_loads(pd: LocalPD) -> None:
     assert pick["hit_tier"] == "pool"
     # The router's lookups are not the engines': the pool's lookup count moved by prefill's.
     assert pool_stats(admin)["lookups"] == lookups + 1
+
+
+ANSWER_TOKENS = 64  # long enough that turn 1's answer completes a block of its own
+
+
+def greedy(model_dir: object, tokens: list[int], n: int) -> list[int]:
+    """The model's own greedy continuation, by transformers in float32 (the pair runs float32):
+    an oracle that shares nothing with vLLM, the pool or the transfers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([tokens])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            nxt = int(model(ids).logits[0, -1].argmax())
+            out.append(nxt)
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return out
+
+
+def pool_keys(admin: str) -> int:
+    """Keys a sidecar's saves put or found there already."""
+    stats = pool_stats(admin)
+    return stats["keys_put"] + stats["keys_skipped"]
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_the_next_turn_loads_the_answer_decode_stored(pd: LocalPD) -> None:
+    """Three turns of one conversation through the proxy. Decode stores each turn's prompt
+    and answer in the pool (``pool_save_answers``); the next turn, the history plus a new
+    message, goes to prefill, which loads every whole block of the history, the answer's
+    included, and computes only the rest. Every answer is the model's own."""
+    size = block_size(pd.prefill.admin)
+    conversation = prompt(360, 31)  # with the answer: 423 tokens, a block more than 360
+    stored = 0  # tokens of the conversation decode stored after the previous turn
+    for turn in range(3):
+        if turn:
+            conversation = conversation + prompt(150, 40 + turn)  # the new message
+        before = prompt_tokens_by_source(pd.prefill.url)
+        keys = pool_keys(pd.decode.admin)
+        answer = pd.complete(pd.proxy, conversation, ANSWER_TOKENS)
+        after = prompt_tokens_by_source(pd.prefill.url)
+        assert answer == greedy(pd.model, conversation, len(answer)), f"turn {turn + 1}"
+        if turn:
+            hit = stored // size * size  # the whole blocks of history and answer
+            loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+            computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+            # Prefill leaves the prompt's last token to decode (it computes it for its logits).
+            assert (loaded, computed) == (hit, len(conversation) - 1 - hit), f"turn {turn + 1}"
+        # Stored after the answer: keys put, or skipped where prefill stored the prompt's.
+        wait_for(
+            f"decode to store turn {turn + 1}",
+            lambda: pool_keys(pd.decode.admin) > keys,  # noqa: B023 - waited for at once
+            timeout_s=30.0,
+            interval_s=0.2,
+        )
+        # Decode computed the KV of all but the answer's last token (never fed back).
+        stored = len(conversation) + len(answer) - 1
+        conversation = conversation + answer
