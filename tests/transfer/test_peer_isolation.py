@@ -50,6 +50,18 @@ class PeerProc:
     view: U8  # this process's mapping of the peer's registered buffer
 
 
+def stop(proc: subprocess.Popen[str], timeout_s: float = 10.0) -> None:
+    """SIGSTOP ``proc`` and wait until the kernel shows it stopped: on a loaded machine the
+    signal takes effect only once the process is scheduled, and a write sent before that could
+    still be answered (a CI run saw two)."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    # /proc/PID/stat: "pid (comm) state ...", the state after the last ")".
+    while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+        assert time.monotonic() < deadline, f"peer {proc.pid} did not stop"
+        time.sleep(0.01)
+
+
 def u64(values: Any) -> npt.NDArray[np.uint64]:
     return np.asarray(values, dtype=np.uint64)
 
@@ -221,7 +233,7 @@ def test_live_writes_do_not_wait_for_a_stuck_peer_while_a_dead_ones_lane_reopens
         for p in (doomed, stuck):
             write_checked(engine, p, local, 0)  # lanes open and connected
         pump = Pump(engine, live, local).start()
-        stuck.proc.send_signal(signal.SIGSTOP)
+        stop(stuck.proc)
         hung = Pump(engine, stuck, local).start()  # its first write hangs
         pump.wait_for(20)
         doomed.proc.kill()
