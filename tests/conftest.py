@@ -64,14 +64,17 @@ def wait_for(
     pytest.fail(f"timed out after {timeout_s:g}s waiting for {what} (last: {last!r})")
 
 
-def prefill_settings(tmp_path: Path, engine_id: str, admin_token: str | None) -> SidecarSettings:
-    """A one-rank prefill sidecar on port 0 with no engine yet: the admin API's own tests."""
+def one_rank_settings(
+    role: str, engine_id: str, sockets: Path, admin_token: str | None = None
+) -> SidecarSettings:
+    """A one-rank sidecar on ports 0, its engine socket in ``sockets``, no engine yet: the
+    admin API's own tests."""
     return SidecarSettings(
-        role="prefill",
+        role=role,
         engine_id=engine_id,
         ranks=[0],
         control_port=0,
         admin_port=0,
-        engine_ipc=f"ipc://{tmp_path}/engine.sock",
+        engine_ipc=f"ipc://{sockets}/engine.sock",
         admin_token=SecretStr(admin_token) if admin_token is not None else None,
     )

@@ -186,11 +186,18 @@ class EngineLink:
             self._registered_on = self.client.connects
         if self._registered is None:
             return False
-        reg = self._registered.served(f"{SHM_DIR}/{self.shm_prefix}-r{self.rank}.fds")
+        path = f"{SHM_DIR}/{self.shm_prefix}-r{self.rank}.fds"
+        token = secrets.token_bytes(32)
+        # The server closes the copies it serves; the files kept here stay open.
+        server = FdServer(path, [os.dup(fd) for fd in self._registered.fds], token)
+        served = FdSource(socket=path, token=token)
         try:
-            self._register(reg.registration, timeout_s)
+            self._register(
+                msgspec.structs.replace(self._registered.registration, memory_fds=served),
+                timeout_s,
+            )
         finally:
-            reg.close()
+            server.close()
         return True
 
     def sidecar_info(self) -> dict[str, str | int | float | bool | None]:
@@ -408,7 +415,6 @@ class _Registered:
 
     registration: EngineRegistration
     fds: list[int]
-    server: FdServer | None = None
 
     @classmethod
     def of(cls, reg: EngineRegistration) -> _Registered | None:
@@ -424,19 +430,7 @@ class _Registered:
             return None  # not /dev/shm files this process can open: registered once only
         return cls(reg, fds)
 
-    def served(self, path: str) -> _Registered:
-        """The registration naming its files as descriptors served on ``path`` until
-        ``close`` (which closes the copies it serves, not the files kept here)."""
-        token = secrets.token_bytes(32)
-        server = FdServer(path, [os.dup(fd) for fd in self.fds], token)
-        source = FdSource(socket=path, token=token)
-        return _Registered(
-            msgspec.structs.replace(self.registration, memory_fds=source), [], server
-        )
-
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
         for fd in self.fds:
             os.close(fd)
         self.fds = []

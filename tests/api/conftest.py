@@ -16,11 +16,10 @@ import httpx
 import pytest
 
 from app.api.server import AdminServer
-from app.config import SidecarSettings
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import Command, SimRequest
 from app.transfer.sidecar.process import Sidecar
-from tests.conftest import wait_for
+from tests.conftest import one_rank_settings, wait_for
 
 TOKEN = "api-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -36,14 +35,7 @@ async def in_process_sidecar(name: str, tmp: Path) -> AsyncIterator[tuple[Sideca
     """A decode sidecar and its admin API in this process, on ports the OS picks (port 0)."""
     ipc = Path("/dev/shm") / f"kvs-{name}-{tmp.name}"
     ipc.mkdir(exist_ok=True)
-    settings = SidecarSettings(
-        role="decode",
-        engine_id=name,
-        ranks=[0],
-        control_port=0,
-        admin_port=0,
-        engine_ipc=f"ipc://{ipc}/engine.sock",
-    )
+    settings = one_rank_settings("decode", name, ipc)
     sc = Sidecar(settings)
     await sc.start()
     admin = AdminServer(sc, settings)

@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 
 from app.api.server import create_app
 from app.transfer.sidecar.process import Sidecar
-from tests.conftest import prefill_settings
+from tests.conftest import one_rank_settings
 
 TOKEN = "in-process-token"
 # A POST only because its input does not fit a query string: it changes nothing.
@@ -29,7 +29,7 @@ BODIES: dict[str, Any] = {"/v1/kv_targets": {"transfer_id": "no-such-send", "err
 
 @pytest.fixture(params=[TOKEN, None], ids=["token", "no-token"])
 async def app(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[FastAPI]:
-    settings = prefill_settings(tmp_path, "token-check", request.param)
+    settings = one_rank_settings("prefill", "token-check", tmp_path, request.param)
     sidecar = Sidecar(settings)
     app = create_app(sidecar, settings)
     yield app

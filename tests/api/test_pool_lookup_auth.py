@@ -17,7 +17,7 @@ from fastapi import FastAPI
 
 from app.api.server import create_app
 from app.transfer.sidecar.process import Sidecar
-from tests.conftest import prefill_settings
+from tests.conftest import one_rank_settings
 
 TOKEN = "pool-lookup-token"
 BODY = {"token_ids": list(range(64))}
@@ -37,7 +37,7 @@ class StubPool:
 
 
 async def _app(tmp_path: Path, token: str | None) -> tuple[FastAPI, Sidecar, StubPool]:
-    settings = prefill_settings(tmp_path, "pool-auth", token)
+    settings = one_rank_settings("prefill", "pool-auth", tmp_path, token)
     sidecar = Sidecar(settings)
     stub = StubPool()
     sidecar.registry.pool = stub  # type: ignore[assignment]

@@ -24,7 +24,7 @@ from app.errors import ConfigError
 from app.proxy import ProxyConfig
 from app.proxy.config import POOL_TOKEN_ENV, POOL_TOKEN_FLAG
 from app.transfer.sidecar.process import Sidecar
-from tests.conftest import prefill_settings
+from tests.conftest import one_rank_settings
 from tests.proxy.conftest import Cluster, ServerThread, bound_socket
 
 TOKEN = "the-pool-sidecars-admin-token"
@@ -41,7 +41,7 @@ class StubPool:
 @pytest.fixture
 def sidecar_url(tmp_path: Path) -> Iterator[str]:
     """A prefill sidecar's admin API with an admin token, over HTTP."""
-    settings = prefill_settings(tmp_path, "pool-credential", TOKEN)
+    settings = one_rank_settings("prefill", "pool-credential", tmp_path, TOKEN)
     sidecar = Sidecar(settings)
     sidecar.registry.pool = StubPool()  # type: ignore[assignment]
     app = create_app(sidecar, settings)
