@@ -297,7 +297,17 @@ class WorkerSide:
         index = self.layer_index.get(layer_name)
         if index is not None and index not in self._signalled and index not in self.draft_layers:
             self._signalled.add(index)
-            self.link.layer_ready(self._step, index, self._event())
+            self._signal(index, self._event())
+
+    def _signal(self, index: int, event: Event | None, *, at_step_end: bool = False) -> None:
+        """Tell the sidecar a layer is written. A sidecar that died (or stopped reading)
+        mid-forward must not fail vLLM's forward pass: the step's layers stop here, and its
+        sends end in ``get_finished`` (at once for a dead sidecar, else at its deadline)."""
+        try:
+            self.link.layer_ready(self._step, index, event, at_step_end=at_step_end)
+        except KVSidecarError as e:
+            log.error("step %d: layer %d not signalled, nor any after it: %s", self._step, index, e)
+            self._active = False
 
     def _event(self) -> Event | None:
         """On a device, an event recorded on the current stream right after the layer's
@@ -322,8 +332,9 @@ class WorkerSide:
             # final now.
             event = self._event()  # after the whole forward pass: covers every layer left
             for index in range(len(self.layer_index)):
-                if index not in self._signalled:
-                    self.link.layer_ready(self._step, index, event, at_step_end=True)
+                if self._active and index not in self._signalled:
+                    self._signal(index, event, at_step_end=True)
+        if self._active:
             self._active = False
             try:
                 self.link.end_step(self._step)
