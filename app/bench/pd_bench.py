@@ -22,13 +22,15 @@ from typing import Any
 
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import (
+    SIDECAR,
+    SYSTEMS,
     Workload,
     calibrate,
     default_burst,
     summarize,
     trial_order,
 )
-from app.bench.pd_systems import CPU_SCOPE, SIDECAR, SYSTEMS, System, start_systems, stop_systems
+from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.pd_trial import line, run_trial, seed
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model

@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from app.bench.pd_systems import MOONCAKE, SIDECAR
+from app.bench.pd_stats import MOONCAKE, SIDECAR
 
 
 def _fmt(v: float | None, metric: str) -> str:

@@ -12,6 +12,8 @@ from typing import Any
 
 from app.errors import ConfigError
 
+SIDECAR, MOONCAKE = "kv-sidecar", "mooncake"
+SYSTEMS = (SIDECAR, MOONCAKE)
 # Per-trial metrics, in the order the table shows them; "bytes" is per trial (all its prompts).
 METRICS = (
     "ttft_ms",

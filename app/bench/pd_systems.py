@@ -25,14 +25,12 @@ from app.bench.pd_observe import (
     sidecar_transfers,
     write_logging_config,
 )
-from app.bench.pd_stats import Iteration
+from app.bench.pd_stats import MOONCAKE, SIDECAR, Iteration
 from app.harness.engines import MAX_MODEL_LEN, Instance, vllm_command, vllm_env
 from app.harness.local_pd import LocalPD
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
-SIDECAR, MOONCAKE = "kv-sidecar", "mooncake"
-SYSTEMS = (SIDECAR, MOONCAKE)
 SIDECAR_PROCESSES = ("sidecar-prefill", "sidecar-decode")  # LocalPD's names
 
 

@@ -9,8 +9,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from app.bench.report import plot, print_table, summarize
-from app.bench.runner import BenchOptions, run_bench
 from app.cli.bench_pd import pd_command
 from app.cli.bench_routing import routing_command
 
@@ -42,6 +40,10 @@ def bench_command(
     """Measure the layer-wise pipeline against raw Mooncake writes, over the real engine."""
     if ctx.invoked_subcommand is not None:
         return  # `bench pd ...`: its own options
+    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    from app.bench.report import plot, print_table, summarize
+    from app.bench.runner import BenchOptions, run_bench
+
     opts = BenchOptions.quick_preset() if quick else BenchOptions()
     if reps is not None:
         opts.reps = opts.overlap_reps = max(1, reps)

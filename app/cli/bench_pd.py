@@ -12,12 +12,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from app.bench.pd_bench import QUICK_MODEL, PDOptions
 from app.bench.pd_cores import REGIMES, binding
-from app.bench.pd_netns import run_in_namespace
-from app.bench.pd_report import plot, print_summary
-from app.bench.pd_stats import Workload, parse_rate, parse_size, parse_workloads
-from app.bench.pd_systems import SYSTEMS
+from app.bench.pd_stats import SYSTEMS, Workload, parse_rate, parse_size, parse_workloads
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")
@@ -75,6 +71,11 @@ def pd_command(
     if regime not in REGIMES:
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
+    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    from app.bench.pd_bench import QUICK_MODEL, PDOptions
+    from app.bench.pd_netns import run_in_namespace
+    from app.bench.pd_report import plot, print_summary
+
     opts = PDOptions(
         workloads=parse_workloads(sizes, concurrent),
         reps=reps,

@@ -9,8 +9,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from app.bench.routing_bench import RoutingOptions, run
-from app.bench.routing_report import plot, print_summary
 from app.bench.routing_workload import Workload
 from app.errors import ConfigError
 
@@ -56,6 +54,10 @@ def routing_command(
         tenants, requests, reps, burst = 6, 16, 1, 4
     if reps < 1 or prefills < 1 or routers < 1:
         raise ConfigError("--reps, --prefills and --routers must be at least 1")
+    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    from app.bench.routing_bench import RoutingOptions, run
+    from app.bench.routing_report import plot, print_summary
+
     workload = Workload(
         tenants=tenants,
         system_tokens=system_tokens,

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import httpx
 import typer
@@ -23,12 +23,12 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from app.cli.demo_vllm import print_summary, run_vllm_demo, succeeded
 from app.errors import ConfigError, DeadlineExceeded
 from app.kvcache.layout import KVLayout, LayoutMode
-from app.sim.cluster import Cluster, ClusterSpec
-from app.sim.commands import SimRequest
-from app.sim.rounds import pool_prompt_tokens, pool_round, summarize
+
+if TYPE_CHECKING:
+    from app.sim.cluster import Cluster
+    from app.sim.commands import SimRequest
 
 _READY_TIMEOUT_S = 60.0
 
@@ -76,6 +76,11 @@ def demo_command(
 ) -> None:
     """Start a P and a D sidecar with simulated engines (or real vLLM ones), transfer, verify,
     summarize."""
+    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    from app.cli.demo_vllm import print_summary, run_vllm_demo, succeeded
+    from app.sim.cluster import Cluster, ClusterSpec
+    from app.sim.rounds import pool_prompt_tokens, pool_round, summarize
+
     if engine == "vllm":
         result = run_vllm_demo(vllm_model, requests, prompt_tokens, max_tokens, None)
         print_summary(result, as_json)

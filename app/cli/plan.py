@@ -14,7 +14,6 @@ from rich.table import Table
 from app.kvcache.groups import group_rows
 from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
-from app.sim.reference import blocks_needed, build_instance, empty_allocator, run_transfer
 from app.transfer.planning.planner import Descriptors
 
 
@@ -39,6 +38,9 @@ def plan_report(
     cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Plan ``requests`` prompts of ``prompt_tokens`` and report per group and in total."""
+    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    from app.sim.reference import blocks_needed, build_instance, empty_allocator, run_transfer
+
     spec = load_preset(model, layers=layers, cache_dtype=cache_dtype)
     bs = block_size or spec.default_block_size()
     lens = [prompt_tokens] * requests

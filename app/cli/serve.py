@@ -9,7 +9,6 @@ from typing import Annotated
 import typer
 
 from app.config import load_settings
-from app.service import serve
 
 
 def serve_command(
@@ -44,4 +43,6 @@ def serve_command(
         "port_file": port_file,
     }
     settings = load_settings(flags, config)
+    from app.service import serve  # torch: not for the other commands' starts
+
     raise typer.Exit(asyncio.run(serve(settings)))

@@ -21,15 +21,16 @@ import os
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from app.devices.base import backend
 from app.devices.events import device_by_uuid
 from app.devices.fdpass import FdServer, receive_fds
 from app.devices.spec import CuMemBuffer, DeviceBuffer, TorchIpcBuffer
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SOCKET_DIR = "/dev/shm"  # shared by engine and sidecar already (the KV segments live there)
 
@@ -146,6 +147,8 @@ def _export_cumem(addr: int, size: int, index: int, uuid: str, socket_dir: str) 
 
 def import_buffer(buf: DeviceBuffer) -> ImportedMemory:
     """Sidecar side: map an engine's exported buffer; ConfigError when this process cannot."""
+    import torch  # a CPU-only sidecar never gets here and starts without it
+
     if isinstance(buf, CuMemBuffer):
         return _import_cumem(buf)
     kind = buf.device_kind
@@ -196,6 +199,8 @@ class _CudaArray:
 
 
 def _import_cumem(buf: CuMemBuffer) -> ImportedMemory:
+    import torch
+
     from app.devices import cumem
 
     index = device_by_uuid("cuda", buf.device_uuid, buf.device)
@@ -232,6 +237,8 @@ class DeviceArena:
     exported: list[Exported] = field(default_factory=list)
 
     def allocator(self, nbytes: int) -> torch.Tensor:
+        import torch
+
         tensor = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
         self.buffers.append(tensor)
         return tensor

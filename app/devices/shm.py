@@ -10,15 +10,18 @@ live engine when a sidecar restarts.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from app.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 SHM_DIR = "/dev/shm"
 
@@ -37,10 +40,6 @@ def _open(name: str) -> int:
             f"shared memory {name!r} does not exist; is the engine alive and sharing /dev/shm "
             "with the sidecar?"
         ) from None
-
-
-def _map(fd: int, size: int) -> torch.Tensor:
-    return torch.frombuffer(_mmap(fd, size), dtype=torch.uint8)
 
 
 def _mmap(fd: int, size: int) -> mmap.mmap:
@@ -89,6 +88,8 @@ class ShmArena:
     names: list[str] = field(default_factory=list)
 
     def allocator(self, nbytes: int) -> torch.Tensor:
+        import torch  # engine side only: the sidecar maps files without it
+
         name = f"{self.prefix}-{len(self.names)}"
         tensor = torch.frombuffer(create_file(name, nbytes), dtype=torch.uint8)
         self.names.append(name)
@@ -106,6 +107,8 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
     queue = list(names)
 
     def allocate(nbytes: int) -> torch.Tensor:
+        import torch
+
         if not queue:
             raise ConfigError(f"engine registered {len(names)} segments, the layout needs more")
         mm = open_file(queue.pop(0), nbytes, "model, TP or block settings")
@@ -114,7 +117,25 @@ def attach_allocator(names: list[str]) -> Callable[[int], torch.Tensor]:
     return allocate
 
 
-def map_engine_file(name: str, min_size: int) -> torch.Tensor:
+@dataclass(frozen=True)
+class MappedFile:
+    """An engine's file mapped into the sidecar; the mapping lives as long as this value."""
+
+    mapping: mmap.mmap
+    address: int
+
+    @classmethod
+    def of(cls, fd: int, size: int) -> MappedFile:
+        mm = _mmap(fd, size)
+        # ctypes, not torch: a CPU sidecar only needs the address (torch is 2 s per start).
+        return cls(mm, ctypes.addressof(ctypes.c_char.from_buffer(mm)))
+
+    def data_ptr(self) -> int:
+        """The mapping's first byte, as ``torch.Tensor.data_ptr`` gives a device buffer's."""
+        return self.address
+
+
+def map_engine_file(name: str, min_size: int) -> MappedFile:
     """Map a shared-memory file the engine made (e.g. torch's own shared storage) whole."""
     fd = _open(name)
     try:
@@ -123,7 +144,7 @@ def map_engine_file(name: str, min_size: int) -> torch.Tensor:
         os.close(fd)
 
 
-def map_engine_fd(fd: int, min_size: int, name: str) -> torch.Tensor:
+def map_engine_fd(fd: int, min_size: int, name: str) -> MappedFile:
     """Map the whole file behind ``fd`` (the engine's file ``name``); the caller closes
     ``fd``, the mapping stays."""
     size = os.fstat(fd).st_size
@@ -131,4 +152,4 @@ def map_engine_fd(fd: int, min_size: int, name: str) -> torch.Tensor:
         raise ConfigError(
             f"shared memory {name!r} has {size} bytes, the engine registered {min_size}"
         )
-    return _map(fd, size)
+    return MappedFile.of(fd, size)

@@ -6,6 +6,10 @@ Catches a timer that wakes the loop without work: the deadline watcher polling e
 while idle fails it (1.6% here). Before this test, it polled every 50 ms while idle: 0.9% on
 this pair, 1.1% on ``demo --keep-alive``'s; it now sleeps until an engine speaks (0.6%, the
 rest is the 1 s heartbeats).
+
+The same pair checks that a CPU sidecar that moved requests never loaded torch: 2-3 s of a core
+at every start here, and none of its work needs it (CUDA and NPU sidecars import it for their
+device memory only).
 """
 
 from __future__ import annotations
@@ -39,6 +43,10 @@ def test_an_idle_sidecar_uses_under_one_percent_of_a_core(
     time.sleep(1.0)  # the last Done's acks and reports settle
     pids = {role: side.sidecar.pid for role, side in cluster.sides.items() if side.sidecar}
     assert set(pids) == {"prefill", "decode"}
+    torch_loaded = {
+        role: "libtorch" in Path(f"/proc/{pid}/maps").read_text() for role, pid in pids.items()
+    }
+    assert torch_loaded == {"prefill": False, "decode": False}, torch_loaded
     before = {role: _cpu_s(pid) for role, pid in pids.items()}
     t0 = time.monotonic()
     time.sleep(IDLE_S)

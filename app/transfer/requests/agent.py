@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
-import torch
 
 from app.devices import Event
 from app.devices.events import Gate, SidecarRing
@@ -377,7 +376,7 @@ class Agent:
 
     def __init__(self, layout: RankLayout | None, desc: LayoutDesc, engine_id: str) -> None:
         self.layout = layout  # None when the engine registered its own tensors
-        self.memory: list[torch.Tensor] = []  # mappings of engine memory kept alive with the agent
+        self.memory: Sequence[object] = ()  # mappings of engine memory kept alive with the agent
         self.device_memory: list[ImportedMemory] = []  # device buffers imported from the engine
         self.events: SidecarRing | None = None  # the rank's event ring, when it registered one
         self.registration: EngineRegistration | None = None

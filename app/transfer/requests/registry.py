@@ -13,15 +13,14 @@ import asyncio
 import logging
 import os
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from app.devices.events import SidecarRing
 from app.devices.fdpass import receive_fds
 from app.devices.memory import ImportedMemory, check_device_type, import_buffer
-from app.devices.shm import map_engine_fd, map_engine_file
+from app.devices.shm import MappedFile, map_engine_fd, map_engine_file
 from app.devices.spec import EventRingSpec, FdSource
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_layout import describe_engine
@@ -31,6 +30,9 @@ from app.transfer.control.peers import Peer, Peers
 from app.transfer.lanes.mooncake import MooncakeEngine
 from app.transfer.requests.agent import Agent, SendRequest, StreamThread
 from app.transfer.wire.protocol import Msg, NewEpoch, Reply, Status
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,7 @@ class Registry:
         """Regions, groups and pieces from the engine's own tensors (DESIGN §2a)."""
         self._check_rank(reg.rank)
         imported: list[ImportedMemory] = []
+        buffers: Sequence[torch.Tensor | MappedFile]
         if reg.device_memory is not None:
             if len(reg.device_memory) != len(reg.memory):
                 raise ConfigError(
@@ -172,7 +175,7 @@ class Registry:
             # Its memory was unregistered with its generation; let go of the mappings now,
             # not when a reference cycle through the old stream thread is collected (the dead
             # engine's segments stayed mapped for seconds).
-            old.memory.clear()
+            old.memory = ()
             _close(old.device_memory)
             old.device_memory = []
             old.events = None  # its table stays mapped while a late task still holds it
@@ -230,7 +233,7 @@ def _close(memory: list[ImportedMemory]) -> None:
         mem.close()
 
 
-def _map_served(source: FdSource, spans: list[MemorySpan]) -> list[torch.Tensor]:
+def _map_served(source: FdSource, spans: list[MemorySpan]) -> list[MappedFile]:
     """The engine's files, as the descriptors it serves (a re-registration), mapped whole."""
     fds = receive_fds(source.socket, source.token, len(spans))
     try:
