@@ -16,8 +16,11 @@ from app.sim.rounds import summarize
 from tests.e2e.test_layerwise_push import MODELS, PAIRS, arrive_byte_exact
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp"), PAIRS)
-@pytest.mark.parametrize("model", sorted(MODELS))
+# Each model once and each TP pair once: the agent on the engine's thread is the sidecar's own
+# code, which test_layerwise_push.py runs over the whole model x pair matrix.
+@pytest.mark.parametrize(("model", "p_tp", "d_tp"), [
+    (model, *pair) for model, pair in zip(sorted(MODELS), PAIRS, strict=True)
+])  # fmt: skip
 def test_in_process_agents_arrive_byte_exact(
     make_cluster: Callable[..., Cluster], model: str, p_tp: int, d_tp: int
 ) -> None:
