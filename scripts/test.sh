@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # Set up (idempotent), then lint, type-check and run the whole test suite (docs/testing.md).
+# Each part prints its wall time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
-.venv/bin/ruff check app tests
-.venv/bin/ruff format --check app tests
-.venv/bin/mypy
+timed() {
+  local name=$1 t0=$SECONDS
+  shift
+  "$@"
+  echo "==== ${name}: $(((SECONDS - t0) / 60))m$(((SECONDS - t0) % 60))s"
+}
+timed "set-up" ./scripts/setup.sh
+timed "ruff" bash -c '.venv/bin/ruff check app tests && .venv/bin/ruff format --check app tests'
+timed "mypy" .venv/bin/mypy
 # Everything without real vLLM engines on two workers, then the real-engine modules in one
 # process: beside the other worker's tests the engines took twice as long (docs/testing.md).
-t0=$SECONDS
-.venv/bin/python -m pytest -q -n 2 --durations=20 --ignore=tests/connectors/vllm "$@"
-echo "==== without engines: $(((SECONDS - t0) / 60))m$(((SECONDS - t0) % 60))s"
-t0=$SECONDS
-.venv/bin/python -m pytest -q --durations=20 tests/connectors/vllm "$@"
-echo "==== tests/connectors/vllm: $(((SECONDS - t0) / 60))m$(((SECONDS - t0) % 60))s"
+timed "without engines" .venv/bin/python -m pytest -q -n 2 --durations=20 \
+  --ignore=tests/connectors/vllm "$@"
+timed "tests/connectors/vllm" .venv/bin/python -m pytest -q --durations=20 tests/connectors/vllm "$@"
