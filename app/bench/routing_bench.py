@@ -30,7 +30,7 @@ import httpx
 
 from app.bench.pd_stats import spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
-from app.errors import BenchError
+from app.errors import BenchError, DeadlineExceeded
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
@@ -125,6 +125,22 @@ def _wait_feeds(url: str, timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+def _settled_records(routers: Sequence[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """Every router's transfer records, once none is pending (both sides ended)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = {
+            rec["transfer_id"]: rec
+            for u in routers
+            for rec in httpx.get(f"{u}/v1/transfers", timeout=5).json()["transfers"]
+        }
+        if all(r["status"] != "pending" for r in records.values()):
+            return records
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"transfers still pending after {timeout_s:.0f} s")
+        time.sleep(0.2)
+
+
 def run_policy(
     pd: LocalPD, policy: str, rep: int, load: Sequence[Arrival], opts: RoutingOptions
 ) -> dict[str, Any]:
@@ -140,13 +156,11 @@ def run_policy(
             time.sleep(0.5)  # SUB sockets join before the first event
         before = _counters(pd)
         answers = asyncio.run(_replay(routers, load, opts.workload.seed + rep))
+        # Decode answers while prefill may still finish its request: read vLLM's counters
+        # only once every record says both sides ended (a quick run once missed a burst).
+        records = _settled_records(routers)
         after = _counters(pd)
         healths = [httpx.get(f"{u}/health", timeout=5).json() for u in routers]
-        records = {
-            rec["transfer_id"]: rec
-            for u in routers
-            for rec in httpx.get(f"{u}/v1/transfers", timeout=5).json()["transfers"]
-        }
     finally:
         for name in names:
             pd.kill(name, signal.SIGTERM)
