@@ -30,7 +30,7 @@ import httpx
 
 from app.bench.pd_stats import spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
-from app.errors import BenchError, DeadlineExceeded
+from app.errors import BenchError
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
@@ -137,7 +137,7 @@ def _settled_records(routers: Sequence[str], timeout_s: float = 60.0) -> dict[st
         if all(r["status"] != "pending" for r in records.values()):
             return records
         if time.monotonic() > deadline:
-            raise DeadlineExceeded(f"transfers still pending after {timeout_s:.0f} s")
+            raise BenchError(f"the routers' transfers were still pending after {timeout_s:.0f} s")
         time.sleep(0.2)
 
 

@@ -40,7 +40,7 @@ def bench_command(
     """Measure the layer-wise pipeline against raw Mooncake writes, over the real engine."""
     if ctx.invoked_subcommand is not None:
         return  # `bench pd ...`: its own options
-    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.report import plot, print_table, summarize
     from app.bench.runner import BenchOptions, run_bench
 

@@ -71,7 +71,7 @@ def pd_command(
     if regime not in REGIMES:
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
-    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.pd_bench import QUICK_MODEL, PDOptions
     from app.bench.pd_netns import run_in_namespace
     from app.bench.pd_report import plot, print_summary

@@ -54,7 +54,7 @@ def routing_command(
         tenants, requests, reps, burst = 6, 16, 1, 4
     if reps < 1 or prefills < 1 or routers < 1:
         raise ConfigError("--reps, --prefills and --routers must be at least 1")
-    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.routing_bench import RoutingOptions, run
     from app.bench.routing_report import plot, print_summary
 

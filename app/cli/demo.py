@@ -76,7 +76,7 @@ def demo_command(
 ) -> None:
     """Start a P and a D sidecar with simulated engines (or real vLLM ones), transfer, verify,
     summarize."""
-    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    # Heavy imports inside the command: see app/cli/main.py.
     from app.cli.demo_vllm import print_summary, run_vllm_demo, succeeded
     from app.sim.cluster import Cluster, ClusterSpec
     from app.sim.rounds import pool_prompt_tokens, pool_round, summarize

@@ -1,4 +1,8 @@
-"""``kv-sidecar``: the command line (typer)."""
+"""``kv-sidecar``: the command line (typer).
+
+Each command imports its heavy modules (torch, the benches, the simulator) inside its function:
+every sidecar and proxy start parses this whole CLI, and torch alone is 2-3 s of a core there
+(tests/cli/test_startup_imports.py holds it)."""
 
 from __future__ import annotations
 

@@ -38,7 +38,7 @@ def plan_report(
     cache_dtype: str = "auto",
 ) -> dict[str, Any]:
     """Plan ``requests`` prompts of ``prompt_tokens`` and report per group and in total."""
-    # Imported here: every `kv-sidecar` start (a sidecar, a proxy) would pay for torch.
+    # Heavy imports inside the command: see app/cli/main.py.
     from app.sim.reference import blocks_needed, build_instance, empty_allocator, run_transfer
 
     spec = load_preset(model, layers=layers, cache_dtype=cache_dtype)

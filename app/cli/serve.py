@@ -43,6 +43,6 @@ def serve_command(
         "port_file": port_file,
     }
     settings = load_settings(flags, config)
-    from app.service import serve  # torch: not for the other commands' starts
+    from app.service import serve  # inside the command: see app/cli/main.py
 
     raise typer.Exit(asyncio.run(serve(settings)))
