@@ -23,11 +23,13 @@ from app.transfer.wire.protocol import (
     StepSlice,
 )
 from tests.connectors.vllm.conftest import Silent
-from tests.connectors.vllm.test_scheduler_hooks import LINK_TIMEOUT_S
 
 BATCH = 8
 STEPS = 200
 BUDGET_S = 0.2e-3
+# Far above a host stall (0.57 s seen on a loaded 2-core CI machine): a step that waited
+# for the silent sidecar would take all of it.
+LINK_TIMEOUT_S = 10.0
 
 
 def _meta(step: int) -> KVSidecarMetadata:
