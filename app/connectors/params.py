@@ -13,3 +13,11 @@ TRANSFER_TOKEN_HEADER = "x-kv-transfer-token"
 KV_LOAD_PARAM = "kv_load"
 """In decode's answer's ``kv_transfer_params``: "ok" when prefill's KV was used, "failed" when
 decode recomputed the prompt."""
+
+KV_SEND_PARAM = "kv_send"
+"""In prefill's answer's ``kv_transfer_params``: "failed" when its sidecar was gone (exited or
+killed) as the request finished, so nothing reached decode; the router tells decode to stop
+waiting. Absent otherwise."""
+
+KV_SEND_ERROR_PARAM = "kv_send_error"
+"""Beside ``kv_send: "failed"``: why, in a sentence."""

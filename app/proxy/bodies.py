@@ -12,7 +12,13 @@ from typing import Any
 # connectors send back in a header on ``/v1/kv_targets``, so only the two engines of a
 # transfer can post or fetch its target; and decode's report, in its final
 # ``kv_transfer_params``, of whether the KV came (``"failed"``: it recomputed the prompt).
-from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
+from app.connectors.params import (
+    KV_LOAD_PARAM,
+    KV_SEND_ERROR_PARAM,
+    KV_SEND_PARAM,
+    TRANSFER_TOKEN_HEADER,
+    TRANSFER_TOKEN_PARAM,
+)
 
 __all__ = [
     "KV_LOAD_PARAM",
@@ -21,6 +27,7 @@ __all__ = [
     "decode_body",
     "is_streamed",
     "kv_load_of",
+    "kv_send_failure",
     "local_body",
     "new_transfer_token",
     "prefill_body",
@@ -105,16 +112,30 @@ def is_streamed(body: dict[str, Any]) -> bool:
     return bool(body.get("stream", False))
 
 
-def kv_load_of(content: bytes) -> str | None:
-    """``kv_transfer_params.kv_load`` of decode's whole (non-streamed) answer: ``"ok"``,
-    ``"failed"``, or None when absent or not JSON."""
+def _transfer_params(content: bytes, name: str) -> dict[str, Any] | None:
+    """An answer's ``kv_transfer_params`` when it names ``name``, else None."""
     # Most answers do not carry it: they are not parsed at all.
-    if KV_LOAD_PARAM.encode() not in content:
+    if name.encode() not in content:
         return None
     try:
         answer = json.loads(content)
     except (ValueError, RecursionError):  # not JSON (or not UTF-8), or nested past parsing
         return None
     params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    value = params.get(KV_LOAD_PARAM) if isinstance(params, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+def kv_load_of(content: bytes) -> str | None:
+    """``kv_transfer_params.kv_load`` of decode's whole (non-streamed) answer: ``"ok"``,
+    ``"failed"``, or None when absent or not JSON."""
+    value = (_transfer_params(content, KV_LOAD_PARAM) or {}).get(KV_LOAD_PARAM)
     return value if value in KV_LOADS else None
+
+
+def kv_send_failure(content: bytes) -> str | None:
+    """Why prefill's connector sent nothing (its answer says ``kv_send: "failed"``), else
+    None."""
+    params = _transfer_params(content, KV_SEND_PARAM) or {}
+    if params.get(KV_SEND_PARAM) != "failed":
+        return None
+    return str(params.get(KV_SEND_ERROR_PARAM) or "prefill's connector sent nothing")[:300]

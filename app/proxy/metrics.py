@@ -137,8 +137,8 @@ class ProxyMetrics:
         self._failed = Counter(
             "kvproxy_num_failed_transfers",
             "Disaggregated requests whose KV did not reach decode, by decode instance and the "
-            "record's status (prefill_failed, target_timeout, target_error, no_target, "
-            "recomputed).",
+            "record's status (prefill_failed, send_failed, target_timeout, target_error, "
+            "no_target, recomputed).",
             ["instance", "status"],
             registry=self.registry,
         )

@@ -7,7 +7,8 @@ rendezvous (any number may); decode first, it is sent the same targets. A prefil
 after the prompt reached it (reset, 5xx, timeout) may have claimed decode's blocks, and
 decode's sidecar takes one prefill per transfer, so it is not retried.
 
-A prefill that failed for good (not retried, or its retry failed too) is told to decode's
+A prefill that failed for good (not retried, or its retry failed too), or that answered but
+says its sidecar sent nothing (``kv_send: "failed"``, its sidecar was gone), is told to decode's
 sidecar at once where the proxy knows it (decode_stop.py): decode recomputes now instead of
 waiting out its deadline.
 """
@@ -24,7 +25,7 @@ from typing import Any
 import httpx
 
 from app.proxy.balancer import Lease, Pool, is_connection_failure
-from app.proxy.bodies import prefill_body
+from app.proxy.bodies import kv_send_failure, prefill_body
 from app.proxy.config import Flow, ProxyConfig
 from app.proxy.decode_stop import DecodeStopper
 from app.proxy.dp import upstream as dp_upstream
@@ -148,7 +149,7 @@ class PrefillSide:
                 await self._post(replace(job, lease=retry), build)
             finally:
                 retry.release()
-        if t.prefill_outcome == "prefill_failed":
+        if t.prefill_outcome in ("prefill_failed", "send_failed"):
             await self._stop_decode(t)
 
     async def _stop_decode(self, t: TransferTracker) -> None:
@@ -236,6 +237,15 @@ class PrefillSide:
         finally:
             t.prefill_s = time.monotonic() - t0
         t.prefill_status = r.status_code
+        if r.status_code == 200 and (why := kv_send_failure(r.content)) is not None:
+            # Answered, but its sidecar was gone: nothing reached decode, and every request
+            # there costs decode a recompute, so it counts against the instance's breaker.
+            t.prefill_outcome = "send_failed"
+            msg = f"prefill instance {p.url} sent no KV: {why}"
+            p.settle(False, msg)
+            t.note_error(msg)
+            log.error("transfer %s: %s", tid, msg)
+            return False
         p.settle(r.status_code < 500, f"answered {r.status_code}")
         if r.status_code == 200:
             t.prefill_outcome = "ok"

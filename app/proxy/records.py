@@ -14,7 +14,13 @@ from app.tracing.traceparent import TraceParent
 
 DecodeOutcome = Literal["ok", "failed", "unreachable", "timeout", "broken", "client_gone"]
 PrefillOutcome = Literal[
-    "ok", "prefill_failed", "target_timeout", "target_error", "no_target", "cancelled"
+    "ok",
+    "prefill_failed",
+    "send_failed",
+    "target_timeout",
+    "target_error",
+    "no_target",
+    "cancelled",
 ]
 
 
@@ -25,7 +31,8 @@ class TransferRecord:
     ``status``: ``pending`` until both sides ended; then ``client_gone``, ``decode_failed``
     (decode answered non-200 or failed), ``recomputed`` (both answered, but decode's connector
     reported ``kv_load: "failed"``: the KV never came and decode computed the prompt itself),
-    else the prefill side's outcome: ``ok``, ``prefill_failed``, ``target_timeout``,
+    else the prefill side's outcome: ``ok``, ``prefill_failed``, ``send_failed`` (prefill
+    answered, but its sidecar was gone and sent nothing), ``target_timeout``,
     ``target_error`` or ``no_target`` (decode ended before it posted a target, e.g. it had the
     whole prompt cached). A request served by decode alone (``disaggregated`` false,
     ``reason`` says why, ``prefill`` is None) ends ``local`` unless decode failed or the

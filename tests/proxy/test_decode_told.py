@@ -1,5 +1,6 @@
-"""A prefill that failed for good is told to decode's sidecar at once (an abort of the
-transfer there), so decode recomputes now instead of waiting out its deadline."""
+"""A prefill that failed for good, or answered that its sidecar sent nothing, is told to
+decode's sidecar at once (an abort of the transfer there), so decode recomputes now instead of
+waiting out its deadline."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ DEADLINE_S = 5.0  # how long the fake decode would wait for the KV
 
 
 @pytest.mark.parametrize("flow", ["decode_first", "concurrent"])
-@pytest.mark.parametrize("failure", ["refused", "500"])
+@pytest.mark.parametrize("failure", ["refused", "500", "sent_nothing"])
 def test_a_failed_prefill_with_no_other_is_told_to_decode_at_once(
     make_cluster: Callable[..., Cluster], flow: str, failure: str
 ) -> None:
@@ -25,8 +26,10 @@ def test_a_failed_prefill_with_no_other_is_told_to_decode_at_once(
     d.behaviour.prefill_wait_s = DEADLINE_S
     if failure == "refused":
         p.stop()
-    else:  # the prompt reached it, it failed mid-prefill: no KV comes
+    elif failure == "500":  # the prompt reached it, it failed mid-prefill: no KV comes
         p.behaviour.status, p.behaviour.delivers = 500, False
+    else:  # it answered, but its connector says its sidecar was gone
+        p.behaviour.kv_send, p.behaviour.delivers = "failed", False
     t0 = time.monotonic()
     r = c.post(prompt="x")
     took = time.monotonic() - t0
@@ -38,7 +41,10 @@ def test_a_failed_prefill_with_no_other_is_told_to_decode_at_once(
     assert abort.headers["authorization"] == "Bearer s3cret"
     assert abort.body["reason"].startswith(f"prefill failed: prefill instance {p.url}")
     rec = c.record(tid)
-    assert (rec["status"], rec["kv_load"]) == ("prefill_failed", "failed"), rec
+    status = "send_failed" if failure == "sent_nothing" else "prefill_failed"
+    assert (rec["status"], rec["kv_load"]) == (status, "failed"), rec
+    if failure == "sent_nothing":
+        assert rec["error"].endswith(f"sent no KV: {p.name}: gone"), rec
     assert rec["decode_stop"] == f"{sidecar.url} answered 200"
     assert sample(c.metrics(), "kvproxy_decode_stops_total", outcome="ok") == 1
 

@@ -29,7 +29,12 @@ from typing import Any
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 from vllm.v1.request import RequestStatus
 
-from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_PARAM
+from app.connectors.params import (
+    KV_LOAD_PARAM,
+    KV_SEND_ERROR_PARAM,
+    KV_SEND_PARAM,
+    TRANSFER_TOKEN_PARAM,
+)
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.lookups import PoolLookups
 from app.connectors.vllm.metadata import (
@@ -137,19 +142,14 @@ class SchedulerSide:
             )
         self.state = _State()
         self.lookups = PoolLookups(config) if config.pool else None
-        self._links: list[EngineLink] | None = None
-
-    @property
-    def links(self) -> list[EngineLink]:
-        """One per rank of every pipeline stage, for one-way aborts only (they never wait
-        for the sidecar)."""
-        if self._links is None:
-            self._links = [
-                EngineLink(stage.sidecar, stage.engine_id, rank, timeout_s=stage.link_timeout_s)
-                for stage in self.config.stages()
-                for rank in range(stage.tp_size)
-            ]
-        return self._links
+        # One per rank of every pipeline stage, for one-way aborts (they never wait for the
+        # sidecar) and to see a sidecar die: connected now, while the sidecars the workers
+        # registered with are up, so a later exit shows on the links' monitors.
+        self.links = [
+            EngineLink(stage.sidecar, stage.engine_id, rank, timeout_s=stage.link_timeout_s)
+            for stage in config.stages()
+            for rank in range(stage.tp_size)
+        ]
 
     # ---- vLLM hooks ------------------------------------------------------------------------
 
@@ -398,6 +398,20 @@ class SchedulerSide:
         if request.status == RequestStatus.FINISHED_ABORTED:
             self._abort_all(send.sid, "prefill request aborted")
             return keep or rid in self.state.unfinished_sends, None
+        gone = [link for link in self.links if link.sidecar_gone]
+        if gone:
+            # Nothing was or will be sent: the router tells decode to recompute now rather
+            # than at its deadline, and a prefill-first decode computes the prompt itself.
+            error = (
+                f"the sidecar of {gone[0].engine_id} rank {gone[0].rank} closed the engine "
+                "link (exited or killed) before the send ended"
+            )
+            log.error("send %s: %s", send.sid, error)
+            return keep or rid in self.state.unfinished_sends, {
+                "kv_sidecar_request_id": send.sid,
+                KV_SEND_PARAM: "failed",
+                KV_SEND_ERROR_PARAM: error,
+            }
         # Keep the blocks until a worker reports the send ended (get_finished).
         return keep or rid in self.state.unfinished_sends, self._decode_params(send)
 
@@ -472,7 +486,7 @@ class SchedulerSide:
     def close(self) -> None:
         if self.lookups is not None:
             self.lookups.close()
-        for link in self._links or ():
+        for link in self.links:
             link.close(unlink=False)
 
 
