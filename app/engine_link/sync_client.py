@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import weakref
 
 import zmq
 import zmq.asyncio
@@ -46,6 +47,11 @@ class SyncClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._sock.connect(endpoint)
+        # Also at garbage collection: a context collected before its monitored socket's monitor
+        # is disabled blocks forever in term() (a link dropped without close() hung a test).
+        self._shut = weakref.finalize(
+            self, _shut, self._sock, self._monitor, ctx if self._own_ctx else None
+        )
         self.gone_since: float | None = None  # monotonic time the sidecar closed its end
         self.connects = 0  # connections a sidecar accepted: a new one follows a gone one
         self._notify_timeout = notify_timeout
@@ -103,11 +109,7 @@ class SyncClient:
         if self._closed:
             return
         self._closed = True
-        self._sock.disable_monitor()
-        self._monitor.close(linger=0)
-        self._sock.close(linger=0)
-        if self._own_ctx:
-            self._ctx.term()
+        self._shut()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -160,3 +162,11 @@ class SyncClient:
                 return True
             if time.monotonic() >= deadline:
                 return False
+
+
+def _shut(sock: zmq.Socket, monitor: zmq.Socket, ctx: zmq.Context | None) -> None:
+    sock.disable_monitor()
+    monitor.close(linger=0)
+    sock.close(linger=0)
+    if ctx is not None:
+        ctx.term()
