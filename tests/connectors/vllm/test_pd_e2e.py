@@ -417,14 +417,17 @@ def test_prefill_sidecar_killed(pd: LocalPD) -> None:
     close and says in its answer that it sent nothing (``kv_send: failed``), the proxy tells
     decode's sidecar to stop waiting, and decode recomputes the prompt at once (not at its
     15 s deadline) with the right answer. Gemma-3 has two KV cache groups, where vLLM stops
-    the engine on a block-level failure report. Runs last on its engine pair (the prefill
-    engine has no sidecar afterwards)."""
+    the engine on a block-level failure report. Brings a new sidecar up before it ends (the
+    engine registers with it by itself), as the pair is shared."""
     p = prompt(200, 99)
     reference = pd.complete(pd.prefill.url, p, MAX_TOKENS)
     before = prompt_tokens_by_source(pd.decode.url)
     pd.kill("sidecar-prefill")
     t0 = time.monotonic()
-    answer = pd.completion(pd.proxy, p, MAX_TOKENS, timeout_s=120)
+    try:
+        answer = pd.completion(pd.proxy, p, MAX_TOKENS, timeout_s=120)
+    finally:
+        pd.restart_sidecar(pd.prefill)
     elapsed = time.monotonic() - t0
     assert answer["choices"][0]["token_ids"] == reference
     after = prompt_tokens_by_source(pd.decode.url)
