@@ -17,6 +17,7 @@ as a worker must when its sidecar is gone; without it a link error ends the comm
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -24,13 +25,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import msgspec
 import zmq
 
-from app.config import SidecarSettings
 from app.engine_link.client import EngineLink
-from app.service import InProcessAgent
 from app.sim.commands import Command, SimRequest, request_block_ids, request_seed
 from app.sim.kv_io import (
     changed_outside,
@@ -65,6 +63,8 @@ class SimInstance:
         for req in live:
             assert req.remote is not None
             body = {"transfer_id": req.id, "target": msgspec.to_builtins(req.remote)}
+            import httpx  # only the prefill-first flow posts: most engines never load it
+
             r = httpx.post(cmd.target_url, json=body, timeout=10)
             if r.status_code != 200:  # the sidecar ended the send; the driver hears of it
                 print(f"target of {req.id} refused: {r.status_code} {r.text}", file=sys.stderr)
@@ -327,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     params = msgspec.json.decode(args.params, type=CacheParams)
     agent = None
     if args.in_process:
+        # The whole sidecar: imported only by the engines that host it (a start costs less).
+        from app.config import SidecarSettings
+        from app.service import InProcessAgent
+
         agent = InProcessAgent(SidecarSettings())
         agent.start()
     # SIGTERM unwinds through the finally below, so the shared-memory names are removed.
@@ -403,3 +407,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything that outlives the process was released above; the interpreter's own
+    # teardown (a last garbage collection over torch's objects) took half a second of every
+    # cluster's close.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
