@@ -69,6 +69,25 @@ def llama_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         yield stack
 
 
+@pytest.fixture(scope="session")
+def xpyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
+    """2 prefills (prefix caching on) and 2 decodes behind one proxy: test_xpyd.py, then
+    test_xpyd_faults.py, which kills instances and runs last."""
+    root = tmp_path_factory.mktemp("xpyd")
+    model = write_tiny_model(root / "model", "llama")
+    stack = LocalPD(
+        model,
+        root / "run",
+        recv_timeout_s=15.0,
+        kind="llama",
+        prefills=2,
+        decodes=2,
+        prefill_prefix_caching=True,
+    )
+    with engines_up(stack):
+        yield stack
+
+
 @pytest.fixture(scope="module")
 def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory

