@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.bench.engine_dtype import DtypeChoice, engine_dtype
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import (
     SIDECAR,
@@ -189,7 +190,12 @@ def run(opts: PDOptions) -> dict[str, Any]:
     print(b.describe(), flush=True)
     model = write_tiny_model(work / "model", "llama", overrides=opts.model)
     longest = max(w.tokens for w in opts.workloads) + opts.max_tokens + 64
-    systems = start_systems(model, work, longest)
+    # The dedicated regime computes on one core: there bf16 emulation is chosen away (the
+    # shared regime keeps the model's bf16, as its published figures were measured).
+    dtype: DtypeChoice | None = engine_dtype() if opts.regime == "dedicated" else None
+    if dtype is not None:
+        print(dtype.describe(), flush=True)
+    systems = start_systems(model, work, longest, dtype.dtype if dtype else None)
     try:
         placement = place_threads(_groups(systems), b)
         print(placement_text(placement), flush=True)
@@ -221,6 +227,7 @@ def run(opts: PDOptions) -> dict[str, Any]:
             "calibration": cal,
             "references": {w.name: refs[w] for w in opts.workloads},
             "cpu_scope": CPU_SCOPE,
+            "engine_dtype": dtype.as_dict() if dtype else None,
             "aa": list(aa) if aa else None,
             "warmup": [x for ph in phases for x in ph["warmup"]],
             "trials": trials,

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, TextIO
 
 from app.bench.pd_bench import PDOptions
 from app.bench.pd_cores import binding
@@ -44,12 +44,25 @@ def check_tools() -> None:
 
 def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
     """Create the namespace, run ``pd_bench`` in it, remove it; the run's result."""
+    return run_child(CHILD, asdict(opts), Path(opts.out), "pd.json", opts.regime)
+
+
+def run_child(
+    child_args: tuple[str, ...],
+    spec: dict[str, Any],
+    out: Path,
+    result: str,
+    regime: str,
+    stdout: TextIO | None = None,
+) -> dict[str, Any]:
+    """Run ``python CHILD_ARGS OPTIONS.json`` in a namespace of its own (with ``regime``'s
+    binding; its output to ``stdout``, None: ours); the JSON it wrote to ``out/result``
+    (``bench pd`` and ``bench load`` share it)."""
     check_tools()
-    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    spec = out / "options.json"
-    spec.write_text(json.dumps(asdict(opts)))
-    (out / "pd.json").unlink(missing_ok=True)
+    path = out / "options.json"
+    path.write_text(json.dumps(spec))
+    (out / result).unlink(missing_ok=True)
     ns = f"kvsbench-{os.getpid()}"
     _ip("netns", "add", ns)
     child: subprocess.Popen[bytes] | None = None
@@ -67,17 +80,18 @@ def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
         # The regime's binding (pd_cores): every process of both systems inherits it.
-        env |= binding(opts.regime, os.sched_getaffinity(0)).env()
+        env |= binding(regime, os.sched_getaffinity(0)).env()
         child = subprocess.Popen(
-            ["ip", "netns", "exec", ns, sys.executable, *CHILD, str(spec)],
+            ["ip", "netns", "exec", ns, sys.executable, *child_args, str(path)],
             env=env,
+            stdout=stdout,
         )
         rc = child.wait()
         if rc != 0:
             raise ConfigError(
                 f"the run in namespace {ns} failed (exit {rc}); logs in {out / 'work'}"
             )
-        return dict(json.loads((out / "pd.json").read_text()))
+        return dict(json.loads((out / result).read_text()))
     finally:
         if child is not None and child.poll() is None:
             child.send_signal(signal.SIGTERM)

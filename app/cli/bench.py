@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from app.cli.bench_load import load_command
 from app.cli.bench_pd import pd_command
 from app.cli.bench_routing import routing_command
 
@@ -67,4 +68,5 @@ def bench_command(
 
 
 bench_app.command("pd")(pd_command)
+bench_app.command("load")(load_command)
 bench_app.command("routing")(routing_command)

@@ -1,0 +1,238 @@
+"""``bench load``'s run, inside the network namespace: both systems under open-loop load.
+
+``python -m app.bench.load_bench OPTIONS.json`` is what ``pd_netns.run_child`` runs; it writes
+``load.json`` to the output folder. The same systems, engines, regimes, taps and records as
+``bench pd`` (``pd_systems``, ``pd_cores``, ``pd_observe``). In order: warm-up (not counted);
+the unloaded run (calibration lengths one at a time, on each system), which gives the SLO and
+the service time the ladder of rates is made from; then per rate, the same seeded request
+sequence on each system, which goes first alternating rate by rate; at one rate kv-sidecar runs
+it a second time (``kv-sidecar-aa``: the A/A noise floor).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.bench.engine_dtype import DtypeChoice, engine_dtype
+from app.bench.load_stats import Slo, derive_slo, handoff_ms, step_figures, summarize_steps
+from app.bench.load_step import run_step, unloaded, wait_idle
+from app.bench.load_workload import Lengths, Request, ladder, schedule, step_seed
+from app.bench.pd_bench import FULL_MODEL, aa_name
+from app.bench.pd_cores import binding, place_threads, placement_text
+from app.bench.pd_stats import SIDECAR, SYSTEMS
+from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
+from app.harness.tiny_models import write_tiny_model
+
+CALIBRATION_RUNG = 999  # prompts of the unloaded run: distinct from every rate step's
+QUICK_LENGTHS = Lengths(median=256, sigma=0.8, lo=64, hi=1024, out_lo=8, out_hi=32)
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    lengths: Lengths = field(default_factory=Lengths)
+    fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)  # of the unloaded rate
+    duration_s: float = 60.0  # arrivals per rate step
+    min_requests: int = 8
+    reps: int = 1
+    seed: int = 0
+    warmup: int = 2  # requests per system, not counted
+    calibration_reps: int = 2  # of each calibration length, per system
+    drain_s: float = 120.0  # after the last send; still running then: cancelled, not good
+    request_timeout_s: float = 600.0
+    sample_s: float = 0.5  # vLLM gauges' sampling period during a step
+    aa: str | None = SIDECAR
+    aa_rung: int | None = None  # which rate (index) A/A runs at; None: the middle one
+    dtype: str | None = None  # vLLM --dtype; None: chosen by the CPU's flags
+    quick: bool = False
+    out: str = "bench-load-out"
+    model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
+    regime: str = "shared"
+
+    @classmethod
+    def from_json(cls, text: str) -> LoadOptions:
+        d = json.loads(text)
+        d["lengths"] = Lengths(**d["lengths"])
+        d["fractions"] = tuple(d["fractions"])
+        return cls(**d)
+
+
+def calibration_lengths(lengths: Lengths) -> tuple[int, ...]:
+    """Short, median and long (~P90 of the lognormal) prompts: the line prefill(n) is fit on."""
+    p90 = round(lengths.median * math.exp(1.2816 * lengths.sigma))  # z(0.9) = 1.2816
+    return tuple(sorted({lengths.lo, lengths.median, min(lengths.hi, p90)}))
+
+
+def calibrate(
+    systems: list[System], lengths: Lengths, reps: int
+) -> tuple[list[dict[str, Any]], Slo, float]:
+    """The unloaded run: each calibration length alone, systems alternating; the SLO (one, for
+    both) and the service time (median unloaded e2e over both systems)."""
+    out_tokens = (lengths.out_lo + lengths.out_hi) // 2
+    rows = []
+    k = 0
+    for rep in range(reps):
+        for i, n in enumerate(calibration_lengths(lengths)):
+            order = systems if (rep + i) % 2 == 0 else systems[::-1]
+            for s in order:
+                r = unloaded(s, Request(k, 0.0, n, out_tokens), CALIBRATION_RUNG)
+                k += 1
+                print(f"unloaded {s.name:12} {n:5} tokens: {_unloaded_text(r)}", flush=True)
+                rows.append(r)
+    ok = [r for r in rows if r["error"] is None and r["tokens"] == r["max_tokens"]]
+    slo = derive_slo(ok)
+    service = statistics.median(r["e2e_s"] for r in ok)
+    return rows, slo, service
+
+
+def _unloaded_text(r: dict[str, Any]) -> str:
+    if r["error"] is not None:
+        return f"FAILED {r['error']}"
+    return (
+        f"TTFT {1e3 * r['ttft_s']:.0f} ms, P prefill {1e3 * r['p_prefill_s']:.0f} ms, "
+        f"TPOT {1e3 * (r['tpot_s'] or 0):.1f} ms, e2e {1e3 * r['e2e_s']:.0f} ms"
+    )
+
+
+def step_record(
+    opts: LoadOptions, system: System, rate: float, rung: int, rep: int, slo: Slo, requests: Any
+) -> dict[str, Any]:
+    obs = run_step(system, requests, rung, opts.drain_s, opts.sample_s, opts.request_timeout_s)
+    figs = step_figures(obs["answers"], slo)
+    flat = {
+        "d_kv_usage_max": obs["d_kv_usage"]["max"],
+        "d_waiting_max": obs["d_waiting"]["max"],
+        "handoff_ms": handoff_ms(figs["ttft_mean_ms"], obs["p_prefill_ms"]),
+    }
+    answers = [
+        {k: v for k, v in a.items() if k != "tokens"} | {"tokens": len(a.get("tokens") or ())}
+        for a in obs.pop("answers")
+    ]
+    rec = {"rate": rate, "rung": rung, "rep": rep, "system": system.name}
+    rec |= figs | {k: v for k, v in obs.items() if k != "samples"} | flat
+    print(_step_text(rec), flush=True)
+    return rec | {"samples": obs["samples"], "requests": answers}
+
+
+def _step_text(r: dict[str, Any]) -> str:
+    def f(v: float | None, fmt: str = ".0f") -> str:
+        return "-" if v is None else format(v, fmt)
+
+    return (
+        f"rate {r['rate']:.3g}/s rep {r['rep']} {r['system']:14} n {r['n_requests']:3} "
+        f"TTFT p50/p90/p99 {f(r['ttft_p50_ms'])}/{f(r['ttft_p90_ms'])}/{f(r['ttft_p99_ms'])} ms "
+        f"(handoff {f(r['handoff_ms'])} ms) TPOT p50/p90 {f(r['tpot_p50_ms'], '.1f')}/"
+        f"{f(r['tpot_p90_ms'], '.1f')} ms  thr {r['throughput_rps']:.2f}/s good "
+        f"{r['goodput_rps']:.2f}/s ({100 * r['attainment']:.0f}%)  D KV max "
+        f"{f(r['d_kv_usage_max'], '.2f')} waiting max {f(r['d_waiting_max'])} "
+        f"preempt {f(r['preemptions'])} recomputed {f(r['failed_loads_est'])} "
+        f"cpu {r['transfer_cpu_ms']:.0f} ms"
+    )
+
+
+def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
+    # Which system goes first alternates rate by rate (and rep by rep).
+    k = (rung + rep) % len(names)
+    return names[k:] + names[:k]
+
+
+def run(opts: LoadOptions) -> dict[str, Any]:
+    out = Path(opts.out)
+    work = out / "work"
+    b = binding(opts.regime, os.sched_getaffinity(0))
+    os.environ.update(b.env())
+    print(b.describe(), flush=True)
+    # The same for every engine of both systems; asked for: the CPU's flags not consulted.
+    dtype = engine_dtype() if opts.dtype is None else DtypeChoice(opts.dtype, "given by --dtype")
+    print(dtype.describe(), flush=True)
+    lengths = opts.lengths.fit(int(opts.model.get("max_position_embeddings", 4096)))
+    print(f"workload: {lengths}", flush=True)
+    model = write_tiny_model(
+        work / f"model-{opts.model['hidden_size']}x{opts.model['num_hidden_layers']}",
+        "llama",
+        overrides=opts.model,
+    )
+    phases = {"start": time.time()}  # where a run's wall time goes (engine start: most)
+    systems = start_systems(model, work, lengths.longest + 64, dtype.dtype)
+    phases["engines_up"] = time.time()
+    try:
+        groups = {"bench client": [os.getpid()]}
+        for s in systems:
+            groups |= s.process_groups()
+        print(placement_text(place_threads(groups, b)), flush=True)
+        mid = (lengths.out_lo + lengths.out_hi) // 2
+        warm = [
+            unloaded(s, Request(-1 - k, 0.0, lengths.median, mid), CALIBRATION_RUNG + 1)
+            for k in range(opts.warmup)
+            for s in systems
+        ]
+        placement = place_threads(groups, b)  # threads started on the first requests
+        cal, slo, service = calibrate(systems, lengths, opts.calibration_reps)
+        rates = ladder(service, opts.fractions)
+        phases["calibrated"] = time.time()
+        print(slo.describe(), flush=True)
+        print(
+            f"unloaded service time {1e3 * service:.0f} ms -> rates "
+            + ", ".join(f"{r:.3g}" for r in rates)
+            + " req/s",
+            flush=True,
+        )
+        aa_rung = (len(rates) // 2 if opts.aa_rung is None else opts.aa_rung) if opts.aa else None
+        by_name = {s.name: s for s in systems}
+        if opts.aa is not None:
+            by_name[aa_name(opts.aa)] = by_name[opts.aa].twin(aa_name(opts.aa))
+        steps = []
+        for rep in range(opts.reps):
+            for rung, rate in enumerate(rates):
+                reqs = schedule(
+                    rate, opts.duration_s, step_seed(opts.seed, rung), lengths, opts.min_requests
+                )
+                names = [s.name for s in systems]
+                if rung == aa_rung and opts.aa is not None:
+                    names.append(aa_name(opts.aa))
+                for name in rung_order(names, rung, rep):
+                    wait_idle(by_name[name])
+                    steps.append(step_record(opts, by_name[name], rate, rung, rep, slo, reqs))
+        phases["steps_done"] = time.time()
+        aa = (opts.aa, aa_name(opts.aa)) if opts.aa is not None else None
+        summary = summarize_steps(steps, SYSTEMS, aa)
+        return {
+            "options": asdict(opts),
+            "binding": b.as_dict() | {"placement": placement},
+            "engine_dtype": dtype.as_dict(),
+            "lengths": asdict(lengths),
+            "unloaded": cal,
+            "warmup": warm,
+            "service_s": service,
+            "rates": list(rates),
+            "aa_rate": rates[aa_rung] if aa_rung is not None else None,
+            "slo": slo.as_dict(),
+            "cpu_scope": CPU_SCOPE,
+            "steps": steps,
+            "summary": summary,
+            "logs": str(work),
+            "phases_s": {k: round(v - phases["start"], 1) for k, v in phases.items()},
+        }
+    finally:
+        stop_systems(systems)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    opts = LoadOptions.from_json(Path(args[0]).read_text())
+    # SIGTERM from the parent (Ctrl-C, timeout) unwinds through the finally that stops engines.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    result = run(opts)
+    (Path(opts.out) / "load.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

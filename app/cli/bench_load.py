@@ -1,0 +1,141 @@
+"""``kv-sidecar bench load``: kv-sidecar against vLLM's MooncakeConnector under open-loop load."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from app.bench.load_workload import Lengths
+from app.bench.pd_cores import REGIMES, binding
+from app.bench.pd_stats import SYSTEMS
+from app.errors import ConfigError
+
+DTYPES = ("auto", "float32", "bfloat16")
+JSON_KEYS = (
+    "summary",
+    "slo",
+    "rates",
+    "service_s",
+    "aa_rate",
+    "engine_dtype",
+    "phases_s",
+    "plot",
+    "binding",
+)
+
+
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise ConfigError(f"--fractions {text!r}: expected numbers such as 0.5,1,2") from e
+    if not out or min(out) <= 0:
+        raise ConfigError("--fractions: at least one, every one > 0")
+    return out
+
+
+def load_command(
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick",
+            help="4-layer model, prompts ~256 tokens (64-1k), 3 rates of 4 s.",
+        ),
+    ] = False,
+    fractions: Annotated[
+        str,
+        typer.Option(help="Rates, as multiples of 1 / the unloaded service time, comma-separated."),
+    ] = "0.25,0.5,0.75,1,1.5,2",
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals per rate step.")] = 60.0,
+    min_requests: Annotated[int, typer.Option(help="At least this many requests a step.")] = 8,
+    reps: Annotated[int, typer.Option(help="Passes over the ladder (min–max over them).")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and lengths.")] = 0,
+    prompt_median: Annotated[int, typer.Option(help="Median prompt tokens (lognormal).")] = 1024,
+    prompt_max: Annotated[int, typer.Option(help="Longest prompt (clip), tokens.")] = 8192,
+    layers: Annotated[
+        int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
+    ] = None,
+    dtype: Annotated[
+        str, typer.Option(help="Engines' dtype: auto (float32 where bf16 is emulated), ...")
+    ] = "auto",
+    regime: Annotated[
+        str, typer.Option(help="shared or dedicated cores, as bench pd's --regime.")
+    ] = "shared",
+    aa: Annotated[
+        str, typer.Option(help="Measure this system twice at the middle rate (A/A), or 'none'.")
+    ] = SYSTEMS[0],
+    out: Annotated[Path, typer.Option(help="Folder for load.json, load.png and logs.")] = Path(
+        "bench-load-out"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """Open-loop load: TTFT/TPOT percentiles, goodput at an SLO and the knee, per system."""
+    if aa not in (*SYSTEMS, "none"):
+        raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
+    if regime not in REGIMES:
+        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if reps < 1 or duration <= 0 or min_requests < 1:
+        raise ConfigError("--reps, --duration and --min-requests must be positive")
+    bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
+    # Heavy imports inside the command: see app/cli/main.py.
+    from app.bench.load_bench import QUICK_LENGTHS, LoadOptions
+    from app.bench.load_report import plot, print_summary
+    from app.bench.pd_bench import QUICK_MODEL
+    from app.bench.pd_netns import run_child
+
+    base = Lengths()
+    median = min(prompt_median, prompt_max)
+    opts = LoadOptions(
+        lengths=dataclasses.replace(base, median=median, hi=prompt_max, lo=min(base.lo, median)),
+        fractions=_fractions(fractions),
+        duration_s=duration,
+        min_requests=min_requests,
+        reps=reps,
+        seed=seed,
+        aa=None if aa == "none" else aa,
+        dtype=None if dtype == "auto" else dtype,
+        out=str(out.resolve()),
+        regime=regime,
+    )
+    if quick:
+        opts = dataclasses.replace(
+            opts,
+            lengths=QUICK_LENGTHS,
+            fractions=(0.25, 0.5, 1.0),
+            duration_s=4.0,
+            min_requests=3,
+            warmup=1,
+            calibration_reps=1,
+            drain_s=20.0,
+            quick=True,
+            model={**opts.model, **QUICK_MODEL},
+        )
+    if layers is not None:
+        opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
+    stream = sys.stderr if as_json else sys.stdout
+    console = Console(stderr=as_json, width=None if stream.isatty() else 200)
+    console.print(bound.describe())
+    child = ("-m", "app.bench.load_bench")
+    # With --json the run's progress goes to stderr: stdout is the JSON alone.
+    result = run_child(
+        child, dataclasses.asdict(opts), out, "load.json", regime, sys.stderr if as_json else None
+    )
+    try:
+        result["plot"] = str(plot(result, out / "load.png"))
+    except ImportError:
+        result["plot"] = None  # matplotlib is the optional 'bench' extra
+    (out / "load.json").write_text(json.dumps(result, indent=1) + "\n")
+    if as_json:
+        print(json.dumps({k: result[k] for k in JSON_KEYS}))
+    else:
+        print_summary(result, console)
+        console.print(f"figures: {out / 'load.json'}, plot: {result['plot']}")
