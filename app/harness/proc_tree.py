@@ -151,7 +151,8 @@ def _alive(pid: int, start: int) -> bool:
     return st is not None and st[2] == start and st[1] not in "ZX"
 
 
-def _signal(pids: Iterable[int], sig: int) -> None:
+def signal_all(pids: Iterable[int], sig: int) -> None:
+    """Send ``sig`` to each of ``pids``; those already gone are skipped."""
     for pid in pids:
         try:
             os.kill(pid, sig)
@@ -201,14 +202,14 @@ def kill_trees(
             break
         members |= new
         if sig == signal.SIGKILL:
-            _signal(new, signal.SIGSTOP)
+            signal_all(new, signal.SIGSTOP)
             _wait_stopped(new)
     segments = shm_segments_of(members)
-    _signal(members if sig == signal.SIGKILL else roots, sig)
+    signal_all(members if sig == signal.SIGKILL else roots, sig)
     left = _wait_gone(members, timeout_s)
     if left:
         log.warning("%s still running %.0f s after signal %d: killed", left, timeout_s, sig)
-        _signal(left, signal.SIGKILL)
+        signal_all(left, signal.SIGKILL)
         left = _wait_gone(members, timeout_s)
     if left:
         log.warning("%s survived SIGKILL for %.0f s", left, timeout_s)

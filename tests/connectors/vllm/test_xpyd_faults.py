@@ -16,10 +16,9 @@ requests go out: the proxy's records then show which requests wait on it when it
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +27,7 @@ import httpx
 import pytest
 
 from app.harness.local_pd import Instance, LocalPD
-from app.harness.proc_tree import process_tree
+from app.harness.proc_tree import process_tree, signal_all
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import prompt
 
@@ -41,23 +40,15 @@ SLACK_S = 2.0  # the issue's bound: unloaded + 2 s, not + the 15 s deadline
 
 
 @contextmanager
-def frozen(pd: LocalPD, inst: Instance) -> Iterator[None]:
-    """``inst``'s vLLM and every process it started, stopped until the block ends (or killed
-    within it)."""
-    pids = process_tree(pd.procs[f"vllm-{inst.name}"].pid)
-    _signal(pids, signal.SIGSTOP)
+def frozen(pd: LocalPD, *instances: Instance) -> Iterator[None]:
+    """The vLLM of each of ``instances`` and every process it started, stopped until the block
+    ends (or killed within it)."""
+    pids = [p for i in instances for p in process_tree(pd.procs[f"vllm-{i.name}"].pid)]
+    signal_all(pids, signal.SIGSTOP)
     try:
         yield
     finally:
-        _signal(pids, signal.SIGCONT)
-
-
-def _signal(pids: Sequence[int], sig: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            continue
+        signal_all(pids, signal.SIGCONT)
 
 
 def _cases(pd: LocalPD, salt: int, n: int) -> list[tuple[list[int], list[int]]]:
@@ -99,8 +90,7 @@ def _stream(proxy: str, tokens: list[int]) -> dict[str, Any]:
 
 def _pending_on(proxy: str, field: str, url: str) -> Callable[[], list[dict[str, Any]] | None]:
     def check() -> list[dict[str, Any]] | None:
-        records = httpx.get(f"{proxy}/v1/transfers", params={"limit": 50}, timeout=10).json()
-        held = [r for r in records["transfers"] if r["status"] == "pending" and r[field] == url]
+        held = [r for r in _records(proxy) if r["status"] == "pending" and r[field] == url]
         return held or None
 
     return check
@@ -150,7 +140,7 @@ def test_decode_killed_before_its_first_byte(xpyd: LocalPD) -> None:
     prefills = [p for p in xpyd.prefill_instances if xpyd.procs[f"vllm-{p.name}"].poll() is None]
     with ThreadPoolExecutor(len(cases)) as pool:
         # Prefill frozen: decode waits for the KV and sends nothing yet.
-        with _all_frozen(xpyd, prefills):
+        with frozen(xpyd, *prefills):
             calls: list[Future[Any]] = [
                 pool.submit(xpyd.completion, xpyd.proxy, tokens, MAX_TOKENS)
                 for tokens, _ in cases[:REQUESTS]
@@ -165,15 +155,6 @@ def test_decode_killed_before_its_first_byte(xpyd: LocalPD) -> None:
         assert (s["status"], s["errors"], s["tokens"]) == (200, [], want), s
     retried = [r for r in _records(xpyd.proxy) if r.get("retried_as")]
     assert retried and all(r["decode"] == victim.url for r in retried), retried
-
-
-@contextmanager
-def _all_frozen(pd: LocalPD, instances: Sequence[Instance]) -> Iterator[None]:
-    if not instances:
-        yield
-        return
-    with frozen(pd, instances[0]), _all_frozen(pd, instances[1:]):
-        yield
 
 
 def _records(proxy: str) -> list[dict[str, Any]]:
