@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from app.bench.load_workload import Lengths
 from app.bench.pd_cores import REGIMES, binding
 from app.bench.pd_stats import SYSTEMS
+from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -121,21 +120,11 @@ def load_command(
         )
     if layers is not None:
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
-    stream = sys.stderr if as_json else sys.stdout
-    console = Console(stderr=as_json, width=None if stream.isatty() else 200)
+    console = bench_console(as_json)
     console.print(bound.describe())
     child = ("-m", "app.bench.load_bench")
     # With --json the run's progress goes to stderr: stdout is the JSON alone.
     result = run_child(
         child, dataclasses.asdict(opts), out, "load.json", regime, sys.stderr if as_json else None
     )
-    try:
-        result["plot"] = str(plot(result, out / "load.png"))
-    except ImportError:
-        result["plot"] = None  # matplotlib is the optional 'bench' extra
-    (out / "load.json").write_text(json.dumps(result, indent=1) + "\n")
-    if as_json:
-        print(json.dumps({k: result[k] for k in JSON_KEYS}))
-    else:
-        print_summary(result, console)
-        console.print(f"figures: {out / 'load.json'}, plot: {result['plot']}")
+    report_run(result, out / "load", (plot, print_summary), console, as_json, JSON_KEYS)

@@ -6,8 +6,9 @@ import dataclasses
 import json
 import os
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -100,25 +101,41 @@ def pd_command(
         )
     if layers is not None:
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
-    stream = sys.stderr if as_json else sys.stdout
-    # Written to a file or a pipe: the whole table (spreads, ratios, A/A) on one line per row.
-    console = Console(stderr=as_json, width=None if stream.isatty() else 200)
+    console = bench_console(as_json)
     console.print(bound.describe())
     result = run_in_namespace(opts)
+    keys = ("summary", "links", "calibration", "not_counted", "plot", "binding")
+    report_run(result, out / "pd", (plot, print_summary), console, as_json, keys)
+
+
+def bench_console(as_json: bool) -> Console:
+    """Progress and tables; with --json on stderr, stdout being the JSON alone. Written to a
+    file or a pipe: the whole table (spreads, ratios, A/A) on one line per row."""
+    stream = sys.stderr if as_json else sys.stdout
+    return Console(stderr=as_json, width=None if stream.isatty() else 200)
+
+
+Report = tuple[Callable[[dict[str, Any], Path], Path], Callable[[dict[str, Any], Console], None]]
+
+
+def report_run(
+    result: dict[str, Any],
+    stem: Path,
+    report: Report,
+    console: Console,
+    as_json: bool,
+    keys: Sequence[str],
+) -> None:
+    """A bench run's ``stem``.png (report[0]; none without matplotlib, the optional 'bench'
+    extra) and ``stem``.json, then ``keys`` of it as JSON, or its summary (report[1])."""
+    plot, print_summary = report
     try:
-        result["plot"] = str(plot(result, out / "pd.png"))
+        result["plot"] = str(plot(result, stem.with_suffix(".png")))
     except ImportError:
-        result["plot"] = None  # matplotlib is the optional 'bench' extra
-    (out / "pd.json").write_text(json.dumps(result, indent=1) + "\n")
+        result["plot"] = None
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     if as_json:
-        print(
-            json.dumps(
-                {
-                    k: result[k]
-                    for k in ("summary", "links", "calibration", "not_counted", "plot", "binding")
-                }
-            )
-        )
+        print(json.dumps({k: result[k] for k in keys}))
     else:
         print_summary(result, console)
-        console.print(f"figures: {out / 'pd.json'}, plot: {result['plot']}")
+        console.print(f"figures: {stem.with_suffix('.json')}, plot: {result['plot']}")
