@@ -53,10 +53,11 @@ def seed(tokens: int, k: int) -> list[int]:
 
 
 async def stream(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int, **extra: Any
 ) -> dict[str, Any]:
-    """One streamed greedy completion: when it was sent, its first and last token's arrival
-    (``time.time()``; None: none came), its tokens."""
+    """One streamed greedy completion (``extra`` joins the body): when it was sent, its first
+    and last token's arrival (``time.time()``; None: none came), its tokens, and the proxy's
+    transfer id (None from an engine)."""
     body = {
         "model": "tiny",
         "prompt": prompt,
@@ -64,9 +65,11 @@ async def stream(
         "temperature": 0,
         "stream": True,
         "return_token_ids": True,
+        **extra,
     }
     sent, first, last, tokens = time.time(), None, None, list[int]()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+        transfer = r.headers.get("x-kv-transfer-id")
         r.raise_for_status()
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -76,7 +79,7 @@ async def stream(
                 last = time.time()
                 first = first or last
             tokens.extend(ids)
-    return {"sent": sent, "first": first, "last": last, "tokens": tokens}
+    return {"sent": sent, "first": first, "last": last, "tokens": tokens, "transfer_id": transfer}
 
 
 async def _fire(url: str, prompts: Sequence[list[int]], max_tokens: int) -> list[dict[str, Any]]:

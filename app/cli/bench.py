@@ -9,13 +9,15 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from app.cli.bench_faults import faults_command
 from app.cli.bench_load import load_command
 from app.cli.bench_pd import pd_command
 from app.cli.bench_routing import routing_command
 
 bench_app = typer.Typer(
     help="Benchmarks: the sidecar against raw Mooncake (no subcommand), P/D side by side "
-    "(pd), or prefill routing policies (routing).",
+    "(pd), open-loop load (load), prefill routing policies (routing), or faults under load "
+    "(faults).",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
 )
@@ -70,3 +72,4 @@ def bench_command(
 bench_app.command("pd")(pd_command)
 bench_app.command("load")(load_command)
 bench_app.command("routing")(routing_command)
+bench_app.command("faults")(faults_command)

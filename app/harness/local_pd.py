@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 
-from app.errors import ConfigError, DeadlineExceeded
+from app.errors import ConfigError, DeadlineExceeded, PoolError
 from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
 from app.harness.proc_tree import kill_trees
 from app.ports import clear_port_file, wait_port_file
@@ -502,6 +502,24 @@ class LocalPD:
             log.rename(log.with_suffix(f".{time.monotonic():.0f}.log"))
         self.start_sidecar(inst)
         self._wait_sidecar(inst)
+
+    def restart_master(self, timeout_s: float = 30.0) -> None:
+        """A new Mooncake master on the old one's RPC port (the sidecars were given that
+        address), the old one killed first if it still runs; its log appended to."""
+        if self.master is None:
+            raise ConfigError("no Mooncake master: LocalPD(pool=True) starts one")
+        old = self.master
+        stop_master(old, graceful=False)
+        host, _, port = old.rpc_address.rpartition(":")
+        deadline = time.monotonic() + timeout_s
+        while True:  # the port may still be held a moment by the dead master's sockets
+            try:
+                self.master = start_master(int(port), host=host, log_path=old.log_path)
+                return
+            except PoolError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def close(self) -> None:
         """SIGTERM every process (their trees killed after 30 s), as ``kill_trees``."""
