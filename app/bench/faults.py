@@ -53,28 +53,13 @@ from app.bench.load_workload import Request
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import System
 from app.bench.pd_trial import stream
+from app.harness.fault_pair import RECV_TIMEOUT_S, SIDECAR_ENV, VLLM_ARGS
 from app.harness.kv_watch import changed_outside, close_breaker
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 
 PROMPT_RUNG, PROBE_RUNG = 500, 501  # load_step.prompt_of: apart from calibration's prompts
 REF_SALT = "kvs-faults-ref"
-# Faults end requests within seconds (tests/chaos/real_pair.py uses the same): prefill's sends
-# expire 6 s after admission once its engine stops; a silent peer is lost after 2 s.
-SIDECAR_ENV = {
-    "KVSIDECAR_SEND_TIMEOUT_S": "6",
-    "KVSIDECAR_ACK_TIMEOUT_S": "2",
-    "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3",
-    "KVSIDECAR_HEARTBEAT_INTERVAL_S": "0.5",
-    "KVSIDECAR_LEASE_S": "2",
-}
-# 1024 blocks of 128 tokens; 256 tokens a step (a prompt spans steps: a kill falls between its
-# layers); float32: in bfloat16 batch rounding flips near-tied greedy tokens of the random
-# model, and decode recomputes failed loads in whatever batch it has.
-VLLM_ARGS = (
-    *("--num-gpu-blocks-override", "1024", "--max-num-batched-tokens", "256"),
-    *("--dtype", "float32"),
-)
 
 
 def _kill_master(pd: LocalPD) -> None:
@@ -361,9 +346,13 @@ def run(opts: FaultOptions) -> dict[str, Any]:
     lengths = opts.lengths
     model = write_tiny_model(work / "model", "llama")
     t = {"start": time.time()}
-    # Decode gives up on a transfer after 10 s and recomputes (the chaos pair's setting).
     pd = LocalPD(
-        model, work / "run", recv_timeout_s=10.0, kind="llama", extra_vllm_args=VLLM_ARGS, pool=True
+        model,
+        work / "run",
+        recv_timeout_s=RECV_TIMEOUT_S,
+        kind="llama",
+        extra_vllm_args=VLLM_ARGS,
+        pool=True,
     )
     phases: list[dict[str, Any]] = []
     result: dict[str, Any] = {"options": asdict(opts), "phases": phases, "logs": str(work)}

@@ -18,12 +18,11 @@ import httpx
 import pytest
 
 from app.harness.engines import prompt_tokens_by_source
+from app.harness.fault_pair import RECV_TIMEOUT_S, SIDECAR_ENV, VLLM_ARGS
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 from tests.chaos.real_pair import (
     MAX_TOKENS,
-    SIDECAR_ENV,
-    VLLM_ARGS,
     Pair,
     Scenario,
     seed_lengths,
@@ -55,8 +54,9 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     mp = pytest.MonkeyPatch()
     for k, v in SIDECAR_ENV.items():
         mp.setenv(k, v)  # LocalPD's processes inherit the environment
-    # Decode gives up on a transfer after 10 s and recomputes: no scenario waits longer.
-    pd = LocalPD(model, root / "run", recv_timeout_s=10.0, kind="llama", extra_vllm_args=VLLM_ARGS)
+    pd = LocalPD(
+        model, root / "run", recv_timeout_s=RECV_TIMEOUT_S, kind="llama", extra_vllm_args=VLLM_ARGS
+    )
     try:
         with engines_up(pd):
             yield Pair(pd)
