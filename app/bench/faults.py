@@ -52,7 +52,7 @@ from app.bench.load_step import prompt_of, unloaded, wait_idle
 from app.bench.load_workload import Request
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import System
-from app.bench.pd_trial import stream
+from app.bench.pd_trial import attempt
 from app.harness.fault_pair import RECV_TIMEOUT_S, SIDECAR_ENV, VLLM_ARGS
 from app.harness.kv_watch import changed_outside, close_breaker
 from app.harness.local_pd import LocalPD
@@ -159,16 +159,16 @@ async def _one(
 ) -> None:
     out: dict[str, Any] = {"index": r.index, "prompt": r.prompt}
     out |= {"prompt_tokens": r.prompt_tokens, "max_tokens": r.max_tokens, "sent": time.time()}
-    try:
-        out |= await stream(
-            client, pd.proxy, list(p.tokens), r.max_tokens, cache_salt=ph.salt, ignore_eos=True
-        )
-        out["error"] = None
-    except asyncio.CancelledError:
-        out["error"] = "cancelled: past the phase's drain time"
-    except (httpx.HTTPError, ValueError, KeyError) as e:
-        out["error"] = f"{type(e).__name__}: {e}"[:300]
-    out["ended"] = time.time()
+    cancelled = "cancelled: past the phase's drain time"
+    out |= await attempt(
+        client,
+        pd.proxy,
+        list(p.tokens),
+        r.max_tokens,
+        cancelled,
+        cache_salt=ph.salt,
+        ignore_eos=True,
+    )
     ph.answers[r.index] = out
 
 

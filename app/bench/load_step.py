@@ -18,7 +18,7 @@ from app.bench.load_workload import Request
 from app.bench.pd_cores import descendants
 from app.bench.pd_stats import failed_loads, p_times, parse_histograms
 from app.bench.pd_systems import SIDECAR_PROCESSES, MooncakePD, System
-from app.bench.pd_trial import seed, stream
+from app.bench.pd_trial import attempt, seed
 
 GAUGES = (
     "vllm:kv_cache_usage_perc",
@@ -39,17 +39,13 @@ async def _one(
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"index": req.index, "prompt_tokens": req.prompt_tokens}
     out |= {"max_tokens": req.max_tokens, "scheduled": start + req.at_s, "sent": start + req.at_s}
+    cancelled = "cancelled: past the step's drain time"
     try:
         await asyncio.sleep(max(0.0, start + req.at_s - time.time()))
-        out["sent"] = time.time()  # late on a busy client: "sent" - "scheduled" says how late
-        out |= await stream(client, url, prompt, req.max_tokens)
-        out["error"] = None
     except asyncio.CancelledError:
-        out["error"] = "cancelled: past the step's drain time"
-    except (httpx.HTTPError, ValueError, KeyError) as e:
-        out["error"] = f"{type(e).__name__}: {e}"[:300]
-    out["ended"] = time.time()
-    return out
+        return out | {"error": cancelled, "ended": time.time()}
+    out["sent"] = time.time()  # late on a busy client: "sent" - "scheduled" says how late
+    return out | await attempt(client, url, prompt, req.max_tokens, cancelled)
 
 
 async def _sample(urls: dict[str, str], every_s: float, into: list[dict[str, Any]]) -> None:

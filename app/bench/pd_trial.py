@@ -82,6 +82,27 @@ async def stream(
     return {"sent": sent, "first": first, "last": last, "tokens": tokens, "transfer_id": transfer}
 
 
+async def attempt(
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    cancelled: str,
+    **extra: Any,
+) -> dict[str, Any]:
+    """``stream`` under load: its failure kept as ``error`` (None when it answered; ``cancelled``
+    when the caller cancelled it), and when it ``ended``."""
+    try:
+        out = await stream(client, url, prompt, max_tokens, **extra)
+        out["error"] = None
+    except asyncio.CancelledError:
+        out = {"error": cancelled}
+    except (httpx.HTTPError, ValueError, KeyError) as e:
+        out = {"error": f"{type(e).__name__}: {e}"[:300]}
+    out["ended"] = time.time()
+    return out
+
+
 async def _fire(url: str, prompts: Sequence[list[int]], max_tokens: int) -> list[dict[str, Any]]:
     async with httpx.AsyncClient(timeout=600) as client:
         return list(await asyncio.gather(*(stream(client, url, p, max_tokens) for p in prompts)))
