@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 
 MAX_MODEL_LEN = 2048  # the engines' --max-model-len
+API_SERVER = "vllm.entrypoints.openai.api_server"  # what every local engine runs (python -m)
 
 
 @dataclass
@@ -84,7 +85,7 @@ def vllm_command(
     return [
         sys.executable,
         "-m",
-        "vllm.entrypoints.openai.api_server",
+        API_SERVER,
         "--model",
         str(model),
         "--served-model-name",

@@ -23,8 +23,15 @@ from typing import Any
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded, PoolError
-from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
+from app.harness.engines import (
+    Instance,
+    thread_binding,
+    unit_name,
+    vllm_command,
+    vllm_env,
+)
 from app.harness.proc_tree import kill_trees
+from app.harness.zygote import ZygoteChild, start_process
 from app.ports import clear_port_file, wait_port_file
 from app.proxy.config import DECODE_SIDECAR_FLAG, DECODE_SIDECAR_TOKEN_ENV
 from app.store.master import MasterProcess, free_port, start_master, stop_master
@@ -75,7 +82,8 @@ class LocalPD:
     # More of every connector's kv_connector_extra_config (e.g. transfer_draft_kv).
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     master: MasterProcess | None = None
-    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # An engine forked by the zygote is a ZygoteChild (KVSIDECAR_HARNESS_ZYGOTE=1).
+    procs: dict[str, subprocess.Popen[bytes] | ZygoteChild] = field(default_factory=dict)
     started_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -152,10 +160,9 @@ class LocalPD:
         return f"http://127.0.0.1:{self.proxy_port}"
 
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
-        log = open(self.work / f"{name}.log", "wb")  # noqa: SIM115 - the process owns it
-        self.procs[name] = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-        )
+        # An engine's API server may be forked from the zygote (KVSIDECAR_HARNESS_ZYGOTE=1).
+        full_env = {**os.environ, **(env or {})}
+        self.procs[name] = start_process(cmd, full_env, self.work / f"{name}.log")
 
     def _sidecar_env(self, inst: Instance) -> dict[str, str]:
         env = {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"}

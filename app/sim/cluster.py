@@ -26,6 +26,7 @@ import zmq
 
 from app.devices.shm import attach_allocator
 from app.errors import DeadlineExceeded, KVSidecarError
+from app.harness.zygote import start_process
 from app.kvcache.layout import RankLayout
 from app.kvcache.presets import load_preset
 from app.ports import clear_port_file, wait_port_file
@@ -182,7 +183,6 @@ class Cluster:
     def start_engines(self, side: Side) -> None:
         """Start the instance's engine process (every rank) against its sidecar's socket."""
         endpoint = f"ipc://{self.tmp}/{side.role}-driver.sock"
-        elog = open(self.log_dir / f"{side.role}-engine.log", "ab")  # noqa: SIM115
         extra = ["--link-timeout", str(self.spec.engine_link_timeout_s)]
         if self.spec.engine_link_lease_s is not None:
             extra += ["--link-lease", str(self.spec.engine_link_lease_s)]
@@ -191,7 +191,7 @@ class Cluster:
         if side.role in self.spec.in_process:
             extra.append("--in-process")
         side.engines = [
-            subprocess.Popen(
+            start_process(
                 [
                     sys.executable,
                     "-m",
@@ -210,9 +210,9 @@ class Cluster:
                     self.shm_prefix(side),
                     *extra,
                 ],
-                env=side.env,
-                stdout=elog,
-                stderr=subprocess.STDOUT,
+                side.env,
+                self.log_dir / f"{side.role}-engine.log",
+                append=True,
             )
         ]
         side.started += [(self.shm_prefix(side), p) for p in side.engines]
