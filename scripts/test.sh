@@ -11,6 +11,9 @@ timed() {
 }
 timed "set-up" ./scripts/setup.sh
 timed "ruff" bash -c '.venv/bin/ruff check app tests && .venv/bin/ruff format --check app tests'
+# mypy's incremental cache outside the checkout (it keys modules by name and content hash, so it
+# serves any clone): 1:44 cold on a fresh machine, seconds after.
+export MYPY_CACHE_DIR="${MYPY_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/kv-sidecar/mypy}"
 timed "mypy" .venv/bin/mypy
 # Everything without real vLLM engines on two workers, then the real-engine modules in one
 # process: beside the other worker's tests the engines took twice as long (docs/testing.md).
