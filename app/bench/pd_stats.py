@@ -3,6 +3,7 @@ loads, spreads and ratios."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 import statistics
@@ -285,6 +286,14 @@ def parse_iterations(log_text: str) -> list[Iteration]:
         Iteration(float(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]))
         for m in _ITERATION.finditer(log_text)
     ]
+
+
+def step_periods(steps: Sequence[Iteration], t0: float, t1: float) -> list[float]:
+    """Seconds between consecutive logged steps that both fall in ``[t0, t1]``: an engine's step
+    time while it is busy (vLLM's own ``elapsed`` covers only sampling when the worker runs in
+    the engine core, so the log stamps are the clock). An idle gap counts as a long step."""
+    stamps = sorted(s.at for s in steps if t0 <= s.at <= t1)
+    return [b - a for a, b in itertools.pairwise(stamps)]
 
 
 def failed_loads(computed_tokens: int, prompt_tokens: int, prompts: int) -> int:

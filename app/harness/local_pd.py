@@ -23,13 +23,7 @@ from typing import Any
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded, PoolError
-from app.harness.engines import (
-    Instance,
-    thread_binding,
-    unit_name,
-    vllm_command,
-    vllm_env,
-)
+from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
 from app.harness.proc_tree import kill_trees
 from app.harness.zygote import ZygoteChild, start_process
 from app.ports import clear_port_file, wait_port_file

@@ -56,19 +56,19 @@ class ZygoteChild:
     harness uses (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
 
     def __init__(self, zygote: Zygote, pid: int) -> None:
-        self._zygote = zygote
+        self.zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
         """Its exit code (negative: the signal that ended it) once the zygote reaped it."""
         if self.returncode is None:
-            self.returncode = self._zygote.exit_code(self.pid)
+            self.returncode = self.zygote.exit_code(self.pid)
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code; ``subprocess.TimeoutExpired`` if it still runs after ``timeout``."""
-        code = self._zygote.wait_exit(self.pid, timeout)
+        code = self.zygote.wait_exit(self.pid, timeout)
         if code is None:
             raise subprocess.TimeoutExpired(f"zygote child {self.pid}", timeout or 0.0)
         self.returncode = code
@@ -205,19 +205,21 @@ def _running(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] != "Z"
 
 
-_shared: dict[str, Zygote] = {}
+_shared: dict[tuple[str | None, ...], Zygote] = {}
 _shared_lock = threading.Lock()
 
 
 def shared_zygote(preload: str, env: Mapping[str, str], log: Path) -> Zygote | None:
-    """This process's zygote that imported ``preload``, where ``KVSIDECAR_HARNESS_ZYGOTE=1``,
-    started on first use with ``env``; None otherwise (start a plain process)."""
+    """This process's zygote that imported ``preload`` with ``env``'s import-time settings,
+    where ``KVSIDECAR_HARNESS_ZYGOTE=1`` (started on first use: one per module and settings,
+    e.g. engines that log their steps get one of their own); None otherwise."""
     if os.environ.get(ENV) != "1":
         return None
+    key = (preload, *(env.get(k) for k in IMPORT_TIME_ENV))
     with _shared_lock:
-        zygote = _shared.get(preload)
+        zygote = _shared.get(key)
         if zygote is None or not zygote.alive():
-            zygote = _shared[preload] = Zygote([preload], env, log)
+            zygote = _shared[key] = Zygote([preload], env, log)
             atexit.register(zygote.close)
         return zygote
 
@@ -225,11 +227,12 @@ def shared_zygote(preload: str, env: Mapping[str, str], log: Path) -> Zygote | N
 def start_process(
     cmd: Sequence[str], env: Mapping[str, str], log: Path, append: bool = False
 ) -> subprocess.Popen[bytes] | ZygoteChild:
-    """``cmd`` (``python -m module ...``) forked from the shared zygote of ``module`` where
-    there is one and it accepts ``env``; else a plain process. Its output goes to ``log``."""
+    """``cmd`` (``python -m module ...``) forked from a shared zygote of ``module`` (see
+    ``shared_zygote``) where it is one of ``FORKED``; else a plain process. Its output goes to
+    ``log``."""
     if len(cmd) > 2 and cmd[1] == "-m" and cmd[2] in FORKED:
         zygote = shared_zygote(cmd[2], env, log.with_name("zygote.log"))
-        if zygote is not None and zygote.accepts(env):
+        if zygote is not None:
             return zygote.spawn(cmd[2], cmd[3:], env, log, append=append)
     with open(log, "ab" if append else "wb") as out:
         return subprocess.Popen(list(cmd), stdout=out, stderr=subprocess.STDOUT, env=dict(env))

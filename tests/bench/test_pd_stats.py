@@ -26,6 +26,7 @@ from app.bench.pd_stats import (
     parse_size,
     parse_workloads,
     spread,
+    step_periods,
     summarize,
     trial_order,
 )
@@ -229,3 +230,10 @@ def test_histogram_deltas_give_per_request_p_times() -> None:
     assert p["prefill_s"] == pytest.approx(0.3)
     assert p["arrival_to_step_s"] == pytest.approx((1.0 - 0.7) / 2)
     assert math.isnan(p_times(after, after)["prefill_s"])
+
+
+def test_step_periods_are_the_gaps_between_logged_steps_inside_the_window() -> None:
+    steps = [Iteration(t, 1, 256, 0, 0) for t in (10.0, 10.5, 10.7, 11.5, 14.0)]
+    assert step_periods(steps, 10.4, 12.0) == pytest.approx([0.2, 0.8])
+    assert step_periods(list(reversed(steps)), 0, 100) == pytest.approx([0.5, 0.2, 0.8, 2.5])
+    assert step_periods(steps, 11.0, 12.0) == []  # one step: no period

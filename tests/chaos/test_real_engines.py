@@ -11,12 +11,15 @@ layer written and not ended (``/v1/requests``), never after a fixed sleep.
 from __future__ import annotations
 
 import signal
+import statistics
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
+from app.bench.pd_observe import LogTail, write_logging_config
+from app.bench.pd_stats import step_periods
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.fault_pair import RECV_TIMEOUT_S, SIDECAR_ENV, VLLM_ARGS
 from app.harness.local_pd import LocalPD
@@ -55,7 +58,15 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     for k, v in SIDECAR_ENV.items():
         mp.setenv(k, v)  # LocalPD's processes inherit the environment
     pd = LocalPD(
-        model, root / "run", recv_timeout_s=RECV_TIMEOUT_S, kind="llama", extra_vllm_args=VLLM_ARGS
+        model,
+        root / "run",
+        recv_timeout_s=RECV_TIMEOUT_S,
+        kind="llama",
+        # Every engine step logged with its Unix time: the step-time check below.
+        extra_vllm_args=(*VLLM_ARGS, "--enable-logging-iteration-details"),
+        engine_env={
+            "VLLM_LOGGING_CONFIG_PATH": str(write_logging_config(root / "vllm-logging.json"))
+        },
     )
     try:
         with engines_up(pd):
@@ -208,9 +219,10 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     closed, ends its sends and answers every prefill at its own pace; a new sidecar beside it
     moves the next prompt. Runs last: the pair is not restarted."""
     sc = Scenario(pair, "real: P sidecar SIGKILL, 64 in flight")
+    steps = LogTail(pair.pd.work / "vllm-prefill.log")
     sc.launch(64, seed_lengths(84, *MANY), salt=400)
     total = sum(len(c.prompt) for c in sc.calls)
-    t0, c0 = time.monotonic(), prefill_computed(pair)
+    t0, w0, c0 = time.monotonic(), time.time(), prefill_computed(pair)
     sc.until_sends_written()
     # Prefill's own pace first (its sidecar pushing beside it): a third of the prompt tokens.
     wait_for("a third prefilled", lambda: prefill_computed(pair) - c0 > total / 3, 120)
@@ -223,8 +235,22 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     # decode, which now recomputes). Each step waiting out its calls took 30 s for 2 prompts.
     bound = 2.0 + 2 * (total - done) / pace
     sc.notes.append(f"bound {bound:.1f} s ({done:.0f} of {total} tokens at {pace:.0f}/s)")
+    assert sc.p_engine_took is not None and sc.fault_wall is not None, sc.notes
+    # And step by step (vLLM's own step log): from 2 s after the kill until prefill answered
+    # its prefills, its median step is under twice its median step before the kill.
+    normal = step_periods(steps.between(w0, sc.fault_wall), w0, sc.fault_wall)
+    after_t0, after_t1 = sc.fault_wall + 2.0, sc.fault_wall + sc.p_engine_took
+    after = step_periods(steps.between(after_t0, after_t1), after_t0, after_t1)
+    assert len(normal) >= 3 and len(after) >= 3, (len(normal), len(after), sc.notes)
+    ratio = statistics.median(after) / statistics.median(normal)
+    sc.notes.append(
+        f"P's median step {statistics.median(normal) * 1e3:.0f} ms before the kill, "
+        f"{statistics.median(after) * 1e3:.0f} ms from 2 s after it ({ratio:.2f}x, "
+        f"{len(after)} steps)"
+    )
     sc.verify(outputs=True)
-    assert sc.p_engine_took is not None and sc.p_engine_took < bound, (bound, sc.notes)
+    assert sc.p_engine_took < bound, (bound, sc.notes)
+    assert ratio < 2.0, sc.notes
     transfers_resume(pair)
 
 

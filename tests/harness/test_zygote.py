@@ -7,13 +7,14 @@ import json
 import os
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.errors import ConfigError
-from app.harness.zygote import UNKNOWN_EXIT, Zygote
+from app.harness.zygote import ENV, UNKNOWN_EXIT, Zygote, ZygoteChild, start_process
 
 CHILD = "tests.harness.zygote_child"
 
@@ -91,3 +92,20 @@ def test_a_child_outliving_a_dead_zygote_still_ends(zygote: Zygote, tmp_path: Pa
         child.wait(1)
     os.kill(child.pid, signal.SIGKILL)
     assert child.wait(30) == UNKNOWN_EXIT
+
+
+def test_engines_with_other_import_time_settings_get_a_zygote_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV, "1")
+    base = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
+    cmd = [sys.executable, "-m", "app.sim.engine", "--help"]
+    quiet = start_process(cmd, base, tmp_path / "a.log")
+    again = start_process(cmd, base, tmp_path / "b.log")
+    loud = start_process(cmd, {**base, "VLLM_LOGGING_LEVEL": "INFO"}, tmp_path / "c.log")
+    assert all(isinstance(p, ZygoteChild) for p in (quiet, again, loud))
+    assert [p.wait(60) for p in (quiet, again, loud)] == [0, 0, 0]
+    assert "--sidecar" in (tmp_path / "c.log").read_text()  # the module's own --help
+    assert quiet.zygote is again.zygote and loud.zygote is not quiet.zygote
+    plain = start_process([sys.executable, "-m", "json.tool", "--help"], base, tmp_path / "d.log")
+    assert isinstance(plain, subprocess.Popen) and plain.wait(60) == 0
