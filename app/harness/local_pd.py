@@ -25,7 +25,7 @@ import httpx
 from app.errors import ConfigError, DeadlineExceeded, PoolError
 from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
 from app.harness.proc_tree import kill_trees
-from app.harness.zygote import ZygoteChild, start_process
+from app.harness.zygote import ChildProcess, start_process
 from app.ports import clear_port_file, wait_port_file
 from app.proxy.config import DECODE_SIDECAR_FLAG, DECODE_SIDECAR_TOKEN_ENV
 from app.store.master import MasterProcess, free_port, start_master, stop_master
@@ -77,7 +77,7 @@ class LocalPD:
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     master: MasterProcess | None = None
     # An engine forked by the zygote is a ZygoteChild (KVSIDECAR_HARNESS_ZYGOTE=1).
-    procs: dict[str, subprocess.Popen[bytes] | ZygoteChild] = field(default_factory=dict)
+    procs: dict[str, ChildProcess] = field(default_factory=dict)
     started_s: float = 0.0
 
     def __post_init__(self) -> None:

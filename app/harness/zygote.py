@@ -40,9 +40,8 @@ ENV = "KVSIDECAR_HARNESS_ZYGOTE"
 # import is 0.4 s and Mooncake starts in them).
 FORKED = (API_SERVER, "app.sim.engine")
 UNKNOWN_EXIT = 255  # a child's code when the zygote died before reaping it
-# Read while vLLM is imported (its logger is configured then)
-# (and OpenMP's, when torch loads it): a child must not ask for another value than the zygote
-# imported with.
+# Read while vLLM is imported (its logger is configured then) and when torch loads OpenMP: a
+# child must not ask for another value than its zygote imported with.
 IMPORT_TIME_ENV = (
     "VLLM_LOGGING_LEVEL",
     "VLLM_CONFIGURE_LOGGING",
@@ -83,6 +82,10 @@ class ZygoteChild:
 
     def kill(self) -> None:
         self.send_signal(9)
+
+
+# What the harness holds for a process it started: a plain one, or one the zygote forked.
+ChildProcess = subprocess.Popen[bytes] | ZygoteChild
 
 
 class Zygote:
@@ -226,7 +229,7 @@ def shared_zygote(preload: str, env: Mapping[str, str], log: Path) -> Zygote | N
 
 def start_process(
     cmd: Sequence[str], env: Mapping[str, str], log: Path, append: bool = False
-) -> subprocess.Popen[bytes] | ZygoteChild:
+) -> ChildProcess:
     """``cmd`` (``python -m module ...``) forked from a shared zygote of ``module`` (see
     ``shared_zygote``) where it is one of ``FORKED``; else a plain process. Its output goes to
     ``log``."""

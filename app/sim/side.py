@@ -12,7 +12,7 @@ from typing import Any
 import zmq
 
 from app.config.values import env_var_for
-from app.harness.zygote import ZygoteChild
+from app.harness.zygote import ChildProcess
 from app.sim.ranks import CacheParams
 from app.sim.reference import BlockAllocator
 from app.transfer.wire.auth import read_key_file, user_key
@@ -39,7 +39,7 @@ class Side:
     admin_port: int
     engine_id: str
     sidecar: subprocess.Popen[bytes] | None = None
-    engines: list[subprocess.Popen[bytes] | ZygoteChild] = field(default_factory=list)
+    engines: list[ChildProcess] = field(default_factory=list)
     sockets: list[zmq.Socket[bytes]] = field(default_factory=list)
     endpoints: list[str] = field(default_factory=list)
     info: list[dict[str, Any]] = field(default_factory=list)
@@ -48,7 +48,7 @@ class Side:
     allocator: BlockAllocator | None = None
     generation: int = 0  # engine starts behind this sidecar; names the KV segments
     # (segment name prefix, engine process) of every engine started, for the clean-up
-    started: list[tuple[str, subprocess.Popen[bytes] | ZygoteChild]] = field(default_factory=list)
+    started: list[tuple[str, ChildProcess]] = field(default_factory=list)
 
     @property
     def admin_url(self) -> str:
