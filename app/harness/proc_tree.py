@@ -30,7 +30,7 @@ class ShmSegment(NamedTuple):
     ino: int
 
 
-def _proc_stat(pid: int) -> tuple[int, str, int] | None:
+def proc_stat(pid: int) -> tuple[int, str, int] | None:
     """``(ppid, state, start time)`` of a process, from ``/proc/<pid>/stat``; None if gone."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
@@ -48,7 +48,7 @@ def process_tree(pid: int) -> list[int]:
     """``pid`` and its descendants (by /proc's parent links), parents first."""
     children: dict[int, list[int]] = {}
     for p in _pids():
-        st = _proc_stat(p)
+        st = proc_stat(p)
         if st is not None:
             children.setdefault(st[0], []).append(p)
     out, i = [pid], 0
@@ -147,7 +147,7 @@ def remove_orphans(segments: Iterable[ShmSegment]) -> list[ShmSegment]:
 
 def _alive(pid: int, start: int) -> bool:
     """Whether the process ``pid`` that started at ``start`` still runs (not a zombie)."""
-    st = _proc_stat(pid)
+    st = proc_stat(pid)
     return st is not None and st[2] == start and st[1] not in "ZX"
 
 
@@ -174,7 +174,7 @@ def _wait_stopped(members: dict[int, int], timeout_s: float = 2.0) -> None:
     """Until each of ``members`` is stopped (or gone), for at most ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = [_proc_stat(p) for p in members]
+        states = [proc_stat(p) for p in members]
         if all(st is None or st[1] in "TtZX" for st in states):
             return
         time.sleep(0.005)
@@ -195,7 +195,7 @@ def kill_trees(
         new = {}
         for root in roots:
             for pid in process_tree(root):
-                st = _proc_stat(pid)
+                st = proc_stat(pid)
                 if pid not in members and st is not None:
                     new[pid] = st[2]
         if not new:

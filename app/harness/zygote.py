@@ -33,6 +33,7 @@ from typing import IO, Any
 
 from app.errors import ConfigError
 from app.harness.engines import API_SERVER
+from app.harness.proc_tree import proc_stat
 
 ENV = "KVSIDECAR_HARNESS_ZYGOTE"
 # What is forked: modules whose import is long and starts nothing a fork would break (no
@@ -148,9 +149,10 @@ class Zygote:
             "env": dict(env),
             "log": str(log),
             "append": append,
+            "cwd": os.getcwd(),
         }
         with self._lock:
-            self._stdin.write(json.dumps({**request, "cwd": os.getcwd()}).encode() + b"\n")
+            self._stdin.write(json.dumps(request).encode() + b"\n")
             self._stdin.flush()
             with self._cond:
                 if not self._cond.wait_for(
@@ -201,11 +203,8 @@ class Zygote:
 
 
 def _running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"
+    stat = proc_stat(pid)
+    return stat is not None and stat[1] != "Z"
 
 
 _shared: dict[tuple[str | None, ...], Zygote] = {}

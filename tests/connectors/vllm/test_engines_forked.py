@@ -4,15 +4,16 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from app.harness.local_pd import LocalPD
+from app.harness.proc_tree import proc_stat
 from app.harness.zygote import ENV, ZygoteChild
 
 
 def parent(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2 :].split()[1])
+    stat = proc_stat(pid)
+    assert stat is not None, f"process {pid} is gone"
+    return stat[0]
 
 
 def test_the_pairs_api_servers_are_forked_from_one_zygote(llama_pd: LocalPD) -> None:
