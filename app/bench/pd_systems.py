@@ -69,7 +69,10 @@ class MooncakePD(LocalPD):
             }
             self._spawn(
                 f"vllm-{inst.role}",
-                [*_vllm_command(self.model, inst.vllm_port, ktc), *self.extra_vllm_args],
+                [
+                    *_vllm_command(self.model, inst.vllm_port, ktc, self._prefix_caching(inst)),
+                    *self.extra_vllm_args,
+                ],
                 {
                     **vllm_env(1, self.worker_in_core),
                     # D starts no bootstrap server, but must not collide with P's if it did.
@@ -85,7 +88,7 @@ class MooncakePD(LocalPD):
         return f"http://127.0.0.1:{self.bootstrap_port}"
 
 
-def _vllm_command(model: Path, port: int, ktc: dict[str, Any]) -> list[str]:
+def _vllm_command(model: Path, port: int, ktc: dict[str, Any], prefix_caching: bool) -> list[str]:
     # The flags LocalPD gives its engines, so that both systems run the same engine.
     return vllm_command(
         model,
@@ -94,7 +97,7 @@ def _vllm_command(model: Path, port: int, ktc: dict[str, Any]) -> list[str]:
         json.dumps(ktc),
         "--tensor-parallel-size",
         "1",
-        prefix_caching=False,
+        prefix_caching=prefix_caching,
     )
 
 
@@ -196,19 +199,19 @@ def start_systems(
             s.pd.wait_engine(s.pd.decode, 900)
         tapped = dataclasses.replace(side.prefill, vllm_port=int(systems[0].tap.rsplit(":", 1)[1]))
         systems[0].front = side.start_proxy("proxy", tapped, side.decode)
-        systems[1].front = _spawn_front(
-            moon,
-            "proxy",
-            [
-                "mooncake",
-                *("--prefill", systems[1].tap, "--decode", moon.decode.url),
-                *("--bootstrap", moon.bootstrap, "--engine-id", "mooncake-prefill"),
-            ],
-        )
+        systems[1].front = start_mooncake_front(moon, systems[1].tap)
     except BaseException:
         stop_systems(systems)
         raise
     return systems
+
+
+def start_mooncake_front(moon: MooncakePD, prefill: str) -> str:
+    """The minimal proxy before vLLM's ``MooncakeConnector`` pair (``pd_front mooncake``),
+    sending prompts to ``prefill`` (P's URL, or a tap before it); its URL."""
+    args = ["mooncake", "--prefill", prefill, "--decode", moon.decode.url]
+    args += ["--bootstrap", moon.bootstrap, "--engine-id", "mooncake-prefill"]
+    return _spawn_front(moon, "proxy", args)
 
 
 def stop_systems(systems: Sequence[System]) -> None:

@@ -62,7 +62,7 @@ class ConnectorConfig:
     link_timeout_s: float
     pool: bool = False  # load prefix hits from / store prompts into the sidecar's KV pool
     # Decode also stores what a request computed, its answer included, for the conversation's
-    # next turn (``pool_save_answers``; full-attention models only, see SchedulerSide).
+    # next turn (``pool_save_answers``).
     save_answers: bool = False
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"

