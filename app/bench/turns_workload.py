@@ -23,13 +23,13 @@ _LOW, _HIGH = 10, 1000
 
 @dataclass(frozen=True)
 class TurnsWorkload:
-    conversations: int = 8
+    conversations: int = 6
     turns: int = 4
     first_tokens: int = 1536
     short: tuple[int, int] = (16, 64)  # a follow-up's tokens, lowest and highest
     long: tuple[int, int] = (192, 384)  # a tool output's
     long_share: float = 0.5  # of the turns after the first
-    answer_tokens: int = 32
+    answer_tokens: int = 64  # an agent's tool call, a short reply
     seed: int = 0
 
     def __post_init__(self) -> None:

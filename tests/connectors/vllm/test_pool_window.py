@@ -275,7 +275,7 @@ def test_an_answer_ending_on_a_block_boundary_is_stored_with_its_gdn_state(qwen:
     history: list[int] = []
     # Turn 1's prompt (with the engine's first token) ends GEN - 1 before a boundary, so
     # decode's answer ends on it; turn 2's ends mid-block.
-    ends = (2 * bs - GEN + 1, 3 * bs + bs // 2)
+    ends = (2 * bs - GEN + 1, 2 * bs + bs // 2)  # the third turn: 2048 tokens at most
     hit = 0
     for k in range(3):
         new = ends[k] - len(history) - 1 if k < 2 else 40
