@@ -55,6 +55,9 @@ class TurnsOptions:
     dtype: str | None = None  # vLLM --dtype; None: the model's own
     regime: str = "dedicated"  # pd_cores.REGIMES
     think_s: float = 0.5  # between one answer and the next request
+    # Each kv-sidecar sidecar's share of the pool: the whole workload's KV fits (what is
+    # measured is the answers, not the pool's eviction).
+    pool_segment_bytes: int = 2 << 30
     warmup_turns: int = 2  # one conversation, per system, not counted
 
 
@@ -150,7 +153,9 @@ def run_workload(
     return rows
 
 
-def start(name: str, model: Path, work: Path, engine_args: Sequence[str]) -> System:
+def start(
+    name: str, model: Path, work: Path, engine_args: Sequence[str], pool_bytes: int
+) -> System:
     """One system, engines up and its front door answering."""
     common: dict[str, Any] = {
         "kind": "llama",
@@ -172,7 +177,14 @@ def start(name: str, model: Path, work: Path, engine_args: Sequence[str]) -> Sys
             raise
         return system
     answers = {"pool_save_answers": True} if name == SIDECAR else {}
-    pd = LocalPD(model, work / name, pool=True, connector_extra=answers, **common)
+    pd = LocalPD(
+        model,
+        work / name,
+        pool=True,
+        pool_segment_bytes=pool_bytes,
+        connector_extra=answers,
+        **common,
+    )
     pd.start()
     return System(name, pd, pd.proxy)
 
@@ -285,7 +297,7 @@ def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, An
     placements = {}
     for name in TURN_SYSTEMS:
         t0 = time.monotonic()
-        system = start(name, model, work, args)
+        system = start(name, model, work, args, opts.pool_segment_bytes)
         phases[f"{name}_start_s"] = round(time.monotonic() - t0, 1)
         try:
             groups = {"bench client": [os.getpid()], **system.process_groups()}
@@ -308,6 +320,7 @@ def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, An
         "binding": b.as_dict(),
         "placements": placements,
         "think_s": opts.think_s,
+        "pool_segment_bytes": opts.pool_segment_bytes,
         "block_size": BLOCK,
         "phases": phases,
         "summary": summarize(rows, w),

@@ -44,6 +44,7 @@ class LocalPD:
     decode_vllm_args: Sequence[str] = ()  # decode instances only, after extra_vllm_args
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
+    pool_segment_bytes: int = 256 << 20  # what each sidecar gives the pool
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -168,7 +169,7 @@ class LocalPD:
             env |= {
                 "KVSIDECAR_POOL__ENABLED": "true",
                 "KVSIDECAR_POOL__MASTER_ADDRESS": self.master.rpc_address,
-                "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(256 << 20),
+                "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(self.pool_segment_bytes),
                 "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
             }
         if self.in_process:  # what the command line gives a sidecar process

@@ -8,6 +8,10 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from app.bench.pd_stats import SIDECAR
+from app.bench.pd_systems import System
+from app.bench.turns_bench import run_workload
+from app.bench.turns_workload import TurnsWorkload, conversations, in_turn_order
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from tests.conftest import wait_for
@@ -179,3 +183,24 @@ def test_the_next_turn_loads_the_answer_decode_stored(pd: LocalPD) -> None:
         # Decode computed the KV of all but the answer's last token (never fed back).
         stored = len(conversation) + len(answer) - 1
         conversation = conversation + answer
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_bench_turns_accounts_for_every_prompt_token(pd: LocalPD) -> None:
+    """``bench turns``' measurement on this pair (answers stored, no prefix cache): each turn's
+    prompt tokens add up in prefill's counters (computed + cached + loaded = all but the last),
+    from turn 2 the pool serves the history so prefill computes at most the new message and a
+    block, and the KV moved and the pool bytes read are seen."""
+    w = TurnsWorkload(2, 3, 300, (20, 40), (60, 100), 0.5, MAX_TOKENS, seed=5)
+    system = System(SIDECAR, pd, pd.proxy)
+    rows = run_workload(system, in_turn_order(conversations(w)), w, 0.5, lambda _: None)
+    assert [(r["conversation"], r["turn"]) for r in rows] == [
+        (c, t) for t in (1, 2, 3) for c in (0, 1)
+    ]
+    for r in rows:
+        took = r["prefill_computed"] + r["prefill_cached"] + r["prefill_loaded"]
+        assert took == r["prompt_tokens"] - 1, r
+        assert r["kv_bytes"] > 0, r
+        if r["turn"] > 1:
+            assert r["prefill_computed"] <= r["new_tokens"] + block_size(pd.decode.admin), r
+            assert r["pool_bytes"] > 0, r
