@@ -194,6 +194,16 @@ def spread(values: Iterable[float]) -> dict[str, Any]:
     return {"min": vs[0], "median": statistics.median(vs), "max": vs[-1], "n": len(vs)}
 
 
+def quantile(values: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (inclusive method; None for none)."""
+    vs = sorted(values)
+    if not vs:
+        return None
+    if len(vs) == 1:
+        return vs[0]
+    return statistics.quantiles(vs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     # A ratio of negative times (KV at D before P's answer) would read backwards.
     return a / b if a is not None and b is not None and a > 0 and b > 0 else None

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from app.bench.pd_stats import spread
+from app.bench.pd_stats import quantile, spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
 from app.errors import BenchError
 from app.harness.engines import prompt_tokens_by_source
@@ -174,8 +174,8 @@ def run_policy(
         "prefill_tokens_computed": computed,
         "prefill_tokens_cached": cached,
         "hit_rate": cached / (computed + cached) if computed + cached else 0.0,
-        "ttft_p50_ms": _quantile(ttft, 0.5),
-        "ttft_p90_ms": _quantile(ttft, 0.9),
+        "ttft_p50_ms": quantile(ttft, 0.5),
+        "ttft_p90_ms": quantile(ttft, 0.9),
         "failed": len(answers) - len(ok),
         "index_blocks": sum(_index_blocks(h, follow) for h in healths),
         "tail": tail(answers, records),
@@ -187,7 +187,7 @@ def tail(answers: Sequence[Answer], records: dict[str, dict[str, Any]]) -> dict[
     burst, and the medians of their TTFT, of the wait for decode's target (decode admitted the
     request and ran a step) and of prefill's call (its compute, then the push)."""
     ok = [a for a in answers if a.status == 200]
-    cut = _quantile(sorted(a.ttft_s for a in ok), 0.9)
+    cut = quantile(sorted(a.ttft_s for a in ok), 0.9)
     slow = [a for a in ok if cut is not None and a.ttft_s >= cut]
     recs = [records[a.transfer_id] for a in slow if a.transfer_id in records]
 
@@ -202,14 +202,6 @@ def tail(answers: Sequence[Answer], records: dict[str, dict[str, Any]]) -> dict[
         "decode_target_ms": median_of("target_ms"),
         "prefill_ms": median_of("prefill_ms"),
     }
-
-
-def _quantile(sorted_values: Sequence[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    if len(sorted_values) == 1:
-        return sorted_values[0]
-    return statistics.quantiles(sorted_values, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:

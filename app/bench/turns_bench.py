@@ -33,7 +33,7 @@ import httpx
 
 from app.bench.pd_bench import aa_name
 from app.bench.pd_cores import binding, place_threads
-from app.bench.pd_stats import MOONCAKE, SIDECAR, spread
+from app.bench.pd_stats import MOONCAKE, SIDECAR, quantile, spread
 from app.bench.pd_systems import MooncakePD, System, start_mooncake_front
 from app.bench.pd_trial import stream
 from app.bench.turns_workload import Message, TurnsWorkload, conversations, in_turn_order
@@ -256,15 +256,6 @@ def answers_equal(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[
     compared = [k for k in keys if all((n, *k) in by for n in names)]
     same = sum(1 for k in compared if len({tuple(by[(n, *k)]) for n in names}) == 1)
     return {"equal": same, "compared": len(compared)}
-
-
-def quantile(values: Sequence[float], q: float) -> float | None:
-    vs = sorted(values)
-    if not vs:
-        return None
-    if len(vs) == 1:
-        return vs[0]
-    return statistics.quantiles(vs, n=100, method="inclusive")[round(q * 100) - 1]
 
 
 def _mean(values: Any) -> float | None:
