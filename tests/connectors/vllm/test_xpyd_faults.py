@@ -136,6 +136,23 @@ def test_prefill_killed_with_prompts_on_it(xpyd: LocalPD) -> None:
 
 def test_decode_killed_before_its_first_byte(xpyd: LocalPD) -> None:
     victim = xpyd.decode_instances[0]
+    # A prefill the test above killed: until the proxy's health check sees it gone, a request
+    # can spend its one retry there and then find no budget when its decode dies (a 502, seen
+    # once in a clean-clone run).
+    dead = {
+        p.url for p in xpyd.prefill_instances if xpyd.procs[f"vllm-{p.name}"].poll() is not None
+    }
+    wait_for(
+        "the proxy to see the killed prefill",
+        lambda: (
+            not any(
+                i["healthy"]
+                for i in httpx.get(f"{xpyd.proxy}/health", timeout=5).json()["prefill"]
+                if i["url"] in dead
+            )
+        ),
+        30,
+    )
     cases = _cases(xpyd, 700, REQUESTS + 2)
     prefills = [p for p in xpyd.prefill_instances if xpyd.procs[f"vllm-{p.name}"].poll() is None]
     with ThreadPoolExecutor(len(cases)) as pool:
