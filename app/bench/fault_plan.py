@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from app.bench.load_stats import ATTAINMENT, Slo, judge
+from app.bench.load_stats import ATTAINMENT, Slo, SloFactors, judge
 from app.bench.load_workload import Lengths, schedule
 from app.errors import ConfigError
 from app.harness.kv_watch import BLOCK
@@ -40,7 +40,7 @@ class FaultOptions:
     lengths: Lengths = field(default_factory=lambda: LENGTHS)
     repeat_share: float = 0.25  # requests that repeat an earlier prompt of the phase (pool hits)
     pre_s: float = 15.0  # load before the kill
-    control_s: float = 40.0  # the control phase's load
+    control_s: float = 75.0  # the control phase's load: as long as a sidecar or master phase
     after_s: float = 60.0  # most load after the kill (sidecar and master faults)
     engine_after_s: float = 120.0  # most load after the kill of an engine
     trigger_s: float = 10.0  # at most this long for a send in flight, then kill anyway
@@ -54,11 +54,13 @@ class FaultOptions:
     seed: int = 0
     quick: bool = False
     out: str = "bench-faults-out"
+    slo: SloFactors = field(default_factory=SloFactors)
 
     @classmethod
     def from_json(cls, text: str) -> FaultOptions:
         d = json.loads(text)
         d["lengths"] = Lengths(**d["lengths"])
+        d["slo"] = SloFactors(**d.get("slo", {}))
         d["faults"] = tuple(d["faults"])
         return cls(**d)
 

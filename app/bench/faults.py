@@ -363,7 +363,7 @@ def run(opts: FaultOptions) -> dict[str, Any]:
         mid = (lengths.out_lo + lengths.out_hi) // 2
         for k in range(2):  # warm-up, not counted
             unloaded(system, Request(-1 - k, 0.0, lengths.median, mid), CALIBRATION_RUNG + 1)
-        cal, slo, service = calibrate([system], lengths, opts.calibration_reps)
+        cal, slo, service = calibrate([system], lengths, opts.calibration_reps, opts.slo)
         rate = float(f"{opts.fraction / service:.3g}")
         print(slo.describe(), flush=True)
         print(f"unloaded service {1e3 * service:.0f} ms -> load {rate} req/s", flush=True)
@@ -399,5 +399,10 @@ def _row_text(r: dict[str, Any]) -> str:
     return (
         f"{r['fault']:16} sent {r['sent']:4} errors {r['errors']:3} wrong {r['wrong']:2} "
         f"lost {r['lost']:2} changed {r['changed_bytes']} B ({r['changed_blocks']} blocks, "
-        f"bound {r['alone_blocks']}) back {back} s restart {r['restart_s']}"
+        f"bound {r['alone_blocks']}) back {back} s restart {r['restart_s']} SLO met "
+        f"{_share(r['attainment_before'])} / {_share(r['attainment_after'])}"
     )
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"

@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.engine_dtype import DtypeChoice, engine_dtype
-from app.bench.load_stats import Slo, derive_slo, handoff_ms, step_figures, summarize_steps
+from app.bench.load_stats import (
+    Slo,
+    SloFactors,
+    derive_slo,
+    handoff_ms,
+    step_figures,
+    summarize_steps,
+)
 from app.bench.load_step import run_step, unloaded, wait_idle
 from app.bench.load_workload import Lengths, Request, ladder, schedule, step_seed
 from app.bench.pd_bench import FULL_MODEL, aa_name
@@ -56,11 +63,13 @@ class LoadOptions:
     out: str = "bench-load-out"
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
     regime: str = "shared"
+    slo: SloFactors = field(default_factory=SloFactors)
 
     @classmethod
     def from_json(cls, text: str) -> LoadOptions:
         d = json.loads(text)
         d["lengths"] = Lengths(**d["lengths"])
+        d["slo"] = SloFactors(**d.get("slo", {}))
         d["fractions"] = tuple(d["fractions"])
         return cls(**d)
 
@@ -72,10 +81,10 @@ def calibration_lengths(lengths: Lengths) -> tuple[int, ...]:
 
 
 def calibrate(
-    systems: list[System], lengths: Lengths, reps: int
+    systems: list[System], lengths: Lengths, reps: int, factors: SloFactors | None = None
 ) -> tuple[list[dict[str, Any]], Slo, float]:
     """The unloaded run: each calibration length alone, systems alternating; the SLO (one, for
-    both) and the service time (median unloaded e2e over both systems)."""
+    both, with ``factors``' multiples) and the service time (median unloaded e2e over both)."""
     out_tokens = (lengths.out_lo + lengths.out_hi) // 2
     rows = []
     k = 0
@@ -88,7 +97,7 @@ def calibrate(
                 print(f"unloaded {s.name:12} {n:5} tokens: {_unloaded_text(r)}", flush=True)
                 rows.append(r)
     ok = [r for r in rows if r["error"] is None and r["tokens"] == r["max_tokens"]]
-    slo = derive_slo(ok)
+    slo = derive_slo(ok, factors or SloFactors())
     service = statistics.median(r["e2e_s"] for r in ok)
     return rows, slo, service
 
@@ -175,7 +184,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
             for s in systems
         ]
         placement = place_threads(groups, b)  # threads started on the first requests
-        cal, slo, service = calibrate(systems, lengths, opts.calibration_reps)
+        cal, slo, service = calibrate(systems, lengths, opts.calibration_reps, opts.slo)
         rates = ladder(service, opts.fractions)
         phases["calibrated"] = time.time()
         print(slo.describe(), flush=True)

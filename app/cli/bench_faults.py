@@ -10,6 +10,8 @@ from typing import Annotated
 
 import typer
 
+from app.bench.load_stats import SloFactors
+from app.cli.bench_load import TpotFactor, TtftFactor
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
 
@@ -39,6 +41,8 @@ def faults_command(
     out: Annotated[Path, typer.Option(help="Folder for faults.json, faults.png and logs.")] = Path(
         "bench-faults-out"
     ),
+    ttft_factor: TtftFactor = 2.0,
+    tpot_factor: TpotFactor = 1.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
 ) -> None:
     """Faults under load: errors, wrong answers, lost requests, stray bytes, recovery time."""
@@ -55,7 +59,12 @@ def faults_command(
     from app.bench.fault_report import plot, print_summary
     from app.bench.faults import run
 
-    opts = FaultOptions(fraction=fraction, seed=seed, out=str(out.resolve()))
+    opts = FaultOptions(
+        fraction=fraction,
+        seed=seed,
+        out=str(out.resolve()),
+        slo=SloFactors(ttft=ttft_factor, tpot=tpot_factor),
+    )
     if quick:
         opts = dataclasses.replace(
             opts,

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from app.bench.load_stats import SloFactors
 from app.bench.load_workload import Lengths
 from app.bench.pd_cores import REGIMES, binding
 from app.bench.pd_stats import SYSTEMS
@@ -38,6 +39,12 @@ def _fractions(text: str) -> tuple[float, ...]:
     if not out or min(out) <= 0:
         raise ConfigError("--fractions: at least one, every one > 0")
     return out
+
+
+TtftFactor = Annotated[
+    float, typer.Option(help="SLO: TTFT <= this x unloaded prefill(prompt) + 100 ms.")
+]
+TpotFactor = Annotated[float, typer.Option(help="SLO: TPOT <= this x the unloaded TPOT.")]
 
 
 def load_command(
@@ -73,6 +80,8 @@ def load_command(
     out: Annotated[Path, typer.Option(help="Folder for load.json, load.png and logs.")] = Path(
         "bench-load-out"
     ),
+    ttft_factor: TtftFactor = 2.0,
+    tpot_factor: TpotFactor = 1.5,
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Open-loop load: TTFT/TPOT percentiles, goodput at an SLO and the knee, per system."""
@@ -104,6 +113,7 @@ def load_command(
         dtype=None if dtype == "auto" else dtype,
         out=str(out.resolve()),
         regime=regime,
+        slo=SloFactors(ttft=ttft_factor, tpot=tpot_factor),
     )
     if quick:
         opts = dataclasses.replace(

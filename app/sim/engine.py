@@ -23,7 +23,7 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
@@ -42,12 +42,18 @@ from app.sim.rank_engine import DEFAULT_SENTINEL, SimEngine
 from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.requests.agent import ALL_LAYERS
 
+if TYPE_CHECKING:
+    import httpx
+
 
 class SimInstance:
     """Every TP rank of one instance in one process, stepping through layers in lockstep."""
 
     def __init__(self, engines: list[SimEngine]) -> None:
         self.engines = engines
+        # Kept alive, as decode's connector keeps its router client: a client per post builds
+        # an SSL context each time (~50 ms of CPU), which would pace the simulated flow.
+        self._router: httpx.Client | None = None
 
     def info(self, cmd: Command) -> dict[str, Any]:
         return {"ranks": [e.info() for e in self.engines]}
@@ -60,12 +66,14 @@ class SimInstance:
             for e in self.engines:
                 e.set_targets(live)
             return
+        if self._router is None:
+            import httpx  # only the prefill-first flow posts: most engines never load it
+
+            self._router = httpx.Client(timeout=10)
         for req in live:
             assert req.remote is not None
             body = {"transfer_id": req.id, "target": msgspec.to_builtins(req.remote)}
-            import httpx  # only the prefill-first flow posts: most engines never load it
-
-            r = httpx.post(cmd.target_url, json=body, timeout=10)
+            r = self._router.post(cmd.target_url, json=body)
             if r.status_code != 200:  # the sidecar ended the send; the driver hears of it
                 print(f"target of {req.id} refused: {r.status_code} {r.text}", file=sys.stderr)
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 
-from app.bench.load_stats import derive_slo, fit_line, percentile
+from app.bench.fault_plan import FaultOptions
+from app.bench.load_bench import LoadOptions
+from app.bench.load_stats import SloFactors, derive_slo, fit_line, percentile
 from app.errors import ConfigError
 
 
@@ -29,6 +34,25 @@ def test_slo_from_both_systems_unloaded_requests() -> None:
     assert slo.tpot_s == 0.012 and slo.tpot_limit_s == pytest.approx(0.018)
     assert slo.ttft_limit_s(1000) == pytest.approx(2 * 0.11 + 0.1, rel=0.02)
     assert "TTFT <=" in slo.describe() and "TPOT <=" in slo.describe()
+
+
+def test_the_factors_widen_the_slo_and_survive_the_options_json() -> None:
+    rows = [
+        {"prompt_tokens": 100, "p_prefill_s": 0.02, "tpot_s": 0.010},
+        {"prompt_tokens": 1000, "p_prefill_s": 0.11, "tpot_s": 0.010},
+    ]
+    slo = derive_slo(rows, SloFactors(ttft=3.0, ttft_slack_s=0.2, tpot=4.0))
+    assert slo.tpot_limit_s == pytest.approx(0.040)
+    assert slo.ttft_limit_s(1000) == pytest.approx(3 * 0.11 + 0.2, rel=0.02)
+    factors = SloFactors(tpot=3.0)
+    for cls in (LoadOptions, FaultOptions):
+        opts = cls(slo=factors)
+        assert cls.from_json(json.dumps(asdict(opts))).slo == factors
+
+
+def test_a_factor_below_one_is_refused_with_what_was_given() -> None:
+    with pytest.raises(ConfigError, match=r"tpot 0\.5"):
+        SloFactors(tpot=0.5)
 
 
 def test_no_unloaded_request_no_slo() -> None:

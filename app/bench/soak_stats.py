@@ -1,0 +1,91 @@
+"""Pure logic of ``bench soak``: whether the transfer path's processes stay flat after warm-up
+(RSS, open descriptors, threads), and whether every request ended once on both sidecars."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from app.errors import ConfigError
+
+METRICS = ("rss_mib", "fds", "threads")
+GROWTH_LIMIT = 1.10  # issue 36: "flat after warm-up (<= +10%)"
+
+
+def growth(
+    samples: Sequence[Mapping[str, Any]], warmup_s: float, base_s: float
+) -> dict[str, dict[str, float]]:
+    """Per ``process/metric``: the baseline (median of the samples in the ``base_s`` after
+    warm-up), the highest and the last value after warm-up, and ``ratio`` = highest / baseline.
+    Each sample is ``{"t": seconds from the load's start, "usage": {process: {metric: v}}}``."""
+    after = [s for s in samples if s["t"] >= warmup_s]
+    base = [s for s in after if s["t"] < warmup_s + base_s]
+    if not base:
+        raise ConfigError(
+            f"no usage sample between {warmup_s:g} s and {warmup_s + base_s:g} s of the load: "
+            "expected a duration longer than warm-up plus baseline, and a sampling period shorter"
+        )
+    out: dict[str, dict[str, float]] = {}
+    for proc in base[0]["usage"]:
+        for m in METRICS:
+            vals = [float(s["usage"][proc][m]) for s in after if proc in s["usage"]]
+            b = statistics.median(float(s["usage"][proc][m]) for s in base if proc in s["usage"])
+            top = max(vals)
+            out[f"{proc}/{m}"] = {
+                "base": b,
+                "max": top,
+                "end": vals[-1],
+                "ratio": top / b if b > 0 else (1.0 if top == 0 else float("inf")),
+            }
+    return out
+
+
+def grew(figures: Mapping[str, Mapping[str, float]], limit: float = GROWTH_LIMIT) -> list[str]:
+    """The ``process/metric`` names whose highest value passed ``limit`` x their baseline."""
+    return sorted(k for k, f in figures.items() if f["ratio"] > limit)
+
+
+_LINE = re.compile(r"^(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def labelled(text: str, name: str) -> dict[str, float]:
+    """One metric of a Prometheus page, by its label set (``side=send,state=DONE``)."""
+    out: dict[str, float] = {}
+    for m in _LINE.finditer(text):
+        if m.group(1) == name:
+            key = ",".join(f"{k}={v}" for k, v in _LABEL.findall(m.group(2)))
+            out[key] = out.get(key, 0.0) + float(m.group(3))
+    return out
+
+
+def delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """What each counter gained in between (label sets absent before counted from 0)."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
+def ended_once(
+    p_ended: Mapping[str, float],
+    d_ended: Mapping[str, float],
+    p_live: Mapping[str, float],
+    d_live: Mapping[str, float],
+    transfers: int,
+) -> list[str]:
+    """What is wrong with the sidecars' accounting of ``transfers`` disaggregated requests:
+    each must have ended exactly once as a send on P and a recv on D, DONE, and none may still
+    be in flight. Empty when all is well."""
+    problems = []
+    for side, ended, live in (("send", p_ended, p_live), ("recv", d_ended, d_live)):
+        mine = {k: v for k, v in ended.items() if f"side={side}" in k}
+        done = sum(v for k, v in mine.items() if k.endswith("state=DONE"))
+        other = {k: v for k, v in mine.items() if not k.endswith("state=DONE")}
+        if done != transfers:
+            problems.append(f"{side}: {done:g} ended DONE, expected {transfers}")
+        if other:
+            problems.append(f"{side}: ended other than DONE: {other}")
+        stuck = {k: v for k, v in live.items() if f"side={side}" in k and v}
+        if stuck:
+            problems.append(f"{side}: still in flight after the drain: {stuck}")
+    return problems

@@ -1,0 +1,99 @@
+"""``kv-sidecar bench soak``: kv-sidecar under steady load for long, its processes watched."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from app.bench.pd_cores import REGIMES, binding
+from app.cli.bench_load import DTYPES
+from app.cli.bench_pd import bench_console, report_run
+from app.errors import ConfigError
+
+JSON_KEYS = ("holds", "rate", "requests", "errors", "ended_problems", "grew", "growth", "plot")
+
+
+def soak_command(
+    quick: Annotated[
+        bool,
+        typer.Option("--quick", help="4-layer model, prompts ~256 tokens, 90 s (30 s warm-up)."),
+    ] = False,
+    rate: Annotated[
+        float | None,
+        typer.Option(help="Requests/s (e.g. 0.8 x kv-sidecar's knee from bench load)."),
+    ] = None,
+    fraction: Annotated[
+        float, typer.Option(help="Without --rate: this share of the unloaded service rate.")
+    ] = 0.8,
+    duration: Annotated[float, typer.Option(help="Seconds of arrivals.")] = 1200.0,
+    warmup: Annotated[
+        float, typer.Option(help="Seconds of start-up before growth counts.")
+    ] = 120.0,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals and lengths.")] = 0,
+    dtype: Annotated[str, typer.Option(help="Engines' dtype, as bench load's.")] = "auto",
+    regime: Annotated[str, typer.Option(help="shared or dedicated cores.")] = "shared",
+    out: Annotated[Path, typer.Option(help="Folder for soak.json, soak.png and logs.")] = Path(
+        "bench-soak-out"
+    ),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the verdict as JSON.")] = False,
+) -> None:
+    """A soak: RSS, descriptors and threads of each sidecar and the proxy stay flat (<= +10%
+    after warm-up), every request ends once on both sides. Exit status 1 when it does not hold."""
+    if regime not in REGIMES:
+        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    if dtype not in DTYPES:
+        raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if (rate is not None and rate <= 0) or not 0 < fraction <= 2:
+        raise ConfigError(f"--rate {rate}, --fraction {fraction}: expected > 0 (fraction <= 2)")
+    binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
+    # Heavy imports inside the command: see app/cli/main.py.
+    from app.bench.load_bench import QUICK_LENGTHS
+    from app.bench.pd_bench import QUICK_MODEL
+    from app.bench.pd_netns import run_child
+    from app.bench.soak import SoakOptions
+    from app.bench.soak_report import plot, print_summary
+
+    opts = SoakOptions(
+        rate=rate,
+        fraction=fraction,
+        duration_s=duration,
+        warmup_s=warmup,
+        seed=seed,
+        dtype=None if dtype == "auto" else dtype,
+        regime=regime,
+        out=str(out.resolve()),
+    )
+    if quick:
+        opts = dataclasses.replace(
+            opts,
+            lengths=QUICK_LENGTHS,
+            duration_s=90.0,
+            warmup_s=30.0,
+            base_s=20.0,
+            every_s=5.0,
+            drain_s=30.0,
+            quick=True,
+            model={**opts.model, **QUICK_MODEL},
+        )
+    if opts.duration_s <= opts.warmup_s + opts.base_s:
+        raise ConfigError(
+            f"--duration {opts.duration_s:g} s: expected longer than warm-up plus the "
+            f"{opts.base_s:g} s baseline ({opts.warmup_s + opts.base_s:g} s)"
+        )
+    console = bench_console(as_json)
+    result = run_child(
+        ("-m", "app.bench.soak"),
+        dataclasses.asdict(opts),
+        out,
+        "soak.json",
+        regime,
+        sys.stderr if as_json else None,
+    )
+    report_run(result, out / "soak", (plot, print_summary), console, as_json, JSON_KEYS)
+    if not result["holds"]:
+        raise typer.Exit(1)

@@ -1,0 +1,76 @@
+"""``bench soak``'s verdicts: growth after warm-up, and every request ended once on both sides."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.bench.soak_stats import delta, ended_once, grew, growth, labelled
+from app.errors import ConfigError
+
+
+def _samples(rss: list[float], every_s: float = 10.0) -> list[dict]:
+    return [
+        {"t": i * every_s, "usage": {"proxy": {"rss_mib": v, "fds": 40, "threads": 12}}}
+        for i, v in enumerate(rss)
+    ]
+
+
+def test_start_up_growth_is_not_counted_but_later_growth_is() -> None:
+    # 100 -> 200 MiB during warm-up (t < 30 s), then flat: holds.
+    flat = growth(_samples([100, 150, 200, 200, 201, 204, 202, 205]), warmup_s=30, base_s=20)
+    assert flat["proxy/rss_mib"]["base"] == pytest.approx(200.5)
+    assert grew(flat) == []
+    # The same, then a leak to +15%: named.
+    leak = growth(_samples([100, 150, 200, 200, 201, 215, 222, 230]), warmup_s=30, base_s=20)
+    assert leak["proxy/rss_mib"]["ratio"] == pytest.approx(230 / 200.5)
+    assert leak["proxy/rss_mib"]["end"] == 230
+    assert grew(leak) == ["proxy/rss_mib"]
+
+
+def test_a_growth_of_exactly_ten_percent_still_holds() -> None:
+    g = growth(_samples([0, 100, 100, 110]), warmup_s=10, base_s=20)
+    assert grew(g) == []
+    assert grew(growth(_samples([0, 100, 100, 110.5]), warmup_s=10, base_s=20)) == ["proxy/rss_mib"]
+
+
+def test_no_sample_in_the_baseline_window_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="no usage sample between 100 s and 120 s"):
+        growth(_samples([1, 2, 3]), warmup_s=100, base_s=20)
+
+
+PAGE = """# HELP kvsidecar_requests Requests reported to the engine in a final state.
+kvsidecar_requests_total{side="send",state="DONE"} 12.0
+kvsidecar_requests_total{side="send",state="FAILED"} 1.0
+kvsidecar_requests_in_flight{side="send",state="WRITING"} 0.0
+kvsidecar_requests_created 1.7e9
+"""
+
+
+def test_labelled_reads_each_label_set_of_one_metric() -> None:
+    assert labelled(PAGE, "kvsidecar_requests") == {
+        "side=send,state=DONE": 12.0,
+        "side=send,state=FAILED": 1.0,
+    }
+    assert labelled(PAGE, "kvsidecar_requests_in_flight") == {"side=send,state=WRITING": 0.0}
+
+
+def test_delta_counts_new_label_sets_from_zero() -> None:
+    assert delta({"a": 3.0, "b": 1.0}, {"a": 5.0, "b": 1.0, "c": 2.0}) == {"a": 2.0, "c": 2.0}
+
+
+def test_every_transfer_must_end_once_done_on_both_sides() -> None:
+    send = {"side=send,state=DONE": 10.0}
+    recv = {"side=recv,state=DONE": 10.0}
+    idle = {"side=send,state=WRITING": 0.0, "side=recv,state=WAITING": 0.0}
+    assert ended_once(send, recv, idle, idle, 10) == []
+    assert ended_once(send, {"side=recv,state=DONE": 9.0}, idle, idle, 10) == [
+        "recv: 9 ended DONE, expected 10"
+    ]
+    failed = {"side=send,state=DONE": 10.0, "side=send,state=FAILED": 1.0}
+    assert ended_once(failed, recv, idle, idle, 10) == [
+        "send: ended other than DONE: {'side=send,state=FAILED': 1.0}"
+    ]
+    stuck = {"side=recv,state=WAITING": 1.0}
+    assert ended_once(send, recv, idle, stuck, 10) == [
+        "recv: still in flight after the drain: {'side=recv,state=WAITING': 1.0}"
+    ]
