@@ -37,6 +37,7 @@ MARGIN = 8  # tokens kept free at both ends of a prompt's last block (``snap_pro
 class FaultOptions:
     faults: tuple[str, ...] = (CONTROL, *FAULTS)
     fraction: float = 0.7  # of the unloaded service rate (1 / unloaded service time)
+    rate: float | None = None  # requests/s, given: ``fraction`` is then not used
     lengths: Lengths = field(default_factory=lambda: LENGTHS)
     repeat_share: float = 0.25  # requests that repeat an earlier prompt of the phase (pool hits)
     pre_s: float = 15.0  # load before the kill
@@ -153,6 +154,10 @@ def goodput_back(
     request qualifies yet (or, the load over, never did)."""
     after = sorted((p for p in points if p.sent >= kill_at), key=lambda p: p.sent)
     for i, p in enumerate(after):
+        if not p.good and p.ended is not None:
+            # A window may miss by the target share, but service is not back at a request
+            # that missed: a run of good windows starting on one would date the return early.
+            continue
         held = True
         k = i
         while k < len(after) and (k == i or after[k].sent <= p.sent + hold_s):

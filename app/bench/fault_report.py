@@ -42,8 +42,9 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         console.print(result["slo"]["text"])
         console.print(
             f"unloaded service time {1e3 * result['service_s']:.0f} ms; load "
-            f"{result['rate']:.3g} req/s (Poisson, {result['options']['fraction']:g} of the "
-            f"unloaded rate); goodput back: windows of {result['options']['window']} requests "
+            f"{result['rate']:.3g} req/s (Poisson, "
+            f"{result['rate'] * result['service_s']:.2g} of the unloaded rate); "
+            f"goodput back: windows of {result['options']['window']} requests "
             f"with ≥ {100 * result.get('target', 0.9):.0f}% meeting the SLO for "
             f"{result['options']['hold_s']:g} s"
         )

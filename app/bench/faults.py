@@ -364,7 +364,7 @@ def run(opts: FaultOptions) -> dict[str, Any]:
         for k in range(2):  # warm-up, not counted
             unloaded(system, Request(-1 - k, 0.0, lengths.median, mid), CALIBRATION_RUNG + 1)
         cal, slo, service = calibrate([system], lengths, opts.calibration_reps, opts.slo)
-        rate = float(f"{opts.fraction / service:.3g}")
+        rate = opts.rate or float(f"{opts.fraction / service:.3g}")
         print(slo.describe(), flush=True)
         print(f"unloaded service {1e3 * service:.0f} ms -> load {rate} req/s", flush=True)
         reqs = phase_requests(rate, opts.horizon_s(), opts.seed, lengths, opts.repeat_share)

@@ -195,7 +195,8 @@ def _result(
     after: dict[str, dict[str, float]],
 ) -> dict[str, Any]:
     errors = [a for a in answers if a.get("error") is not None]
-    short = [a for a in answers if a.get("error") is None and len(a["tokens"]) != a["max_tokens"]]
+    # Fewer tokens than asked is the model's end of sequence (a broken stream is an error).
+    eos = [a for a in answers if a.get("error") is None and len(a["tokens"]) < a["max_tokens"]]
     proxy = delta(before["proxy"], after["proxy"])
     moved = round(sum(v for k, v in proxy.items() if "decision=disaggregated" in k))
     problems = ended_once(
@@ -205,7 +206,7 @@ def _result(
         after["d_live"],
         moved,
     )
-    figures = growth(samples, opts.warmup_s, opts.base_s)
+    figures = growth(samples, opts.warmup_s, opts.base_s, opts.duration_s)
     over = grew(figures)
     t0 = min(a["sent"] for a in answers)
     d_kv = [g["d_kv_cache_usage_perc"] for g in gauges if "d_kv_cache_usage_perc" in g]
@@ -213,7 +214,7 @@ def _result(
         "requests": len(reqs),
         "errors": len(errors),
         "error_examples": sorted({str(a["error"])[:200] for a in errors})[:5],
-        "short_answers": len(short),
+        "ended_at_eos": len(eos),
         "disaggregated": moved,
         "proxy_requests": proxy,
         "ended_problems": problems,
@@ -222,7 +223,7 @@ def _result(
         "usage": samples,
         "windows": windows(answers, t0, 60.0),
         "d_kv_usage_mean": statistics.fmean(d_kv) if d_kv else None,
-        "holds": not errors and not short and not problems and not over,
+        "holds": not errors and not problems and not over,
     }
 
 

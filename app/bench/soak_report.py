@@ -12,18 +12,22 @@ from app.bench.soak_stats import GROWTH_LIMIT, METRICS
 
 
 def print_summary(result: dict[str, Any], console: Console) -> None:
-    """Per watched process and metric: baseline, highest, last, ratio; then the verdict."""
+    """Per watched process and metric: baseline, late level, highest, ratio; the verdict."""
     o = result["options"]
     table = Table(
         title=f"bench soak: {result['rate']} req/s for {o['duration_s']:g} s "
         f"(after {o['warmup_s']:g} s of warm-up; limit {GROWTH_LIMIT:g} x the baseline)"
     )
-    for col in ("process/metric", "baseline", "highest", "last", "ratio"):
+    for col in ("process/metric", "baseline", "late", "highest", "late / baseline"):
         table.add_column(col, justify="left" if col == "process/metric" else "right")
     for key, f in result["growth"].items():
         mark = " !" if key in result["grew"] else ""
         table.add_row(
-            key, f"{f['base']:.1f}", f"{f['max']:.1f}", f"{f['end']:.1f}", f"{f['ratio']:.3f}{mark}"
+            key,
+            f"{f['base']:.1f}",
+            f"{f['late']:.1f}",
+            f"{f['max']:.1f}",
+            f"{f['ratio']:.3f}{mark}",
         )
     console.print(table)
     w = result["windows"]
@@ -34,8 +38,9 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
             f"highest {max(p90):.0f} ms"
         )
     console.print(
-        f"{result['requests']} requests: {result['errors']} errors, {result['short_answers']} "
-        f"short answers, {result['disaggregated']} disaggregated; sidecars' accounting: "
+        f"{result['requests']} requests: {result['errors']} errors ({result['ended_at_eos']} "
+        f"ended at the model's EOS), {result['disaggregated']} disaggregated; sidecars' "
+        "accounting: "
         + ("; ".join(result["ended_problems"]) or "every one ended once, DONE, on both sides")
     )
     console.print("soak holds" if result["holds"] else "soak does NOT hold")

@@ -15,35 +15,42 @@ GROWTH_LIMIT = 1.10  # issue 36: "flat after warm-up (<= +10%)"
 
 
 def growth(
-    samples: Sequence[Mapping[str, Any]], warmup_s: float, base_s: float
+    samples: Sequence[Mapping[str, Any]], warmup_s: float, base_s: float, end_s: float
 ) -> dict[str, dict[str, float]]:
     """Per ``process/metric``: the baseline (median of the samples in the ``base_s`` after
-    warm-up), the highest and the last value after warm-up, and ``ratio`` = highest / baseline.
-    Each sample is ``{"t": seconds from the load's start, "usage": {process: {metric: v}}}``."""
-    after = [s for s in samples if s["t"] >= warmup_s]
+    warm-up), the late level (median of those in the last ``base_s`` before the load ended at
+    ``end_s``), the highest after warm-up, and ``ratio`` = late / baseline. Medians, as open
+    descriptors and threads follow the requests in flight at a sample: a leak is a level that
+    climbs, not one busy moment. Each sample is ``{"t": seconds from the load's start,
+    "usage": {process: {metric: value}}}``."""
+    after = [s for s in samples if warmup_s <= s["t"] <= end_s]
     base = [s for s in after if s["t"] < warmup_s + base_s]
-    if not base:
+    late = [s for s in after if s["t"] > end_s - base_s]
+    if not base or not late or end_s - base_s < warmup_s + base_s:
         raise ConfigError(
-            f"no usage sample between {warmup_s:g} s and {warmup_s + base_s:g} s of the load: "
-            "expected a duration longer than warm-up plus baseline, and a sampling period shorter"
+            f"usage samples between {warmup_s:g} s and {warmup_s + base_s:g} s and in the "
+            f"last {base_s:g} s before {end_s:g} s: expected a load longer than warm-up and "
+            "two baseline windows, sampled more often than the window"
         )
     out: dict[str, dict[str, float]] = {}
     for proc in base[0]["usage"]:
         for m in METRICS:
-            vals = [float(s["usage"][proc][m]) for s in after if proc in s["usage"]]
-            b = statistics.median(float(s["usage"][proc][m]) for s in base if proc in s["usage"])
-            top = max(vals)
+            b, end = _level(base, proc, m), _level(late, proc, m)
             out[f"{proc}/{m}"] = {
                 "base": b,
-                "max": top,
-                "end": vals[-1],
-                "ratio": top / b if b > 0 else (1.0 if top == 0 else float("inf")),
+                "late": end,
+                "max": max(float(s["usage"][proc][m]) for s in after if proc in s["usage"]),
+                "ratio": end / b if b > 0 else (1.0 if end == 0 else float("inf")),
             }
     return out
 
 
+def _level(rows: Sequence[Mapping[str, Any]], proc: str, metric: str) -> float:
+    return statistics.median(float(s["usage"][proc][metric]) for s in rows if proc in s["usage"])
+
+
 def grew(figures: Mapping[str, Mapping[str, float]], limit: float = GROWTH_LIMIT) -> list[str]:
-    """The ``process/metric`` names whose highest value passed ``limit`` x their baseline."""
+    """The ``process/metric`` names whose late level passed ``limit`` x their baseline."""
     return sorted(k for k, f in figures.items() if f["ratio"] > limit)
 
 

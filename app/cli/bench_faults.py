@@ -37,6 +37,10 @@ def faults_command(
     fraction: Annotated[
         float, typer.Option(help="Load, as a share of the unloaded service rate.")
     ] = 0.7,
+    rate: Annotated[
+        float | None,
+        typer.Option(help="Load in requests/s instead (the calibration's noise cannot move it)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals, lengths and repeats.")] = 0,
     out: Annotated[Path, typer.Option(help="Folder for faults.json, faults.png and logs.")] = Path(
         "bench-faults-out"
@@ -46,8 +50,10 @@ def faults_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON.")] = False,
 ) -> None:
     """Faults under load: errors, wrong answers, lost requests, stray bytes, recovery time."""
-    if not 0 < fraction <= 2:
-        raise ConfigError(f"--fraction {fraction}: expected 0 < fraction <= 2")
+    if not 0 < fraction <= 2 or (rate is not None and rate <= 0):
+        raise ConfigError(
+            f"--fraction {fraction}, --rate {rate}: expected 0 < fraction <= 2, rate > 0"
+        )
     # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.fault_plan import (
         CONTROL,
@@ -61,6 +67,7 @@ def faults_command(
 
     opts = FaultOptions(
         fraction=fraction,
+        rate=rate,
         seed=seed,
         out=str(out.resolve()),
         slo=SloFactors(ttft=ttft_factor, tpot=tpot_factor),

@@ -80,10 +80,11 @@ def soak_command(
             quick=True,
             model={**opts.model, **QUICK_MODEL},
         )
-    if opts.duration_s <= opts.warmup_s + opts.base_s:
+    if opts.duration_s < opts.warmup_s + 2 * opts.base_s:
         raise ConfigError(
-            f"--duration {opts.duration_s:g} s: expected longer than warm-up plus the "
-            f"{opts.base_s:g} s baseline ({opts.warmup_s + opts.base_s:g} s)"
+            f"--duration {opts.duration_s:g} s: expected at least warm-up plus two "
+            f"{opts.base_s:g} s windows, the baseline and the late level "
+            f"({opts.warmup_s + 2 * opts.base_s:g} s)"
         )
     console = bench_console(as_json)
     result = run_child(

@@ -45,6 +45,8 @@ class LocalPD:
     kind: str = ""  # which tiny model, for callers that treat kinds differently
     pool: bool = False  # a Mooncake master and the KV pool on both sidecars and connectors
     pool_segment_bytes: int = 256 << 20  # what each sidecar gives the pool
+    # Prefill's share instead (0: none, so every object lives in decode's segment).
+    prefill_pool_segment_bytes: int | None = None
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     prefill_tp: int = 1
     decode_tp: int = 1
@@ -169,7 +171,7 @@ class LocalPD:
             env |= {
                 "KVSIDECAR_POOL__ENABLED": "true",
                 "KVSIDECAR_POOL__MASTER_ADDRESS": self.master.rpc_address,
-                "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(self.pool_segment_bytes),
+                "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(self._segment_bytes(inst)),
                 "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
             }
         if self.in_process:  # what the command line gives a sidecar process
@@ -180,6 +182,11 @@ class LocalPD:
                 "KVSIDECAR_PORT_FILE": str(inst.port_file),
             }
         return env
+
+    def _segment_bytes(self, inst: Instance) -> int:
+        if inst.role == "prefill" and self.prefill_pool_segment_bytes is not None:
+            return self.prefill_pool_segment_bytes
+        return self.pool_segment_bytes
 
     def start_sidecar(self, inst: Instance) -> None:
         env = self._sidecar_env(inst)

@@ -34,6 +34,12 @@ def test_a_window_may_miss_by_the_target_share() -> None:
     assert goodput_back(pts, KILL, window=10, target=0.9, hold_s=10) == 2.0
 
 
+def test_the_return_is_never_dated_at_a_request_that_missed() -> None:
+    # The window starting at the lone miss meets 0.9 (9 of 10), but the return is the next one.
+    pts = _points("x" + "g" * 40)
+    assert goodput_back(pts, KILL, window=10, target=0.9, hold_s=10) == 1.0
+
+
 def test_a_relapse_within_the_hold_moves_the_return_later() -> None:
     # Good for 6 requests, then down again for 6, then good for good.
     pts = _points("xxx" + "g" * 6 + "x" * 6 + "g" * 40)

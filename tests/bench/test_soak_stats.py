@@ -15,27 +15,34 @@ def _samples(rss: list[float], every_s: float = 10.0) -> list[dict]:
     ]
 
 
-def test_start_up_growth_is_not_counted_but_later_growth_is() -> None:
-    # 100 -> 200 MiB during warm-up (t < 30 s), then flat: holds.
-    flat = growth(_samples([100, 150, 200, 200, 201, 204, 202, 205]), warmup_s=30, base_s=20)
+def test_start_up_growth_is_not_counted_but_a_climbing_level_is() -> None:
+    # 100 -> 200 MiB during warm-up (t < 30 s), then flat with one busy moment: holds.
+    flat = growth(_samples([100, 150, 200, 200, 201, 240, 204, 202]), 30, 20, 70)
     assert flat["proxy/rss_mib"]["base"] == pytest.approx(200.5)
+    assert flat["proxy/rss_mib"]["max"] == 240
     assert grew(flat) == []
-    # The same, then a leak to +15%: named.
-    leak = growth(_samples([100, 150, 200, 200, 201, 215, 222, 230]), warmup_s=30, base_s=20)
+    # The same, then a leak: the last 20 s sit 15% above the baseline.
+    leak = growth(_samples([100, 150, 200, 200, 201, 215, 230, 230]), 30, 20, 70)
+    assert leak["proxy/rss_mib"]["late"] == 230
     assert leak["proxy/rss_mib"]["ratio"] == pytest.approx(230 / 200.5)
-    assert leak["proxy/rss_mib"]["end"] == 230
     assert grew(leak) == ["proxy/rss_mib"]
 
 
+def test_samples_after_the_load_ended_are_not_the_late_level() -> None:
+    # The drain (t > 45 s) frees what the load held: it must not hide a climb during the load.
+    g = growth(_samples([0, 100, 100, 130, 130, 100, 100]), 10, 10, 45)
+    assert g["proxy/rss_mib"]["late"] == 130
+    assert grew(g) == ["proxy/rss_mib"]
+
+
 def test_a_growth_of_exactly_ten_percent_still_holds() -> None:
-    g = growth(_samples([0, 100, 100, 110]), warmup_s=10, base_s=20)
-    assert grew(g) == []
-    assert grew(growth(_samples([0, 100, 100, 110.5]), warmup_s=10, base_s=20)) == ["proxy/rss_mib"]
+    assert grew(growth(_samples([0, 100, 100, 110, 110]), 10, 10, 40)) == []
+    assert grew(growth(_samples([0, 100, 100, 110.5, 110.5]), 10, 10, 40)) == ["proxy/rss_mib"]
 
 
-def test_no_sample_in_the_baseline_window_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match="no usage sample between 100 s and 120 s"):
-        growth(_samples([1, 2, 3]), warmup_s=100, base_s=20)
+def test_a_load_too_short_for_two_windows_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="expected a load longer than warm-up"):
+        growth(_samples([1, 2, 3, 4]), 10, 20, 40)
 
 
 PAGE = """# HELP kvsidecar_requests Requests reported to the engine in a final state.

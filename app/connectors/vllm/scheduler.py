@@ -91,6 +91,10 @@ class _State:
     pool_saves: list[PoolJob] = field(default_factory=list)
     unfinished_saves: set[str] = field(default_factory=set)  # kept blocks, being stored
     failed_loads: set[str] = field(default_factory=set)  # expected requests whose load failed
+    # Requests whose pool load failed: vLLM recomputes them, and asking the pool again would
+    # find the same keys (a dead sidecar's segment stays listed until the master drops it)
+    # and fail the same way, once a step, for as long as that takes.
+    pool_failed: set[str] = field(default_factory=set)
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -161,7 +165,7 @@ class SchedulerSide:
         its logits)."""
         rid = request.request_id
         self.state.pool_hits.pop(rid, None)
-        if self.lookups is None:
+        if self.lookups is None or rid in self.state.pool_failed:
             return 0, False
         hit = self.lookups.hit(rid, request.prompt_token_ids[:-1], _extra_keys(request))
         if hit is None:
@@ -358,6 +362,7 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self.state.pool_hits.pop(rid, None)
+        self.state.pool_failed.discard(rid)
         self.state.local_hits.pop(rid, None)
         if self.lookups is not None:
             self.lookups.forget(rid)
@@ -446,6 +451,8 @@ class SchedulerSide:
         for rid in getattr(output, "failed_recving", None) or ():
             if rid in self.state.recvs:
                 self.state.failed_loads.add(rid)
+            elif self.lookups is not None:
+                self.state.pool_failed.add(rid)
         for rid in getattr(output, "finished_sending", None) or ():
             self.state.unfinished_sends.discard(rid)
             self.state.unfinished_saves.discard(rid)

@@ -116,6 +116,8 @@ def pd(
         # The pool pair runs float32: its next-turn test compares with transformers.
         extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ("--dtype", "float32") if mode == "pool" else ()),
         connector_extra={"pool_save_answers": True} if mode == "pool" else {},
+        # Every pool object in decode's segment: killing decode's sidecar fails prefill's loads.
+        prefill_pool_segment_bytes=0 if mode == "pool" else None,
     )
     with engines_up(stack):
         yield stack

@@ -5,6 +5,8 @@ serve it), and a prefill that loaded its prefix from the pool still pushes the w
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -204,3 +206,46 @@ def test_bench_turns_accounts_for_every_prompt_token(pd: LocalPD) -> None:
         if r["turn"] > 1:
             assert r["prefill_computed"] <= r["new_tokens"] + block_size(pd.decode.admin), r
             assert r["pool_bytes"] > 0, r
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_a_turn_whose_pool_load_fails_is_recomputed_and_right(pd: LocalPD) -> None:
+    """Turn 1 through the proxy; decode stores its prompt and answer, in decode's segment (the
+    pair's only one: prefill gives the pool none). Decode's sidecar is then killed: the master
+    still lists the keys, so prefill's lookup for turn 2 hits them and the load fails on the
+    dead segment. Prefill recomputes the prompt and answers as the model does. Last in the
+    file: it restarts decode's sidecar, with an empty segment."""
+    conversation = prompt(360, 51)
+    keys = pool_keys(pd.decode.admin)
+    answer = pd.complete(pd.proxy, conversation, ANSWER_TOKENS)
+    wait_for(
+        "decode to store turn 1",
+        lambda: pool_keys(pd.decode.admin) > keys,
+        timeout_s=30.0,
+        interval_s=0.2,
+    )
+    turn2 = conversation + answer + prompt(150, 52)
+    admin, url = pd.prefill.admin, pd.prefill.url
+    stats = pool_stats(admin)
+    pd.kill("sidecar-decode")
+    try:
+        before = prompt_tokens_by_source(url)
+        t0 = time.monotonic()
+        got = pd.complete(url, turn2, MAX_TOKENS)
+        took = time.monotonic() - t0
+        after = prompt_tokens_by_source(url)
+        now = pool_stats(admin)
+    finally:
+        pd.restart_sidecar(pd.decode)
+    print(
+        f"turn 2 with a failed load: {took:.2f} s, counters {before} -> {after}, "
+        f"pool {stats} -> {now}"
+    )
+    assert got == greedy(pd.model, turn2, MAX_TOKENS)
+    assert now["hits"] > stats["hits"], "the lookup should have found turn 1's keys"
+    assert now["failures"] > stats["failures"], "the load from the dead segment should fail"
+    assert now["keys_got"] == stats["keys_got"]
+    # vLLM sends a request whose load failed back to the scheduler: asked again, the pool
+    # would list the same keys (the master keeps the dead segment's for a while), and the
+    # request would load and fail once a step until it drops them (10 s measured).
+    assert now["lookups"] == stats["lookups"] + 1, "the failed request went back to the pool"
