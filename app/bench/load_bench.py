@@ -37,6 +37,7 @@ from app.bench.pd_bench import FULL_MODEL, aa_name
 from app.bench.pd_cores import binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
+from app.bench.target_path import STAGES
 from app.harness.tiny_models import write_tiny_model
 
 CALIBRATION_RUNG = 999  # prompts of the unloaded run: distinct from every rate step's
@@ -143,7 +144,16 @@ def _step_text(r: dict[str, Any]) -> str:
         f"{r['goodput_rps']:.2f}/s ({100 * r['attainment']:.0f}%)  D KV max "
         f"{f(r['d_kv_usage_max'], '.2f')} waiting max {f(r['d_waiting_max'])} "
         f"preempt {f(r['preemptions'])} recomputed {f(r['failed_loads_est'])} "
-        f"cpu {r['transfer_cpu_ms']:.0f} ms"
+        f"cpu {r['transfer_cpu_ms']:.0f} ms{_target_text(r.get('target_path'))}"
+    )
+
+
+def _target_text(path: dict[str, Any] | None) -> str:
+    if not path or not path["n"]:
+        return ""
+    p50 = {k: path[k]["p50"] for k in STAGES}
+    return "  to target p50: " + ", ".join(
+        f"{k.removesuffix('_ms')} {'-' if v is None else f'{v:.0f}'} ms" for k, v in p50.items()
     )
 
 

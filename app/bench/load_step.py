@@ -19,6 +19,7 @@ from app.bench.pd_cores import descendants
 from app.bench.pd_stats import failed_loads, p_times, parse_histograms
 from app.bench.pd_systems import SIDECAR_PROCESSES, MooncakePD, System
 from app.bench.pd_trial import attempt, seed
+from app.bench.target_path import summarize, target_times
 
 GAUGES = (
     "vllm:kv_cache_usage_perc",
@@ -158,6 +159,15 @@ def run_step(
     pre0 = parse_metrics(d0, (PREEMPTIONS,))[PREEMPTIONS]
     pre1 = parse_metrics(metrics(system.decode), (PREEMPTIONS,))[PREEMPTIONS]
     moved = system.transfers(t0, t1)
+    path = None
+    if not isinstance(system.pd, MooncakePD):  # kv-sidecar's proxy keeps transfer records
+        proxy = httpx.get(f"{system.front}/v1/transfers", timeout=10).json()["transfers"]
+        rows = target_times(
+            proxy,
+            moved["records"],
+            [str(a["transfer_id"]) for a in answers if a.get("transfer_id")],
+        )
+        path = summarize(rows) | {"requests": rows}
     computed = sum(i.context_tokens for i in system.decode_steps(t0, t1))
     prompt_total = sum(r.prompt_tokens for r in requests)
     n = len(requests)
@@ -183,6 +193,7 @@ def run_step(
         "cpu_ms_per_request": 1e3 * cpu_s / n,
         "transfer_cpu_share": cpu_s / (t1 - t0),
         "transfer_rss_mib": rss,
+        "target_path": path,
         "d_kv_usage": series_figures(samples, "d_kv_cache_usage_perc"),
         "d_waiting": series_figures(samples, "d_num_requests_waiting"),
         "p_waiting": series_figures(samples, "p_num_requests_waiting"),
