@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 
 from app.bench.load_stats import parse_metrics, series_figures, timings
 from app.bench.load_workload import Request
-from app.bench.pd_cores import descendants
+from app.bench.pd_cores import descendants, proc_usage
 from app.bench.pd_stats import failed_loads, p_times, parse_histograms
 from app.bench.pd_systems import SIDECAR_PROCESSES, MooncakePD, System
 from app.bench.pd_trial import attempt, seed
@@ -116,24 +115,12 @@ def wait_idle(system: System, timeout_s: float = 60.0) -> bool:
     return False
 
 
-def _rss_mib(pids: Sequence[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            continue  # ended since listed
-    return total / 1024
-
-
 def transfer_rss_mib(system: System) -> float | None:
     """RSS of the transfer path's own processes: kv-sidecar's two sidecars (and children);
     Mooncake's transfer engine lives inside the vLLM workers, not separable: None."""
     if isinstance(system.pd, MooncakePD):
         return None
-    return _rss_mib(descendants(system.pd.procs[r].pid for r in SIDECAR_PROCESSES))
+    return proc_usage(descendants(system.pd.procs[r].pid for r in SIDECAR_PROCESSES))["rss_mib"]
 
 
 def run_step(

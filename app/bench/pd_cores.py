@@ -180,6 +180,23 @@ class ThreadInfo:
     ppid: int = 0  # the process's parent
 
 
+def proc_usage(pids: Iterable[int], proc: Path = Path("/proc")) -> dict[str, float]:
+    """Resident memory (MiB), threads and open descriptors of ``pids`` together (a process
+    gone since it was listed counts nothing)."""
+    rss_kib = n_threads = fds = 0
+    for pid in pids:
+        try:
+            for line in (proc / str(pid) / "status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    rss_kib += int(line.split()[1])
+                elif line.startswith("Threads:"):
+                    n_threads += int(line.split()[1])
+            fds += len(os.listdir(proc / str(pid) / "fd"))
+        except OSError:
+            continue
+    return {"rss_mib": rss_kib / 1024, "fds": fds, "threads": n_threads}
+
+
 def threads(pid: int, proc: Path = Path("/proc")) -> list[ThreadInfo]:
     out = []
     task = proc / str(pid) / "task"

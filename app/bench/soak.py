@@ -31,7 +31,7 @@ from app.bench.load_stats import percentile, timings
 from app.bench.load_step import fire, unloaded, wait_idle
 from app.bench.load_workload import Lengths, Request, schedule
 from app.bench.pd_bench import FULL_MODEL
-from app.bench.pd_cores import binding, descendants, place_threads, placement_text
+from app.bench.pd_cores import binding, descendants, place_threads, placement_text, proc_usage
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import SIDECAR_PROCESSES, System, start_systems, stop_systems
 from app.bench.soak_stats import delta, ended_once, grew, growth, labelled
@@ -66,21 +66,6 @@ class SoakOptions:
         return cls(**d)
 
 
-def _usage(pids: list[int]) -> dict[str, float]:
-    rss_kib = threads = fds = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    rss_kib += int(line.split()[1])
-                elif line.startswith("Threads:"):
-                    threads += int(line.split()[1])
-            fds += len(os.listdir(f"/proc/{pid}/fd"))
-        except OSError:
-            continue  # ended since listed
-    return {"rss_mib": rss_kib / 1024, "fds": fds, "threads": threads}
-
-
 class UsageSampler(threading.Thread):
     """Every ``every_s``, each watched process tree's usage (re-listed each time: a sidecar's
     children may come and go), stamped with seconds from ``t0``."""
@@ -97,7 +82,7 @@ class UsageSampler(threading.Thread):
             usage = {}
             for name, pid in self.roots.items():
                 others = [p for n, p in self.roots.items() if n != name]
-                usage[name] = _usage(descendants([pid], stop=others))
+                usage[name] = proc_usage(descendants([pid], stop=others))
             self.samples.append({"t": round(time.time() - self.t0, 1), "usage": usage})
             self.stopping.wait(self.every_s)
 

@@ -17,6 +17,7 @@ from app.bench.pd_cores import (
     descendants,
     forward_threads,
     named_threads_cpu_s,
+    proc_usage,
     process_cpu_s,
     run_on_transfer_thread,
     stat_cpu_ticks,
@@ -152,3 +153,13 @@ def test_only_the_forward_stays_on_the_compute_core() -> None:
     ]
     assert forward_threads(ts, [0]) == {10}
     assert to_move(ts, [0], [1]) == [20, 21, 11, 30]
+
+
+def test_proc_usage_sums_rss_threads_and_descriptors_and_skips_the_gone(tmp_path: Path) -> None:
+    for pid, rss, n, fds in ((10, 2048, 3, 4), (11, 1024, 2, 1)):
+        d = tmp_path / str(pid)
+        (d / "fd").mkdir(parents=True)
+        (d / "status").write_text(f"Name:\tx\nVmRSS:\t{rss} kB\nThreads:\t{n}\n")
+        for k in range(fds):
+            (d / "fd" / str(k)).touch()
+    assert proc_usage([10, 11, 99], proc=tmp_path) == {"rss_mib": 3.0, "fds": 5, "threads": 5}
