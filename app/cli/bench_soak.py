@@ -35,6 +35,9 @@ def soak_command(
         float, typer.Option(help="Seconds of start-up before growth counts.")
     ] = 120.0,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and lengths.")] = 0,
+    layers: Annotated[
+        int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
+    ] = None,
     dtype: Annotated[str, typer.Option(help="Engines' dtype, as bench load's.")] = "auto",
     regime: Annotated[str, typer.Option(help="shared or dedicated cores.")] = "shared",
     out: Annotated[Path, typer.Option(help="Folder for soak.json, soak.png and logs.")] = Path(
@@ -80,6 +83,8 @@ def soak_command(
             quick=True,
             model={**opts.model, **QUICK_MODEL},
         )
+    if layers is not None:
+        opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
     if opts.duration_s < opts.warmup_s + 2 * opts.base_s:
         raise ConfigError(
             f"--duration {opts.duration_s:g} s: expected at least warm-up plus two "

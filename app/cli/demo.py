@@ -49,7 +49,9 @@ def demo_command(
         typer.Option(
             "--pool",
             help="Also start a mooncake_master: save a request to the KV pool at prefill, then "
-            "load a second request sharing its prefix from the pool at decode and verify it.",
+            "load a second request sharing its prefix from the pool at decode and verify it. "
+            "With --engine vllm: decode stores each answer, and the first conversation's next "
+            "turn loads its history at prefill.",
         ),
     ] = False,
     keep_alive: Annotated[
@@ -82,7 +84,7 @@ def demo_command(
     from app.sim.rounds import pool_prompt_tokens, pool_round, summarize
 
     if engine == "vllm":
-        result = run_vllm_demo(vllm_model, requests, prompt_tokens, max_tokens, None)
+        result = run_vllm_demo(vllm_model, requests, prompt_tokens, max_tokens, None, pool)
         print_summary(result, as_json)
         if not succeeded(result):
             raise typer.Exit(1)
