@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from app.bench.pd_bench import FULL_MODEL, aa_name
 from app.bench.pd_cores import binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
+from app.bench.stop_signals import exit_on_signal
 from app.bench.target_path import STAGES
 from app.harness.tiny_models import write_tiny_model
 
@@ -247,8 +247,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = LoadOptions.from_json(Path(args[0]).read_text())
-    # SIGTERM from the parent (Ctrl-C, timeout) unwinds through the finally that stops engines.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_signal()
     result = run(opts)
     (Path(opts.out) / "load.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -33,6 +32,7 @@ from app.bench.pd_stats import (
 )
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.pd_trial import line, run_trial, seed
+from app.bench.stop_signals import exit_on_signal
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 
@@ -270,8 +270,7 @@ def _calibration_text(cal: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = PDOptions.from_json(Path(args[0]).read_text())
-    # SIGTERM from the parent (Ctrl-C, timeout) unwinds through the finally that stops engines.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_signal()
     result = run(opts)
     (Path(opts.out) / "pd.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import statistics
 import sys
 import threading
@@ -35,6 +34,7 @@ from app.bench.pd_cores import binding, descendants, place_threads, placement_te
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import SIDECAR_PROCESSES, System, start_systems, stop_systems
 from app.bench.soak_stats import delta, ended_once, grew, growth, labelled
+from app.bench.stop_signals import exit_on_signal
 from app.harness.tiny_models import write_tiny_model
 
 SOAK_RUNG = 500  # prompts distinct from bench load's rungs and calibration
@@ -215,7 +215,7 @@ def _result(
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = SoakOptions.from_json(Path(args[0]).read_text())
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    exit_on_signal()
     result = run(opts)
     (Path(opts.out) / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import signal
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -91,8 +89,9 @@ def faults_command(
         opts = dataclasses.replace(opts, faults=parse_faults(faults))
     console = bench_console(as_json)
     out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM (a timeout, Ctrl-C's cousin) unwinds through the finally that stops the engines.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from app.bench.stop_signals import exit_on_signal
+
+    exit_on_signal()
     result = run(opts)
     for key in JSON_KEYS:  # a run stopped early lacks some
         result.setdefault(key, None)

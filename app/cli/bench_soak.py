@@ -30,10 +30,13 @@ def soak_command(
     fraction: Annotated[
         float, typer.Option(help="Without --rate: this share of the unloaded service rate.")
     ] = 0.8,
-    duration: Annotated[float, typer.Option(help="Seconds of arrivals.")] = 1200.0,
+    duration: Annotated[
+        float | None, typer.Option(help="Seconds of arrivals (1200; --quick 90).")
+    ] = None,
     warmup: Annotated[
-        float, typer.Option(help="Seconds of start-up before growth counts.")
-    ] = 120.0,
+        float | None,
+        typer.Option(help="Seconds of start-up before growth counts (120; --quick 30)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and lengths.")] = 0,
     layers: Annotated[
         int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
@@ -64,8 +67,6 @@ def soak_command(
     opts = SoakOptions(
         rate=rate,
         fraction=fraction,
-        duration_s=duration,
-        warmup_s=warmup,
         seed=seed,
         dtype=None if dtype == "auto" else dtype,
         regime=regime,
@@ -77,14 +78,19 @@ def soak_command(
             lengths=QUICK_LENGTHS,
             duration_s=90.0,
             warmup_s=30.0,
-            base_s=20.0,
-            every_s=5.0,
             drain_s=30.0,
             quick=True,
             model={**opts.model, **QUICK_MODEL},
         )
+    if duration is not None:
+        opts = dataclasses.replace(opts, duration_s=duration)
+    if warmup is not None:
+        opts = dataclasses.replace(opts, warmup_s=warmup)
     if layers is not None:
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
+    # The baseline and late windows: a twentieth of the run (20-60 s), six samples each.
+    base = min(60.0, max(20.0, opts.duration_s / 20))
+    opts = dataclasses.replace(opts, base_s=base, every_s=base / 6)
     if opts.duration_s < opts.warmup_s + 2 * opts.base_s:
         raise ConfigError(
             f"--duration {opts.duration_s:g} s: expected at least warm-up plus two "

