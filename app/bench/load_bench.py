@@ -33,7 +33,7 @@ from app.bench.load_stats import (
 from app.bench.load_step import run_step, unloaded, wait_idle
 from app.bench.load_workload import Lengths, Request, ladder, schedule, step_seed
 from app.bench.pd_bench import FULL_MODEL, aa_name
-from app.bench.pd_cores import binding, place_threads, placement_text
+from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.stop_signals import exit_on_signal
@@ -163,22 +163,42 @@ def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
     return names[k:] + names[:k]
 
 
-def run(opts: LoadOptions) -> dict[str, Any]:
-    out = Path(opts.out)
-    work = out / "work"
-    b = binding(opts.regime, os.sched_getaffinity(0))
+@dataclass(frozen=True)
+class Setup:
+    """What a run under load is set up with, printed as it is chosen."""
+
+    binding: Binding
+    dtype: DtypeChoice
+    lengths: Lengths
+    model: Path
+
+
+def set_up(
+    regime: str, dtype: str | None, lengths: Lengths, model: dict[str, Any], work: Path
+) -> Setup:
+    """The regime's binding (in this process's environment: the engines inherit it), the
+    engines' dtype, the workload fitted to the model's length, the model written."""
+    b = binding(regime, os.sched_getaffinity(0))
     os.environ.update(b.env())
     print(b.describe(), flush=True)
     # The same for every engine of both systems; asked for: the CPU's flags not consulted.
-    dtype = engine_dtype() if opts.dtype is None else DtypeChoice(opts.dtype, "given by --dtype")
-    print(dtype.describe(), flush=True)
-    lengths = opts.lengths.fit(int(opts.model.get("max_position_embeddings", 4096)))
-    print(f"workload: {lengths}", flush=True)
-    model = write_tiny_model(
-        work / f"model-{opts.model['hidden_size']}x{opts.model['num_hidden_layers']}",
+    choice = engine_dtype() if dtype is None else DtypeChoice(dtype, "given by --dtype")
+    print(choice.describe(), flush=True)
+    fitted = lengths.fit(int(model.get("max_position_embeddings", 4096)))
+    print(f"workload: {fitted}", flush=True)
+    path = write_tiny_model(
+        work / f"model-{model['hidden_size']}x{model['num_hidden_layers']}",
         "llama",
-        overrides=opts.model,
+        overrides=model,
     )
+    return Setup(b, choice, fitted, path)
+
+
+def run(opts: LoadOptions) -> dict[str, Any]:
+    out = Path(opts.out)
+    work = out / "work"
+    setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
+    b, dtype, lengths, model = setup.binding, setup.dtype, setup.lengths, setup.model
     phases = {"start": time.time()}  # where a run's wall time goes (engine start: most)
     systems = start_systems(model, work, lengths.longest + 64, dtype.dtype)
     phases["engines_up"] = time.time()

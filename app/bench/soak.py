@@ -24,18 +24,16 @@ from typing import Any
 
 import httpx
 
-from app.bench.engine_dtype import DtypeChoice, engine_dtype
-from app.bench.load_bench import CALIBRATION_RUNG, calibrate
+from app.bench.load_bench import CALIBRATION_RUNG, calibrate, set_up
 from app.bench.load_stats import percentile, timings
 from app.bench.load_step import fire, unloaded, wait_idle
 from app.bench.load_workload import Lengths, Request, schedule
 from app.bench.pd_bench import FULL_MODEL
-from app.bench.pd_cores import binding, descendants, place_threads, placement_text, proc_usage
+from app.bench.pd_cores import descendants, place_threads, placement_text, proc_usage
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import SIDECAR_PROCESSES, System, start_systems, stop_systems
 from app.bench.soak_stats import delta, ended_once, grew, growth, labelled
 from app.bench.stop_signals import exit_on_signal
-from app.harness.tiny_models import write_tiny_model
 
 SOAK_RUNG = 500  # prompts distinct from bench load's rungs and calibration
 WATCHED = (*SIDECAR_PROCESSES, "proxy")
@@ -115,19 +113,9 @@ def windows(answers: list[dict[str, Any]], t0: float, width_s: float) -> list[di
 
 def run(opts: SoakOptions) -> dict[str, Any]:
     """The whole soak (module docstring); the JSON ``soak.json`` holds."""
-    out = Path(opts.out)
-    work = out / "work"
-    b = binding(opts.regime, os.sched_getaffinity(0))
-    os.environ.update(b.env())
-    print(b.describe(), flush=True)
-    dtype = engine_dtype() if opts.dtype is None else DtypeChoice(opts.dtype, "given by --dtype")
-    print(dtype.describe(), flush=True)
-    lengths = opts.lengths.fit(int(opts.model.get("max_position_embeddings", 4096)))
-    model = write_tiny_model(
-        work / f"model-{opts.model['hidden_size']}x{opts.model['num_hidden_layers']}",
-        "llama",
-        overrides=opts.model,
-    )
+    work = Path(opts.out) / "work"
+    setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
+    b, dtype, lengths, model = setup.binding, setup.dtype, setup.lengths, setup.model
     (system,) = start_systems(model, work, lengths.longest + 64, dtype.dtype, names=(SIDECAR,))
     try:
         groups = {"bench client": [os.getpid()], **system.process_groups()}
@@ -154,7 +142,7 @@ def run(opts: SoakOptions) -> dict[str, Any]:
         sampler.stopping.set()
         sampler.join()
         after = _counters(system)
-        return _result(opts, system, reqs, answers, gauges, sampler.samples, before, after) | {
+        return _result(opts, reqs, answers, gauges, sampler.samples, before, after) | {
             "options": asdict(opts),
             "binding": b.as_dict(),
             "engine_dtype": dtype.as_dict(),
@@ -171,7 +159,6 @@ def run(opts: SoakOptions) -> dict[str, Any]:
 
 def _result(
     opts: SoakOptions,
-    system: System,
     reqs: tuple[Request, ...],
     answers: list[dict[str, Any]],
     gauges: list[dict[str, Any]],
