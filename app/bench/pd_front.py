@@ -37,7 +37,9 @@ _HOP = {"content-length", "transfer-encoding", "connection", "host"}
 
 
 def _client() -> httpx.AsyncClient:
-    return httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None))
+    # Idle connections go before the engine's keep-alive (5 s) can close one under a request.
+    limits = httpx.Limits(max_connections=None, keepalive_expiry=2.0)
+    return httpx.AsyncClient(timeout=None, limits=limits)
 
 
 def mooncake_app(prefill: str, decode: str, bootstrap: str, engine_id: str) -> Starlette:

@@ -94,6 +94,7 @@ def _counters(system: System) -> dict[str, dict[str, float]]:
         "p_live": labelled(p, "kvsidecar_requests_in_flight"),
         "d_live": labelled(d, "kvsidecar_requests_in_flight"),
         "proxy": labelled(proxy, "kvproxy_requests"),
+        "transfers": labelled(proxy, "kvproxy_transfers"),
     }
 
 
@@ -170,14 +171,17 @@ def _result(
     # Fewer tokens than asked is the model's end of sequence (a broken stream is an error).
     eos = [a for a in answers if a.get("error") is None and len(a["tokens"]) < a["max_tokens"]]
     proxy = delta(before["proxy"], after["proxy"])
+    transfers = delta(before["transfers"], after["transfers"])
     moved = round(sum(v for k, v in proxy.items() if "decision=disaggregated" in k))
     problems = ended_once(
         delta(before["p_ended"], after["p_ended"]),
         delta(before["d_ended"], after["d_ended"]),
         after["p_live"],
         after["d_live"],
-        moved,
+        transfers,
     )
+    if round(sum(transfers.values())) != moved:
+        problems.append(f"the proxy ended {sum(transfers.values()):g} transfers of {moved}")
     figures = growth(samples, opts.warmup_s, opts.base_s, opts.duration_s)
     over = grew(figures)
     t0 = min(a["sent"] for a in answers)
@@ -189,6 +193,7 @@ def _result(
         "ended_at_eos": len(eos),
         "disaggregated": moved,
         "proxy_requests": proxy,
+        "proxy_transfers": transfers,
         "ended_problems": problems,
         "growth": figures,
         "grew": over,

@@ -78,20 +78,27 @@ def ended_once(
     d_ended: Mapping[str, float],
     p_live: Mapping[str, float],
     d_live: Mapping[str, float],
-    transfers: int,
+    transfers: Mapping[str, float],
 ) -> list[str]:
-    """What is wrong with the sidecars' accounting of ``transfers`` disaggregated requests:
-    each must have ended exactly once as a send on P and a recv on D, DONE, and none may still
-    be in flight. Empty when all is well."""
+    """What is wrong with the sidecars' accounting of the proxy's transfers (``transfers``: its
+    final status counts, ``outcome=ok`` and others). Each ``ok`` transfer must have ended DONE
+    as a send on P and a recv on D; every other one ended once on D, in another state (the
+    proxy told decode to stop), and at most once on P (a prefill that failed may have no send);
+    none may still be in flight. Empty when all is well."""
+    ok = sum(v for k, v in transfers.items() if k == "outcome=ok")
+    other = sum(v for k, v in transfers.items() if k != "outcome=ok")
     problems = []
     for side, ended, live in (("send", p_ended, p_live), ("recv", d_ended, d_live)):
         mine = {k: v for k, v in ended.items() if f"side={side}" in k}
         done = sum(v for k, v in mine.items() if k.endswith("state=DONE"))
-        other = {k: v for k, v in mine.items() if not k.endswith("state=DONE")}
-        if done != transfers:
-            problems.append(f"{side}: {done:g} ended DONE, expected {transfers}")
-        if other:
-            problems.append(f"{side}: ended other than DONE: {other}")
+        rest = sum(v for k, v in mine.items() if not k.endswith("state=DONE"))
+        if done != ok:
+            problems.append(f"{side}: {done:g} ended DONE, expected {ok:g} (the proxy's ok)")
+        if rest > other or (side == "recv" and rest != other):
+            want = f"{other:g}" if side == "recv" else f"at most {other:g}"
+            problems.append(
+                f"{side}: {rest:g} ended other than DONE, expected {want} (the proxy's others)"
+            )
         stuck = {k: v for k, v in live.items() if f"side={side}" in k and v}
         if stuck:
             problems.append(f"{side}: still in flight after the drain: {stuck}")

@@ -69,7 +69,8 @@ class SimInstance:
         if self._router is None:
             import httpx  # only the prefill-first flow posts: most engines never load it
 
-            self._router = httpx.Client(timeout=10)
+            limits = httpx.Limits(keepalive_expiry=2.0)  # before the admin API's 5 s idle
+            self._router = httpx.Client(timeout=10, limits=limits)
         for req in live:
             assert req.remote is not None
             body = {"transfer_id": req.id, "target": msgspec.to_builtins(req.remote)}

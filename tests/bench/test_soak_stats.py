@@ -65,19 +65,36 @@ def test_delta_counts_new_label_sets_from_zero() -> None:
     assert delta({"a": 3.0, "b": 1.0}, {"a": 5.0, "b": 1.0, "c": 2.0}) == {"a": 2.0, "c": 2.0}
 
 
-def test_every_transfer_must_end_once_done_on_both_sides() -> None:
+def test_every_ok_transfer_ends_done_on_both_sides() -> None:
     send = {"side=send,state=DONE": 10.0}
     recv = {"side=recv,state=DONE": 10.0}
     idle = {"side=send,state=WRITING": 0.0, "side=recv,state=WAITING": 0.0}
-    assert ended_once(send, recv, idle, idle, 10) == []
-    assert ended_once(send, {"side=recv,state=DONE": 9.0}, idle, idle, 10) == [
-        "recv: 9 ended DONE, expected 10"
-    ]
-    failed = {"side=send,state=DONE": 10.0, "side=send,state=FAILED": 1.0}
-    assert ended_once(failed, recv, idle, idle, 10) == [
-        "send: ended other than DONE: {'side=send,state=FAILED': 1.0}"
+    ok = {"outcome=ok": 10.0}
+    assert ended_once(send, recv, idle, idle, ok) == []
+    assert ended_once(send, {"side=recv,state=DONE": 9.0}, idle, idle, ok) == [
+        "recv: 9 ended DONE, expected 10 (the proxy's ok)"
     ]
     stuck = {"side=recv,state=WAITING": 1.0}
-    assert ended_once(send, recv, idle, stuck, 10) == [
+    assert ended_once(send, recv, idle, stuck, ok) == [
         "recv: still in flight after the drain: {'side=recv,state=WAITING': 1.0}"
+    ]
+
+
+def test_a_transfer_the_proxy_ended_otherwise_ends_once_on_decode_and_at_most_once_on_prefill() -> (
+    None
+):
+    # Prefill answered 500 before its sidecar had a send; the proxy told decode to stop.
+    transfers = {"outcome=ok": 9.0, "outcome=prefill_failed": 1.0}
+    send = {"side=send,state=DONE": 9.0}
+    recv = {"side=recv,state=DONE": 9.0, "side=recv,state=ABORTED": 1.0}
+    assert ended_once(send, recv, {}, {}, transfers) == []
+    # The same ABORTED recv with the proxy saying every transfer went well: not accounted for.
+    assert ended_once(send, recv, {}, {}, {"outcome=ok": 10.0}) == [
+        "send: 9 ended DONE, expected 10 (the proxy's ok)",
+        "recv: 9 ended DONE, expected 10 (the proxy's ok)",
+        "recv: 1 ended other than DONE, expected 0 (the proxy's others)",
+    ]
+    # Decode's side must end the failed one: missing there is a request never ended.
+    assert ended_once(send, {"side=recv,state=DONE": 9.0}, {}, {}, transfers) == [
+        "recv: 0 ended other than DONE, expected 1 (the proxy's others)"
     ]

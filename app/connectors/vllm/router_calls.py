@@ -24,7 +24,10 @@ log = logging.getLogger(__name__)
 def router_client() -> httpx.Client:
     """The worker's client: enough connections for every held fetch (one per send waiting
     for its target) and the posts."""
-    return httpx.Client(limits=httpx.Limits(max_connections=64, max_keepalive_connections=8))
+    # Idle connections go before the router's keep-alive (5 s, uvicorn's) can close one under
+    # a post: that post would fail with a read error.
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=8, keepalive_expiry=2.0)
+    return httpx.Client(limits=limits)
 
 
 def _capability(token: str | None) -> dict[str, str]:
