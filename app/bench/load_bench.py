@@ -98,7 +98,7 @@ def calibrate(
                 print(f"unloaded {s.name:12} {n:5} tokens: {_unloaded_text(r)}", flush=True)
                 rows.append(r)
     ok = [r for r in rows if r["error"] is None and r["tokens"] == r["max_tokens"]]
-    slo = derive_slo(ok, factors or SloFactors())
+    slo = derive_slo(ok, factors)
     service = statistics.median(r["e2e_s"] for r in ok)
     return rows, slo, service
 

@@ -64,9 +64,9 @@ class Slo:
     prefill_a_s: float
     prefill_b_s: float
     tpot_s: float
-    ttft_factor: float = 2.0
-    ttft_slack_s: float = 0.1
-    tpot_factor: float = 1.5
+    ttft_factor: float = SloFactors.ttft
+    ttft_slack_s: float = SloFactors.ttft_slack_s
+    tpot_factor: float = SloFactors.tpot
 
     def prefill_s(self, tokens: int) -> float:
         return max(0.0, self.prefill_a_s + self.prefill_b_s * tokens)

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import re
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.errors import ConfigError
 
@@ -54,17 +55,15 @@ def grew(figures: Mapping[str, Mapping[str, float]], limit: float = GROWTH_LIMIT
     return sorted(k for k, f in figures.items() if f["ratio"] > limit)
 
 
-_LINE = re.compile(r"^(\w+?)(?:_total)?\{([^}]*)\} (\S+)$", re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
-
-
 def labelled(text: str, name: str) -> dict[str, float]:
-    """One metric of a Prometheus page, by its label set (``side=send,state=DONE``)."""
+    """One metric of a Prometheus page, by its label set (``side=send,state=DONE``, labels in
+    name order); a counter's ``_total`` sample counts, its ``_created`` does not."""
     out: dict[str, float] = {}
-    for m in _LINE.finditer(text):
-        if m.group(1) == name:
-            key = ",".join(f"{k}={v}" for k, v in _LABEL.findall(m.group(2)))
-            out[key] = out.get(key, 0.0) + float(m.group(3))
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (name, f"{name}_total"):
+                key = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
