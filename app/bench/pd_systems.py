@@ -32,6 +32,11 @@ from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
 SIDECAR_PROCESSES = ("sidecar-prefill", "sidecar-decode")  # LocalPD's names
+# kv-sidecar's decode waits this long for prefill to start a request (recv_queue_timeout_s):
+# past the knee requests queue at prefill for tens of seconds, and a decode that gave up would
+# recompute prompts prefill still computes. The peer's decode hears of a request only once
+# prefill answered, so it never gives up on a queued one either.
+PREFILL_QUEUE_S = 600.0
 
 
 def engine_args(max_model_len: int, dtype: str | None = None) -> list[str]:
@@ -190,7 +195,15 @@ def start_systems(
     kinds = {SIDECAR: LocalPD, MOONCAKE: MooncakePD}
     systems = [
         System(
-            n, kinds[n](model, work / n, kind="llama", extra_vllm_args=args, worker_in_core=False)
+            n,
+            kinds[n](
+                model,
+                work / n,
+                kind="llama",
+                extra_vllm_args=args,
+                worker_in_core=False,
+                recv_queue_timeout_s=PREFILL_QUEUE_S,
+            ),
         )
         for n in names
     ]

@@ -261,7 +261,15 @@ class SidecarSettings(BaseSettings):
         default=60.0,
         gt=0,
         le=_MAX_DEADLINE_S,
-        description="Decode: deadline for every expected sender's Done before EXPIRED.",
+        description="Decode: deadline for every expected sender's Done before EXPIRED, counted "
+        "from the first prefill's claim (it claims when its engine schedules the request).",
+    )
+    recv_queue_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Decode: how long a receive waits for a prefill to claim it; under load the "
+        "request may wait in prefill's queue that long. Unset: recv_timeout_s.",
     )
     heartbeat_interval_s: float = Field(
         default=1.0,

@@ -40,6 +40,7 @@ class LocalPD:
     model: Path
     work: Path
     recv_timeout_s: float = 30.0
+    recv_queue_timeout_s: float | None = None  # None: recv_timeout_s
     extra_vllm_args: Sequence[str] = ()
     decode_vllm_args: Sequence[str] = ()  # decode instances only, after extra_vllm_args
     kind: str = ""  # which tiny model, for callers that treat kinds differently
@@ -359,6 +360,7 @@ class LocalPD:
                 # kv_both, so a test may also run the pair the other way round).
                 "prefill_tp": self.decode_tp if inst.role == "prefill" else self.prefill_tp,
                 "recv_timeout_s": self.recv_timeout_s,
+                "recv_queue_timeout_s": self.recv_queue_timeout_s,
                 "link_timeout_s": 3.0,
                 "pool": self.pool,
                 "agent": "in_process" if self.in_process else "sidecar",

@@ -449,8 +449,10 @@ class Cluster:
         bulk_one_signal: bool = False,
         target_after_layers: int = -1,
         target_via_admin: bool = False,
+        queued_s: float = 0.0,
     ) -> dict[str, Any]:
-        """Expect at D, prefill at P (all ranks at once), wait and verify at D.
+        """Expect at D, prefill at P (all ranks at once) ``queued_s`` later (as if the requests
+        waited in prefill's queue that long), wait and verify at D.
 
         ``target_after_layers`` >= 0: P admits without D's target and gets it after that many
         layer signals (concurrent dispatch; past the last one, after the forward pass), through
@@ -473,6 +475,7 @@ class Cluster:
         }
         d_reqs = [dr for _, dr in pairs]
         expect = self.call(d, Command(cmd="expect", requests=d_reqs, **common), 30)
+        time.sleep(queued_s)
         t0 = time.monotonic()
         self.send(p, Command(cmd="prefill", requests=[pr for pr, _ in pairs], **common))
         self.send(d, Command(cmd="wait", requests=d_reqs, **common))

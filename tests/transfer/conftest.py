@@ -251,7 +251,14 @@ class Decode:
     epoch: list[str]
     lost: Lost
 
-    def expect(self, rid: str = "r1", block_ids: list[list[int]] = MINE, prefill: str = "") -> Msg:
+    def expect(
+        self,
+        rid: str = "r1",
+        block_ids: list[list[int]] = MINE,
+        prefill: str = "",
+        timeout_s: float | None = None,
+        queue_timeout_s: float | None = None,
+    ) -> Msg:
         return self.side.expect(
             ExpectRecv(
                 rank=0,
@@ -260,6 +267,8 @@ class Decode:
                 block_ids=block_ids,
                 prefill_tp=1,
                 prefill_engine=prefill,
+                timeout_s=timeout_s,
+                queue_timeout_s=queue_timeout_s,
             )
         )
 
@@ -319,6 +328,7 @@ def recv_settings(quarantine_max_s: float = 30.0) -> RecvSettings:
     return RecvSettings(
         engine_id=D_ENGINE,
         recv_timeout_s=60.0,
+        recv_queue_timeout_s=None,
         quarantine_max_s=quarantine_max_s,
         heartbeat_interval_s=TICK_S,
     )

@@ -60,6 +60,8 @@ class ConnectorConfig:
     prefill_tp: int  # TP size of the prefill instances this decode instance receives from
     recv_timeout_s: float | None
     link_timeout_s: float
+    # How long decode waits for a prefill to start a request (None: the sidecar's setting).
+    recv_queue_timeout_s: float | None = None
     pool: bool = False  # load prefix hits from / store prompts into the sidecar's KV pool
     # Decode also stores what a request computed, its answer included, for the conversation's
     # next turn (``pool_save_answers``).
@@ -112,6 +114,7 @@ class ConnectorConfig:
         dp, suffix = dp_identity(vllm_config)
         tp = int(parallel.tensor_parallel_size)
         timeout = extra.get("recv_timeout_s")
+        queue = extra.get("recv_queue_timeout_s")
         agent = str(extra.get("agent", "sidecar"))
         if agent not in ("sidecar", "in_process"):
             raise ConfigError(
@@ -149,6 +152,7 @@ class ConnectorConfig:
             tp_size=tp,
             prefill_tp=int(extra.get("prefill_tp", tp)),
             recv_timeout_s=None if timeout is None else float(timeout),
+            recv_queue_timeout_s=None if queue is None else float(queue),
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
             pool=pool,
             save_answers=save_answers,

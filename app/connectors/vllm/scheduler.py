@@ -213,6 +213,7 @@ class SchedulerSide:
                 block_ids=ids,
                 prefill_tp=self.config.prefill_tp,
                 timeout_s=self.config.recv_timeout_s,
+                queue_timeout_s=self.config.recv_queue_timeout_s,
                 traceparent=_traceparent(p),
             )
             computed = self.state.local_hits.pop(rid, 0)

@@ -149,6 +149,11 @@ class RecvRequest(Request):
     manifest: dict[int, frozenset[int]] = field(default_factory=dict)
     delivered: dict[int, Status] = field(default_factory=dict)
     senders: dict[int, str] = field(default_factory=dict)  # P rank -> engine id that claimed it
+    # The writes' bound, counted from the first claim; until then the deadline is the wait for
+    # a prefill to start the request (``claimed_at`` None).
+    timeout_s: float = 0.0
+    queue_timeout_s: float = 0.0
+    claimed_at: float | None = None
     # Ended, but a sender may still be writing into the blocks: not reported to the engine
     # until every sender answered that it drained, or was declared lost.
     quarantined_at: float | None = None

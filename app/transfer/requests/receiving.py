@@ -44,6 +44,10 @@ class RecvSettings:
 
     engine_id: str
     recv_timeout_s: float
+    # The wait for a prefill's claim (None: recv_timeout_s). Under load a request waits in
+    # prefill's queue before prefill claims it; a bound counted from decode's admission would
+    # end it EXPIRED while prefill still holds it, and both engines would compute the prompt.
+    recv_queue_timeout_s: float | None
     quarantine_max_s: float
     # how often a quarantine looks again for an overdue request or a vanished sender
     heartbeat_interval_s: float
@@ -85,15 +89,18 @@ class RecvSide:
         if error:
             return Reply(ok=False, error=error)
         timeout = msg.timeout_s or self._settings.recv_timeout_s
+        queue = msg.queue_timeout_s or self._settings.recv_queue_timeout_s or timeout
         req = RecvRequest(
             id=msg.request,
             rank=msg.rank,
             prompt_len=msg.prompt_len,
             blocks=blocks(msg.block_ids),
-            deadline=self._clock() + timeout,
+            deadline=self._clock() + queue,
             peer=msg.prefill_engine,
             manifest=receive_manifest(agent.desc, msg.prefill_tp),
             traceparent=msg.traceparent,
+            timeout_s=timeout,
+            queue_timeout_s=queue,
         )
         agent.recvs[req.id] = req
         try:
@@ -113,6 +120,11 @@ class RecvSide:
             return Ack(request=msg.request, ok=False, error=err)
         req = self._agents[msg.target_rank].recvs[msg.request]
         req.senders[msg.sender_rank] = msg.sender_engine
+        if req.claimed_at is None:
+            # Prefill scheduled the request: its writes get recv_timeout_s from now, however
+            # long it queued (and no longer than that, however long the queue bound).
+            req.claimed_at = self._clock()
+            req.deadline = req.claimed_at + req.timeout_s
         return Ack(request=msg.request)
 
     def _check_claim(self, msg: Claim) -> str:
@@ -378,3 +390,17 @@ def _acked(task: asyncio.Task[AnyMsg]) -> bool:
 def _short(ids: list[list[int]]) -> str:
     text = str(ids)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def expiry_reason(req: RecvRequest) -> str:
+    """Why ``req`` ended EXPIRED, in the terms of the setting that bounded it."""
+    if req.claimed_at is None:
+        return (
+            f"no prefill claimed it within {req.queue_timeout_s:g} s (recv_queue_timeout_s): "
+            "its prefill never scheduled it, or never got decode's target"
+        )
+    senders = ", ".join(sorted(set(req.senders.values())))
+    return (
+        f"prefill {senders} claimed it but did not finish within {req.timeout_s:g} s "
+        "(recv_timeout_s)"
+    )

@@ -100,6 +100,7 @@ class SidecarCore:
             RecvSettings(
                 engine_id=settings.engine_id,
                 recv_timeout_s=settings.recv_timeout_s,
+                recv_queue_timeout_s=settings.recv_queue_timeout_s,
                 quarantine_max_s=settings.quarantine_max_s,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
             ),

@@ -22,6 +22,7 @@ from app.transfer.control.server import ControlServer
 from app.transfer.lanes.mooncake import EngineConfig, MooncakeEngine
 from app.transfer.requests.agent import RecvRequest, SendRequest, agent_of
 from app.transfer.requests.pool_calls import pool_call
+from app.transfer.requests.receiving import expiry_reason
 from app.transfer.sidecar.core import SidecarCore
 from app.transfer.wire.protocol import (
     Abort,
@@ -302,9 +303,7 @@ class Sidecar(SidecarCore):
                     if isinstance(req, SendRequest):
                         ended = self.send.fail(req, "deadline passed while sending", Status.EXPIRED)
                     elif isinstance(req, RecvRequest):
-                        ended = self.recv.end(
-                            req, Status.EXPIRED, "deadline passed while waiting for prefill"
-                        )
+                        ended = self.recv.end(req, Status.EXPIRED, expiry_reason(req))
                     self._counters["expired"] += ended
 
     async def _heartbeats(self) -> None:

@@ -246,7 +246,12 @@ class ExpectRecv(Msg, tag="expect_recv"):
     block_ids: BlockIds
     prefill_tp: TpSize
     prefill_engine: str = ""
+    # Once a prefill claimed the blocks, its writes get this long (the sidecar's
+    # recv_timeout_s when None).
     timeout_s: Deadline | None = None
+    # How long to wait for a prefill to claim them at all: its request may sit in prefill's
+    # queue (the sidecar's recv_queue_timeout_s when None, else timeout_s).
+    queue_timeout_s: Deadline | None = None
     # W3C trace context of the decode request: the receive's span is its child.
     traceparent: TraceParentHeader | None = None
 
