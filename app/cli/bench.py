@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from app.cli.bench_chat_keys import chat_keys_command
 from app.cli.bench_faults import faults_command
 from app.cli.bench_load import load_command
 from app.cli.bench_pd import pd_command
@@ -19,7 +20,7 @@ from app.cli.bench_turns import turns_command
 bench_app = typer.Typer(
     help="Benchmarks: the sidecar against raw Mooncake (no subcommand), P/D side by side "
     "(pd), open-loop load (load), prefill routing policies (routing), or faults under load "
-    "(faults).",
+    "(faults), multi-turn (turns, chat-keys), soak (soak).",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
 )
@@ -77,3 +78,4 @@ bench_app.command("routing")(routing_command)
 bench_app.command("faults")(faults_command)
 bench_app.command("turns")(turns_command)
 bench_app.command("soak")(soak_command)
+bench_app.command("chat-keys")(chat_keys_command)
