@@ -13,6 +13,7 @@ from app.cli.bench_chat_keys import chat_keys_command
 from app.cli.bench_faults import faults_command
 from app.cli.bench_load import load_command
 from app.cli.bench_pd import pd_command
+from app.cli.bench_pool_direct import pool_direct_command
 from app.cli.bench_routing import routing_command
 from app.cli.bench_soak import soak_command
 from app.cli.bench_turns import turns_command
@@ -20,7 +21,7 @@ from app.cli.bench_turns import turns_command
 bench_app = typer.Typer(
     help="Benchmarks: the sidecar against raw Mooncake (no subcommand), P/D side by side "
     "(pd), open-loop load (load), prefill routing policies (routing), or faults under load "
-    "(faults), multi-turn (turns, chat-keys), soak (soak).",
+    "(faults), multi-turn (turns, chat-keys, pool-vs-direct), soak (soak).",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
 )
@@ -79,3 +80,4 @@ bench_app.command("faults")(faults_command)
 bench_app.command("turns")(turns_command)
 bench_app.command("soak")(soak_command)
 bench_app.command("chat-keys")(chat_keys_command)
+bench_app.command("pool-vs-direct")(pool_direct_command)
