@@ -9,7 +9,7 @@ from collections.abc import Callable
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
 
-WRITES_S = 2.0  # decode's recv_timeout_s, as the connector passes it with each receive
+WRITES_S = 3.0  # decode's recv_timeout_s, as the connector passes it with each receive
 QUEUED_S = 2 * WRITES_S + 1  # how long prefill "queues" the requests before it starts them
 
 
