@@ -29,7 +29,7 @@ import random
 import re
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -115,10 +115,8 @@ def turn_keys(
         ours = tokenizer.decode(stored[lo : shared + 3])
         theirs = tokenizer.decode(nxt[lo : shared + 3])
         parted = f"{ours!r} | {theirs!r}"
-    gained = {
-        b: max(0, min(shared, len(stored)) // b - len(prompt) // b)
-        for b in sorted({*BLOCK_SIZES, proxy_block})
-    }
+    # The pool serves full blocks of the shared prefix; prefill already holds the prompt's.
+    gained = {b: max(0, shared // b - len(prompt) // b) for b in BLOCK_SIZES}
     return TurnKeys(
         conversation=where[0],
         turn=where[1],
@@ -126,7 +124,7 @@ def turn_keys(
         answer_tokens=len(stored) - len(prompt),
         next_tokens=len(nxt),
         shared_tokens=shared,
-        answer_shared=max(0, min(shared, len(stored)) - len(prompt)),
+        answer_shared=max(0, shared - len(prompt)),
         parted_at=parted_at,
         parted=parted,
         gained_blocks=gained,
@@ -232,10 +230,3 @@ def summarize(rows: Iterable[TurnKeys]) -> dict[str, Any]:
         if rows
         else None,
     }
-
-
-def rows_json(rows: Iterable[TurnKeys]) -> list[dict[str, Any]]:
-    return [
-        {**asdict(r), "gained_blocks": {str(k): v for k, v in r.gained_blocks.items()}}
-        for r in rows
-    ]

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from app.bench.raw import RawCeiling
+from app.bench.raw import RawCeiling, stop_peer
 from app.errors import BenchError
 from app.store.master import start_master, stop_master
 from app.store.pool import PoolClient
@@ -66,15 +66,7 @@ class _Holder:
             raise BenchError("the pool's segment holder did not join the pool")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            try:
-                self.proc.stdin.write(b"\n")
-                self.proc.stdin.flush()
-                self.proc.wait(20)
-            except (BrokenPipeError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_peer(self.proc, 20)
 
 
 async def _pool_client(master: str, buf: np.ndarray) -> PoolClient:

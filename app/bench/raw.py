@@ -86,18 +86,7 @@ class RawCeiling:
         return times
 
     def close(self) -> None:
-        if self._peer.poll() is None:
-            assert self._peer.stdin is not None
-            try:
-                self._peer.stdin.write(b"\n")
-                self._peer.stdin.flush()
-            except BrokenPipeError:
-                pass
-            try:
-                self._peer.wait(10)
-            except subprocess.TimeoutExpired:
-                self._peer.kill()
-                self._peer.wait(5)
+        stop_peer(self._peer, 10)
         for eng in getattr(self, "engines", {}).values():
             eng.close()
 
@@ -108,3 +97,20 @@ class RawCeiling:
         self, t: type[BaseException] | None, v: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def stop_peer(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """End a peer process that waits for a line on stdin; killed if it outlives ``timeout_s``."""
+    if proc.poll() is not None:
+        return
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(b"\n")
+        proc.stdin.flush()
+    except BrokenPipeError:
+        pass  # already on its way out
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)

@@ -55,7 +55,7 @@ def chat_keys_command(
     # Heavy imports inside the command: see app/cli/main.py.
     from transformers import AutoTokenizer
 
-    from app.bench.chat_keys import ChatWorkload, measure, paragraphs, rows_json, summarize
+    from app.bench.chat_keys import ChatWorkload, measure, paragraphs, summarize
 
     prose = paragraphs(Path(__file__).resolve().parents[2] / "docs")
     w = ChatWorkload(conversations, turns, seed)
@@ -76,7 +76,11 @@ def chat_keys_command(
         tok = AutoTokenizer.from_pretrained(str(folder))
         rows = measure(tok, prose, w, thinking=thinking, template=template)
         s = summarize(rows)
-        templates[name] = {"folder": str(folder), "summary": s, "rows": rows_json(rows)}
+        templates[name] = {
+            "folder": str(folder),
+            "summary": s,
+            "rows": [dataclasses.asdict(r) for r in rows],
+        }
         table.add_row(
             name,
             f"{s['answer_shared_share']:.0%}",
