@@ -126,9 +126,10 @@ def test_decode_vllm_dead_before_its_target(pair: Pair) -> None:
         kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False},
     )
     tid = held["kv_transfer_params"]["transfer_id"]
+    probed = proxy_just_probed(pair, "decode")
     pair.kill_vllm("decode")
     try:
-        prefill_lets_go_without_decode(pair)
+        prefill_lets_go_without_decode(pair, probed)
         send_ends_at_its_deadline(pair, tid, sent)
     finally:
         pair.restart("decode")
@@ -149,13 +150,29 @@ def send_ends_at_its_deadline(pair: Pair, tid: str, sent: float) -> None:
     wait_for("prefill's blocks back in vLLM", lambda: kv_usage(pair.pd.prefill.url) == 0, 10)
 
 
-def prefill_lets_go_without_decode(pair: Pair) -> None:
+def proxy_just_probed(pair: Pair, role: str) -> float:
+    """Until the proxy's periodic health probe of ``role`` has just run; returns when.
+
+    A probe that finds the killed engine first turns the proxy's answer into 503 ("no healthy
+    decode instance") before any prefill starts: right, but not the flow under test. Killing
+    right after a probe leaves the proxy's whole interval (5 s) for the kill and the request."""
+
+    def fresh() -> bool:
+        (inst,) = httpx.get(f"{pair.pd.proxy}/health", timeout=5).json()[role]
+        return inst["checked_s_ago"] is not None and inst["checked_s_ago"] < 0.3
+
+    wait_for(f"the proxy's next health probe of {role}", fresh, 15, interval_s=0.1)
+    return time.monotonic()
+
+
+def prefill_lets_go_without_decode(pair: Pair, probed: float) -> None:
     r = httpx.post(
         f"{pair.pd.proxy}/v1/completions",
         json={"model": "tiny", "prompt": prompt(600, 500), "max_tokens": 4, "temperature": 0},
         timeout=60,
     )
-    assert r.status_code == 502 and "could not be reached" in r.text, r.text
+    after_probe = time.monotonic() - probed
+    assert r.status_code == 502 and "could not be reached" in r.text, (after_probe, r.text)
     tid = r.headers["x-kv-transfer-id"]
     admin = pair.pd.prefill.admin
 
