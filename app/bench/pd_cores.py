@@ -1,6 +1,6 @@
 """``bench pd``'s compute regimes: which core runs what, and the CPU time of the transfer paths.
 
-Two regimes, the same for both systems:
+Three regimes, the same for both systems:
 
 - ``shared``: every engine's OpenMP threads on all cores; nothing else pinned (the OS shares
   the cores between the forward passes, the sidecars, proxies, taps and Mooncake's threads).
@@ -11,6 +11,11 @@ Two regimes, the same for both systems:
   forward's own. Mooncake's threads inside vLLM's ``MooncakeConnector`` are born there:
   ``mooncake_peer`` builds the connector from a thread pinned to ``KVS_BENCH_TRANSFER_CPUS``
   (``run_on_transfer_thread``), so every thread its transfer engine starts inherits it.
+- ``split`` (``bench load`` only): prefill and decode compute in parallel, as on two devices.
+  Prefill's forward runs one OpenMP thread on core 0, decode's on core 1 (each engine gets its
+  own ``VLLM_CPU_OMP_THREADS_BIND``: ``role_env``); everything else floats over all cores, as in
+  ``shared``. Pinning the forward leaves its worker's other threads (and Mooncake's, the
+  connector's) on its core: ``place_threads`` moves them back to all cores.
 
 vLLM's CPU worker binds its OpenMP threads through libgomp (``OMP_PLACES``, set from
 ``VLLM_CPU_OMP_THREADS_BIND``), which binds the initial thread when torch loads it, and drops
@@ -35,6 +40,7 @@ from typing import Any, TypeVar
 from app.errors import ConfigError
 
 REGIMES = ("shared", "dedicated")
+LOAD_REGIMES = (*REGIMES, "split")  # split: one engine a core, only where load is measured
 TRANSFER_CPUS_ENV = "KVS_BENCH_TRANSFER_CPUS"  # read by mooncake_peer inside the engines
 MOONCAKE_THREAD = "kvs-mooncake"  # the OS name of every thread MooncakeConnector starts
 _PR_SET_NAME = 15
@@ -48,18 +54,30 @@ class Binding:
     regime: str
     compute: tuple[int, ...]  # the engines' OpenMP threads
     transfer: tuple[int, ...] | None  # everything else; None: not pinned (shared)
+    # split: the core of each role's forward ((role, core), ...); empty: every engine's the same
+    roles: tuple[tuple[str, int], ...] = ()
 
     def env(self) -> dict[str, str]:
         """What every process of both systems gets (engines read the first two)."""
-        out = {
-            "VLLM_CPU_OMP_THREADS_BIND": ",".join(str(c) for c in self.compute),
-            "OMP_NUM_THREADS": str(len(self.compute)),
-        }
+        out = {"OMP_NUM_THREADS": "1" if self.roles else str(len(self.compute))}
+        if not self.roles:
+            out["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in self.compute)
         if self.transfer is not None:
             out[TRANSFER_CPUS_ENV] = ",".join(str(c) for c in self.transfer)
         return out
 
+    def role_env(self) -> dict[str, dict[str, str]]:
+        """What each role's engine gets on top of ``env`` (split: its own forward core)."""
+        return {role: {"VLLM_CPU_OMP_THREADS_BIND": str(core)} for role, core in self.roles}
+
     def describe(self) -> str:
+        if self.roles:
+            cores = ", ".join(f"{role}'s on core {core}" for role, core in self.roles)
+            return (
+                f"cores (split): each engine's OpenMP: 1 thread, {cores} (same for both "
+                "systems); sidecars, proxies, taps, the client, every other engine thread and "
+                "Mooncake's on all cores"
+            )
         omp = ",".join(str(c) for c in self.compute)
         head = (
             f"cores ({self.regime}): every engine's OpenMP: {len(self.compute)} thread(s) on "
@@ -88,7 +106,11 @@ def binding(regime: str, cores: Iterable[int]) -> Binding:
         if len(cs) < 2:
             raise ConfigError(f"--regime dedicated needs two cores; this process has {list(cs)}")
         return Binding(regime, cs[:1], cs[1:2])
-    raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    if regime == "split":
+        if len(cs) < 2:
+            raise ConfigError(f"--regime split needs two cores; this process has {list(cs)}")
+        return Binding(regime, cs[:2], cs, (("prefill", cs[0]), ("decode", cs[1])))
+    raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(LOAD_REGIMES)}")
 
 
 # ---- the transfer thread (used inside the engines by mooncake_peer) --------------------------
@@ -239,15 +261,20 @@ def named_threads_cpu_s(pids: Iterable[int], name: str) -> tuple[float, int]:
 
 
 def forward_threads(ts: Sequence[ThreadInfo], compute: Iterable[int]) -> set[int]:
-    """The forward passes' threads: each main thread bound to the compute cores whose process's
-    parent is not (a vLLM CPU worker: libgomp bound it when torch loaded). A process such a
-    thread started (Python's resource tracker, for one) inherited the binding: not a forward."""
+    """The forward passes' threads: each main thread bound to one compute core whose process's
+    parent is not (a vLLM CPU worker: libgomp bound it when torch loaded; every regime that
+    pins runs one OpenMP thread an engine). A process such a thread started (Python's resource
+    tracker, for one) inherited the binding: not a forward."""
     comp = frozenset(compute)
+
+    def bound(cpus: frozenset[int]) -> bool:
+        return len(cpus) == 1 and cpus <= comp
+
     main = {t.pid: t.cpus for t in ts if t.tid == t.pid}
     return {
         t.tid
         for t in ts
-        if t.tid == t.pid and t.cpus <= comp and not (t.ppid in main and main[t.ppid] <= comp)
+        if t.tid == t.pid and bound(t.cpus) and not (t.ppid in main and bound(main[t.ppid]))
     }
 
 
@@ -260,8 +287,9 @@ def to_move(ts: Sequence[ThreadInfo], compute: Iterable[int], transfer: Iterable
 
 
 def place_threads(groups: Mapping[str, Sequence[int]], b: Binding) -> list[dict[str, Any]]:
-    """In the dedicated regime, pin every thread of these process trees to the transfer core but
-    the forward's (see ``to_move``); in both, a snapshot of where each group's threads are:
+    """Where the regime pins (dedicated, split), pin every thread of these process trees to the
+    transfer cores but the forwards' (see ``to_move``); in all, a snapshot of where each
+    group's threads are:
     ``{"group", "pids", "threads": {"0": n, "0,1": n, ...}, "mooncake_threads": n}``."""
     out = []
     every_root = {r for roots in groups.values() for r in roots}

@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,7 @@ class MooncakePD(LocalPD):
                         self.bootstrap_port if producer else free_port()
                     ),
                     "KVS_BENCH_EVENTS": str(self.events),
+                    **self.role_env.get(inst.role, {}),
                 },
             )
 
@@ -185,9 +186,10 @@ def start_systems(
     max_model_len: int,
     dtype: str | None = None,
     names: Sequence[str] = (SIDECAR, MOONCAKE),
+    role_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[System]:
     """The named systems (both by default), one after the other; returns once every front
-    answers."""
+    answers. ``role_env``: more env for each role's engines (``Binding.role_env``)."""
     args = engine_args(max_model_len, dtype)
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
@@ -203,6 +205,7 @@ def start_systems(
                 extra_vllm_args=args,
                 worker_in_core=False,
                 recv_queue_timeout_s=PREFILL_QUEUE_S,
+                role_env=role_env or {},
             ),
         )
         for n in names

@@ -12,7 +12,7 @@ import typer
 
 from app.bench.load_stats import SloFactors
 from app.bench.load_workload import Lengths
-from app.bench.pd_cores import REGIMES, binding
+from app.bench.pd_cores import LOAD_REGIMES, binding
 from app.bench.pd_stats import SYSTEMS
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
@@ -72,7 +72,11 @@ def load_command(
         str, typer.Option(help="Engines' dtype: auto (float32 where bf16 is emulated), ...")
     ] = "auto",
     regime: Annotated[
-        str, typer.Option(help="shared or dedicated cores, as bench pd's --regime.")
+        str,
+        typer.Option(
+            help="shared or dedicated cores, as bench pd's --regime; or split: prefill's "
+            "forward on core 0, decode's on core 1, the rest on all cores."
+        ),
     ] = "shared",
     aa: Annotated[
         str, typer.Option(help="Measure this system twice at the middle rate (A/A), or 'none'.")
@@ -87,8 +91,8 @@ def load_command(
     """Open-loop load: TTFT/TPOT percentiles, goodput at an SLO and the knee, per system."""
     if aa not in (*SYSTEMS, "none"):
         raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
-    if regime not in REGIMES:
-        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
+    if regime not in LOAD_REGIMES:
+        raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(LOAD_REGIMES)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if reps < 1 or duration <= 0 or min_requests < 1:

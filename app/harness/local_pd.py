@@ -77,6 +77,8 @@ class LocalPD:
     # Every engine publishes its KV cache events, and the proxy routes by them (--kv-events).
     kv_events: bool = False
     engine_env: Mapping[str, str] = field(default_factory=dict)  # more of the engines' env
+    # More of one role's engines' env, after engine_env (bench load's split regime: its core).
+    role_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # More of every connector's kv_connector_extra_config (e.g. transfer_draft_kv).
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
     master: MasterProcess | None = None
@@ -392,6 +394,7 @@ class LocalPD:
                 **vllm_env(inst.tp, self.worker_in_core and dp == 1 and pp == 1),
                 **thread_binding(inst.tp * dp * pp),
                 **self.engine_env,
+                **self.role_env.get(inst.role, {}),
                 **(self._sidecar_env(inst) if self.in_process else {}),
             },
         )

@@ -55,6 +55,21 @@ def test_dedicated_regime_one_omp_thread_on_core_0_the_transfer_on_core_1() -> N
         binding("gpu", [0, 1])
 
 
+def test_split_regime_one_forward_a_core_the_rest_on_all() -> None:
+    b = binding("split", [1, 0])
+    assert b.env() == {"OMP_NUM_THREADS": "1", TRANSFER_CPUS_ENV: "0,1"}
+    # Each engine binds its own forward; no shared VLLM_CPU_OMP_THREADS_BIND overrides it.
+    assert b.role_env() == {
+        "prefill": {"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        "decode": {"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    }
+    text = b.describe()
+    assert "prefill's on core 0" in text and "decode's on core 1" in text
+    assert binding("dedicated", [0, 1]).role_env() == {}
+    with pytest.raises(ConfigError, match="split needs two cores"):
+        binding("split", [3])
+
+
 def test_transfer_cpus_from_env() -> None:
     assert cpus_from_env(None) is None and cpus_from_env(" ") is None
     assert cpus_from_env("1") == {1}
@@ -153,6 +168,23 @@ def test_only_the_forward_stays_on_the_compute_core() -> None:
     ]
     assert forward_threads(ts, [0]) == {10}
     assert to_move(ts, [0], [1]) == [20, 21, 11, 30]
+
+
+def test_split_keeps_both_forwards_and_frees_what_they_started() -> None:
+    def t(pid: int, tid: int, cpus: set[int], ppid: int = 1) -> ThreadInfo:
+        return ThreadInfo(pid, tid, "x", frozenset(cpus), 0, ppid)
+
+    ts = [
+        t(20, 20, {0, 1}),  # prefill's engine core: already on all cores
+        t(10, 10, {0}, ppid=20),  # prefill's worker's forward
+        t(10, 11, {0}, ppid=20),  # a thread prefill's worker started: inherited core 0, freed
+        t(40, 40, {0, 1}),  # decode's engine core
+        t(50, 50, {1}, ppid=40),  # decode's worker's forward
+        t(50, 51, {1}, ppid=40),  # e.g. the connector's thread: freed
+        t(60, 60, {1}, ppid=50),  # a process decode's worker started: freed
+    ]
+    assert forward_threads(ts, [0, 1]) == {10, 50}
+    assert to_move(ts, [0, 1], [0, 1]) == [11, 51, 60]
 
 
 def test_proc_usage_sums_rss_threads_and_descriptors_and_skips_the_gone(tmp_path: Path) -> None:
