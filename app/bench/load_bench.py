@@ -200,9 +200,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
     setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
     b, dtype, lengths, model = setup.binding, setup.dtype, setup.lengths, setup.model
     phases = {"start": time.time()}  # where a run's wall time goes (engine start: most)
-    systems = start_systems(
-        model, work, lengths.longest + 64, dtype.dtype, role_env=b.role_env()
-    )
+    systems = start_systems(model, work, lengths.longest + 64, dtype.dtype, role_env=b.role_env())
     phases["engines_up"] = time.time()
     try:
         groups = {"bench client": [os.getpid()]}
