@@ -36,6 +36,9 @@ def turns_command(
         _W.answer_tokens
     ),
     seed: Annotated[int, typer.Option(help="Seed of message lengths and tokens.")] = _W.seed,
+    layers: Annotated[
+        int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
+    ] = None,
     dtype: Annotated[
         str | None, typer.Option(help="vLLM --dtype for every engine; default by CPU flags.")
     ] = None,
@@ -72,6 +75,10 @@ def turns_command(
     if quick:
         model |= QUICK_MODEL
         workload = TurnsWorkload(3, 3, 768, (16, 48), (96, 192), long_share, 16, seed)
+    if layers is not None:
+        if layers < 1:
+            raise ConfigError(f"--layers must be at least 1, got {layers}")
+        model["num_hidden_layers"] = layers
     choice = engine_dtype() if dtype is None else None
     console = Console()
     if choice is not None:
