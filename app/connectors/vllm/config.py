@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from app.connectors.vllm.pacing import DEFAULT_IDLE_POLL_S
 from app.errors import ConfigError
 
 # vLLM's kv_role -> the sidecar's role
@@ -52,6 +53,20 @@ def _per_stage(value: str, key: str, pp_size: int) -> str:
     return value
 
 
+def _idle_poll_s(extra: dict[str, Any]) -> float:
+    ms = extra.get("idle_poll_interval_ms", DEFAULT_IDLE_POLL_S * 1e3)
+    try:
+        value = float(ms)
+    except (TypeError, ValueError):
+        value = -1.0
+    if not 0 <= value <= 1000:
+        raise ConfigError(
+            f'kv_connector_extra_config "idle_poll_interval_ms": expected milliseconds from 0 '
+            f"(every no-forward step asks the sidecar) to 1000, got {ms!r}"
+        )
+    return value / 1e3
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     sidecar: str  # the sidecar's engine-link endpoint, e.g. ipc:///run/kvs/engine.ipc
@@ -83,6 +98,8 @@ class ConnectorConfig:
     # stage k takes prefill's stage k's layers, so both run the same number of stages.
     pp_size: int = 1
     pp_stage: int | None = None  # set on a worker (``for_stage``); the scheduler spans them all
+    # Steps without a forward pass ask the sidecar what finished at most this often (pacing.py).
+    idle_poll_s: float = DEFAULT_IDLE_POLL_S
 
     def for_stage(self, stage: int) -> ConnectorConfig:
         """This config as seen by pipeline stage ``stage``'s workers (itself without PP)."""
@@ -162,4 +179,5 @@ class ConnectorConfig:
             target_timeout_s=float(extra.get("target_timeout_s", DEFAULT_TARGET_TIMEOUT_S)),
             transfer_draft_kv=bool(extra.get("transfer_draft_kv", True)),
             pp_size=pp,
+            idle_poll_s=_idle_poll_s(extra),
         )

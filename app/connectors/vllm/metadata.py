@@ -76,3 +76,5 @@ class KVSidecarMetadata(KVConnectorMetadata):
     expects: list[Expect] = field(default_factory=list)
     pool_loads: list[PoolJob] = field(default_factory=list)
     pool_saves: list[PoolJob] = field(default_factory=list)
+    # The step runs a forward pass (vLLM's no-forward steps only exchange transfer results).
+    forward: bool = True

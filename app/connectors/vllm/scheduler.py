@@ -295,7 +295,11 @@ class SchedulerSide:
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
         meta = KVSidecarMetadata(
-            expects=st.expects, pool_loads=st.pool_loads, pool_saves=st.pool_saves
+            expects=st.expects,
+            pool_loads=st.pool_loads,
+            pool_saves=st.pool_saves,
+            # vLLM runs no forward pass when total_num_scheduled_tokens (this sum) is 0.
+            forward=sum(out.num_scheduled_tokens.values()) > 0,
         )
         st.expects, st.pool_loads, st.pool_saves = [], [], []
         computed: dict[str, int] = {}

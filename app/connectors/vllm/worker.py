@@ -24,6 +24,7 @@ import msgspec
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
+from app.connectors.vllm.pacing import IdlePollPacer
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
 from app.connectors.vllm.router_calls import fetch_target, post_target, router_client
@@ -102,6 +103,8 @@ class WorkerSide:
         self.draft_layers: frozenset[int] = frozenset()
         self._step = 0
         self._active = False
+        self._forward = True  # this step runs a forward pass
+        self._pacer = IdlePollPacer(config.idle_poll_s)
         self._signalled: set[int] = set()
         self._warned_at_end = False
         self._gone_said = False  # a dead sidecar was logged; quiet until a step reaches one
@@ -167,6 +170,7 @@ class WorkerSide:
         only after the forward pass, where every ``save_kv_layer`` would already have found
         the step unannounced."""
         self._register_again()  # before the step's transfers reach a sidecar that restarted
+        self._forward = meta.forward
         self._active = bool(meta.slices)
         self._signalled = set()
         if not (meta.slices or meta.admits or meta.expects):
@@ -324,6 +328,7 @@ class WorkerSide:
         to requests when the model has several KV cache groups (it stops the engine), and a
         whole-request recompute is right for every model."""
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
+        self._pacer.before_poll(self._forward)
         try:
             fin = self.link.get_finished()
         except SidecarGone as e:
