@@ -7,6 +7,11 @@ Each call is a round trip to the sidecar: measured on a 2-core host, 330 a secon
 beyond MooncakeConnector's transfer threads (whose ``get_finished`` reads local state). The
 pacer spaces those calls ``interval_s`` apart, the worker sleeping out the rest: a load that
 landed is seen at most ``interval_s`` later, and the steps that run a forward pass never wait.
+
+Under data parallel an idle rank's no-forward step runs in lockstep with the other ranks'
+forward passes (vLLM's ``coordinate_batch_across_dp``): sleeping there would stretch their
+steps to ``interval_s``. Such a rank skips the round trip instead (``wait=False``): the sidecar
+is still asked at most once per ``interval_s``, and no step takes longer.
 """
 
 from __future__ import annotations
@@ -20,20 +25,26 @@ DEFAULT_IDLE_POLL_S = 0.01
 
 @dataclass
 class IdlePollPacer:
-    """Spaces the round trips of no-forward steps; ``interval_s`` 0 turns it off."""
+    """Spaces the round trips of no-forward steps; ``interval_s`` 0 turns it off. ``wait``:
+    sleep until the next is due (one engine), or skip it (a data-parallel rank)."""
 
     interval_s: float = DEFAULT_IDLE_POLL_S
+    wait: bool = True
     clock: Callable[[], float] = time.monotonic
     sleep: Callable[[float], None] = time.sleep
     last: float | None = field(default=None, init=False)
 
-    def before_poll(self, forward: bool) -> None:
-        """Before a round trip: a no-forward step waits until ``interval_s`` passed since the
-        previous one (of any step); a step that ran a forward pass goes at once."""
+    def due(self, forward: bool) -> bool:
+        """Whether this step asks the sidecar now. A step that ran a forward pass does at once;
+        a no-forward step once ``interval_s`` passed since the previous round trip (of any
+        step), after sleeping until then where it ``wait``s."""
         now = self.clock()
         if not forward and self.last is not None:
-            wait = self.last + self.interval_s - now
-            if wait > 0:
-                self.sleep(wait)
+            left = self.last + self.interval_s - now
+            if left > 0:
+                if not self.wait:
+                    return False
+                self.sleep(left)
                 now = self.clock()
         self.last = now
+        return True

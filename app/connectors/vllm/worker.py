@@ -104,7 +104,8 @@ class WorkerSide:
         self._step = 0
         self._active = False
         self._forward = True  # this step runs a forward pass
-        self._pacer = IdlePollPacer(config.idle_poll_s)
+        dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1)
+        self._pacer = IdlePollPacer(config.idle_poll_s, wait=dp == 1)
         self._signalled: set[int] = set()
         self._warned_at_end = False
         self._gone_said = False  # a dead sidecar was logged; quiet until a step reaches one
@@ -328,14 +329,14 @@ class WorkerSide:
         to requests when the model has several KV cache groups (it stops the engine), and a
         whole-request recompute is right for every model."""
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
-        self._pacer.before_poll(self._forward)
-        try:
-            fin = self.link.get_finished()
-        except SidecarGone as e:
-            fin = self._sidecar_gone(e)
-        except KVSidecarError as e:
-            log.error("sidecar unreachable for get_finished: %s", e)
-            fin = FinishedRequests([], [], [])
+        fin = FinishedRequests([], [], [])  # what the sidecar is not asked for now waits for it
+        if self._pacer.due(self._forward):
+            try:
+                fin = self.link.get_finished()
+            except SidecarGone as e:
+                fin = self._sidecar_gone(e)
+            except KVSidecarError as e:
+                log.error("sidecar unreachable for get_finished: %s", e)
         recving = {self._recv_ids.pop(sid, sid) for sid in fin.recving}
         failed: set[str] = set()
         for sid in fin.sending:

@@ -30,33 +30,45 @@ class Clock:
 def test_no_forward_steps_wait_out_the_interval_since_the_last_poll() -> None:
     c = Clock()
     p = IdlePollPacer(0.01, clock=c, sleep=c.sleep)
-    p.before_poll(forward=False)  # the first: nothing to space from
+    assert p.due(forward=False)  # the first: nothing to space from
     assert c.slept == []
     c.now += 0.003
-    p.before_poll(forward=False)
+    assert p.due(forward=False)
     assert c.slept == [0.007]
     c.now += 0.02  # a step that took longer than the interval
-    p.before_poll(forward=False)
+    assert p.due(forward=False)
     assert c.slept == [0.007]
 
 
 def test_forward_steps_never_wait_and_count_as_a_poll() -> None:
     c = Clock()
     p = IdlePollPacer(0.01, clock=c, sleep=c.sleep)
-    p.before_poll(forward=False)
+    assert p.due(forward=False)
     c.now += 0.001
-    p.before_poll(forward=True)
+    assert p.due(forward=True)
     assert c.slept == []
     c.now += 0.004
-    p.before_poll(forward=False)  # 4 ms after the forward step's poll
+    assert p.due(forward=False)  # 4 ms after the forward step's poll
     assert c.slept == [0.006]
 
 
 def test_zero_interval_never_waits() -> None:
     c = Clock()
     p = IdlePollPacer(0.0, clock=c, sleep=c.sleep)
-    for _ in range(3):
-        p.before_poll(forward=False)
+    assert all(p.due(forward=False) for _ in range(3))
+    assert c.slept == []
+
+
+def test_a_data_parallel_rank_skips_instead_of_sleeping() -> None:
+    c = Clock()
+    p = IdlePollPacer(0.01, wait=False, clock=c, sleep=c.sleep)
+    assert p.due(forward=False)
+    c.now += 0.004
+    assert not p.due(forward=False)  # skipped: the step ends at once
+    c.now += 0.004
+    assert not p.due(forward=False)
+    c.now += 0.003  # 11 ms after the last round trip
+    assert p.due(forward=False)
     assert c.slept == []
 
 
