@@ -46,6 +46,7 @@ def _admits(config: ConnectorConfig, params: dict[str, Any]) -> list[Any]:
         ],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens={"p": 3},
+        total_num_scheduled_tokens=3,
         preempted_req_ids=None,
     )
     return list(side.build_connector_meta(step).admits)

@@ -100,6 +100,7 @@ class ConnectorConfig:
     pp_stage: int | None = None  # set on a worker (``for_stage``); the scheduler spans them all
     # Steps without a forward pass ask the sidecar what finished at most this often (pacing.py).
     idle_poll_s: float = DEFAULT_IDLE_POLL_S
+    data_parallel: bool = False  # one DP rank of several (``dp_identity``: vLLM's id suffix)
 
     def for_stage(self, stage: int) -> ConnectorConfig:
         """This config as seen by pipeline stage ``stage``'s workers (itself without PP)."""
@@ -180,4 +181,5 @@ class ConnectorConfig:
             transfer_draft_kv=bool(extra.get("transfer_draft_kv", True)),
             pp_size=pp,
             idle_poll_s=_idle_poll_s(extra),
+            data_parallel=bool(suffix),
         )

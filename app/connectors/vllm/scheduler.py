@@ -298,8 +298,7 @@ class SchedulerSide:
             expects=st.expects,
             pool_loads=st.pool_loads,
             pool_saves=st.pool_saves,
-            # vLLM runs no forward pass when total_num_scheduled_tokens (this sum) is 0.
-            forward=sum(out.num_scheduled_tokens.values()) > 0,
+            forward=out.total_num_scheduled_tokens > 0,  # else vLLM runs no forward pass
         )
         st.expects, st.pool_loads, st.pool_saves = [], [], []
         computed: dict[str, int] = {}

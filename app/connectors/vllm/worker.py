@@ -104,8 +104,7 @@ class WorkerSide:
         self._step = 0
         self._active = False
         self._forward = True  # this step runs a forward pass
-        dp = getattr(getattr(vllm_config, "parallel_config", None), "data_parallel_size", 1)
-        self._pacer = IdlePollPacer(config.idle_poll_s, wait=dp == 1)
+        self._pacer = IdlePollPacer(config.idle_poll_s, wait=not config.data_parallel)
         self._signalled: set[int] = set()
         self._warned_at_end = False
         self._gone_said = False  # a dead sidecar was logged; quiet until a step reaches one

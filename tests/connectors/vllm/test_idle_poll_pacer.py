@@ -102,6 +102,7 @@ def step(scheduled: dict[str, int]) -> SimpleNamespace:
         scheduled_new_reqs=[],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
         preempted_req_ids=None,
     )
 

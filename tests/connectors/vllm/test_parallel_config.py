@@ -45,6 +45,9 @@ def test_each_dp_rank_is_an_engine_with_a_sidecar_of_its_own() -> None:
     # Without an engine_id of its own, vLLM's (already suffixed) one.
     plain = ConnectorConfig.from_vllm(vllm_config(1, sidecar=extra["sidecar"]))
     assert plain.engine_id == "base_dp1"
+    # A DP rank's no-forward steps skip their round trip instead of sleeping (pacing.py).
+    assert all(c.data_parallel for c in (*ranks, plain))
+    assert not ConnectorConfig.from_vllm(vllm_config(sidecar=extra["sidecar"])).data_parallel
 
 
 def test_dp_ranks_sharing_one_sidecar_endpoint_are_refused() -> None:

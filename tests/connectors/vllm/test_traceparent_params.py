@@ -56,6 +56,7 @@ def test_prefill_admit_carries_the_traceparent(given: str, passed: str | None) -
         ],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens={"p": 63},
+        total_num_scheduled_tokens=63,
         preempted_req_ids=None,
     )
     (admit,) = side.build_connector_meta(out).admits

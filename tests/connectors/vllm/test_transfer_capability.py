@@ -52,6 +52,7 @@ def first_step(rid: str) -> SimpleNamespace:
         ],
         scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
         num_scheduled_tokens={rid: 3},
+        total_num_scheduled_tokens=3,
         preempted_req_ids=None,
     )
 
