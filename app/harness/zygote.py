@@ -17,6 +17,7 @@ stdin and a private copy of its stdout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
@@ -76,7 +77,9 @@ class ZygoteChild:
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # never a reused pid: the zygote has not reaped it
-            os.kill(self.pid, sig)
+            # Reaped since poll(), its exit line not read yet: gone, as Popen takes it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     def terminate(self) -> None:
         self.send_signal(15)

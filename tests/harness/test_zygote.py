@@ -75,6 +75,24 @@ def test_a_killed_child_reports_its_signal_as_popen_does(zygote: Zygote, tmp_pat
     child.kill()  # reaped: nothing is signalled (its pid may be another process's by now)
 
 
+class ExitNotYetRead:
+    """A zygote that reaped a child but whose exit line the harness has not read yet."""
+
+    def exit_code(self, pid: int) -> None:
+        return None
+
+
+def test_a_child_reaped_before_its_exit_was_read_takes_a_signal_quietly() -> None:
+    """CI once lost this race: a cluster's close signalled a child the zygote had just
+    reaped, and the ProcessLookupError left the rest of the cluster running."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    child = ZygoteChild(ExitNotYetRead(), gone.pid)  # type: ignore[arg-type]
+    child.send_signal(signal.SIGCONT)
+    child.terminate()
+    assert child.poll() is None  # the exit still comes from the zygote, not from the signal
+
+
 def test_an_environment_vllm_reads_on_import_differently_is_refused(
     zygote: Zygote, tmp_path: Path
 ) -> None:
