@@ -45,7 +45,9 @@ async def _one(
     except asyncio.CancelledError:
         return out | {"error": cancelled, "ended": time.time()}
     out["sent"] = time.time()  # late on a busy client: "sent" - "scheduled" says how late
-    return out | await attempt(client, url, prompt, req.max_tokens, cancelled)
+    # The drawn output length, whatever the model's EOS: a request judged complete needs every
+    # asked token (load_stats.judge), and an early EOS is not a missed SLO.
+    return out | await attempt(client, url, prompt, req.max_tokens, cancelled, ignore_eos=True)
 
 
 async def _sample(urls: dict[str, str], every_s: float, into: list[dict[str, Any]]) -> None:
