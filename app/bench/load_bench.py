@@ -31,7 +31,7 @@ from app.bench.load_stats import (
     summarize_steps,
 )
 from app.bench.load_step import run_step, unloaded, wait_idle
-from app.bench.load_workload import Lengths, Request, ladder, schedule, step_seed
+from app.bench.load_workload import Lengths, Request, ladder, schedule
 from app.bench.pd_bench import FULL_MODEL, aa_name
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
@@ -231,9 +231,8 @@ def run(opts: LoadOptions) -> dict[str, Any]:
         steps = []
         for rep in range(opts.reps):
             for rung, rate in enumerate(rates):
-                reqs = schedule(
-                    rate, opts.duration_s, step_seed(opts.seed, rung), lengths, opts.min_requests
-                )
+                # One seed for every rung: the same requests, closer together (schedule).
+                reqs = schedule(rate, opts.duration_s, opts.seed, lengths, opts.min_requests)
                 names = [s.name for s in systems]
                 if rung == aa_rung and opts.aa is not None:
                     names.append(aa_name(opts.aa))

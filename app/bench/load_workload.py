@@ -59,7 +59,12 @@ def schedule(
 ) -> tuple[Request, ...]:
     """Open-loop arrivals at ``rate`` per second for ``duration_s`` (at least ``min_requests``,
     arriving past the duration if needed): exponential gaps, one ``random.Random(seed)`` for
-    gaps and lengths, so a seed is one sequence on every machine and for every system."""
+    gaps and lengths, so a seed is one sequence on every machine and for every system.
+
+    One seed at two rates gives the same lengths in the same order, the arrival times scaled
+    by the rates' ratio (an exponential gap is one uniform draw over the rate): a ladder's
+    rungs then differ only in load, and the SLO's attainment falls with the rate instead of
+    following which rung drew the longer prompts."""
     if rate <= 0 or duration_s <= 0:
         raise ConfigError("a rate step needs a positive rate and duration")
     rng = random.Random(seed)
@@ -70,11 +75,6 @@ def schedule(
         out.append(Request(len(out), t, prompt, outputs))
         t += rng.expovariate(rate)
     return tuple(out)
-
-
-def step_seed(seed: int, rate_index: int) -> int:
-    # One sequence per rung: the same for both systems (and their A/A pass), not across rungs.
-    return seed * 1000 + rate_index
 
 
 def ladder(service_s: float, fractions: Sequence[float]) -> tuple[float, ...]:

@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-from app.bench.load_workload import Lengths, schedule, step_seed
+from app.bench.load_workload import Lengths, schedule
 from app.errors import ConfigError
 
 L = Lengths()
@@ -23,8 +23,15 @@ def test_different_seeds_give_different_sequences() -> None:
     assert [r.prompt_tokens for r in a] != [r.prompt_tokens for r in b]
 
 
-def test_each_rung_has_its_own_seed() -> None:
-    assert len({step_seed(0, i) for i in range(6)} | {step_seed(1, 0)}) == 7
+def test_a_higher_rate_sends_the_same_requests_closer_together() -> None:
+    """The ladder's rungs differ only in load: one rung drawing longer prompts than the next
+    made the SLO's attainment rise with the rate in a full run."""
+    slow, fast = schedule(0.1, 120.0, 3, L, min_requests=8), schedule(0.3, 120.0, 3, L)
+    assert len(fast) > len(slow) >= 8
+    common = fast[: len(slow)]
+    lengths = [(r.prompt_tokens, r.max_tokens) for r in slow]
+    assert lengths == [(r.prompt_tokens, r.max_tokens) for r in common]
+    assert [r.at_s for r in common] == pytest.approx([r.at_s / 3 for r in slow])
 
 
 def test_arrivals_average_the_rate_over_the_duration() -> None:
