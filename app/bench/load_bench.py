@@ -27,12 +27,13 @@ from app.bench.load_stats import (
     SloFactors,
     derive_slo,
     handoff_ms,
+    link_calibration,
     step_figures,
     summarize_steps,
 )
 from app.bench.load_step import run_step, unloaded, wait_idle
 from app.bench.load_workload import Lengths, Request, ladder, schedule
-from app.bench.pd_bench import FULL_MODEL, aa_name
+from app.bench.pd_bench import FULL_MODEL, aa_name, calibration_text, set_link
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
@@ -64,6 +65,9 @@ class LoadOptions:
     out: str = "bench-load-out"
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
     regime: str = "shared"
+    link: str = "unshaped"  # unshaped | shaped: loopback shaped after the unloaded run
+    rate_bps: float | None = None  # shaped; None: calibrated (pd_stats.calibrate_link's rule)
+    burst: int | None = None
     slo: SloFactors = field(default_factory=SloFactors)
 
     @classmethod
@@ -139,7 +143,8 @@ def _step_text(r: dict[str, Any]) -> str:
     return (
         f"rate {r['rate']:.3g}/s rep {r['rep']} {r['system']:14} n {r['n_requests']:3} "
         f"TTFT p50/p90/p99 {f(r['ttft_p50_ms'])}/{f(r['ttft_p90_ms'])}/{f(r['ttft_p99_ms'])} ms "
-        f"(handoff {f(r['handoff_ms'])} ms) TPOT p50/p90 {f(r['tpot_p50_ms'], '.1f')}/"
+        f"(handoff {f(r['handoff_ms'])} ms; after P p50/p99 {f(r['after_p_p50_ms'])}/"
+        f"{f(r['after_p_p99_ms'])} ms) TPOT p50/p90 {f(r['tpot_p50_ms'], '.1f')}/"
         f"{f(r['tpot_p90_ms'], '.1f')} ms  thr {r['throughput_rps']:.2f}/s good "
         f"{r['goodput_rps']:.2f}/s ({100 * r['attainment']:.0f}%)  D KV max "
         f"{f(r['d_kv_usage_max'], '.2f')} waiting max {f(r['d_waiting_max'])} "
@@ -155,6 +160,22 @@ def _target_text(path: dict[str, Any] | None) -> str:
     return "  to target p50: " + ", ".join(
         f"{k.removesuffix('_ms')} {'-' if v is None else f'{v:.0f}'} ms" for k, v in p50.items()
     )
+
+
+def shape(
+    opts: LoadOptions, unloaded_rows: list[dict[str, Any]]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The link the rate steps run on: loopback as it is, or shaped to ``opts.rate_bps`` or, by
+    default, to the rate at which a request's KV takes ~25% of P's prefill (``bench pd``'s
+    rule, from the unloaded run). The SLO came from that unshaped run: it does not move with
+    the link. The link's settings and the calibration (None when not calibrated)."""
+    if opts.link == "unshaped":
+        return {"link": "unshaped"}, None
+    if opts.rate_bps is not None:
+        return set_link(opts.rate_bps, opts.burst), None
+    cal = link_calibration(unloaded_rows)
+    print(calibration_text(cal), flush=True)
+    return set_link(cal["rate_bps"], opts.burst), cal
 
 
 def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
@@ -216,6 +237,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
         placement = place_threads(groups, b)  # threads started on the first requests
         cal, slo, service = calibrate(systems, lengths, opts.calibration_reps, opts.slo)
         rates = ladder(service, opts.fractions)
+        link, link_cal = shape(opts, cal)
         phases["calibrated"] = time.time()
         print(slo.describe(), flush=True)
         print(
@@ -252,6 +274,8 @@ def run(opts: LoadOptions) -> dict[str, Any]:
             "service_s": service,
             "rates": list(rates),
             "aa_rate": rates[aa_rung] if aa_rung is not None else None,
+            "link": link,
+            "link_calibration": link_cal,
             "slo": slo.as_dict(),
             "cpu_scope": CPU_SCOPE,
             "steps": steps,

@@ -15,6 +15,9 @@ COLUMNS = (  # (figure, header, format)
     ("ttft_p90_ms", "p90", ".0f"),
     ("ttft_p99_ms", "p99", ".0f"),
     ("handoff_ms", "handoff", ".0f"),
+    ("after_p_p50_ms", "after P p50", ".0f"),
+    ("after_p_p99_ms", "p99", ".0f"),
+    ("layer_write_ms", "layer write", ".0f"),
     ("tpot_p50_ms", "TPOT p50", ".1f"),
     ("tpot_p90_ms", "p90", ".1f"),
     ("throughput_rps", "thr/s", ".2f"),
@@ -47,6 +50,9 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     summary = result["summary"]
     console.print(result["engine_dtype"]["text"])
     console.print(result["slo"]["text"])
+    link = result.get("link") or {"link": "unshaped"}  # runs before the option: unshaped
+    if link["link"] == "shaped":
+        console.print(f"rate steps on a shaped link: {link['rate_bps'] / 1e6:.1f} Mbit/s")
     console.print(
         f"unloaded service time {1e3 * result['service_s']:.0f} ms; rates: "
         + ", ".join(f"{r:.3g}" for r in result["rates"])
@@ -54,7 +60,8 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     )
     table = Table(
         title=f"bench load ({result['binding']['regime']} cores): per rate step; handoff = "
-        "TTFT − P's prefill time (mean per request); recomp = prompts decode recomputed (est.)"
+        "TTFT − P's prefill time (mean per request); after P = P's answer back → first token, per "
+        "request; recomp = prompts decode recomputed (est.)"
     )
     table.add_column("rate/s", justify="right")
     table.add_column("system")

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from app.bench.pd_stats import spread
+from app.bench.pd_stats import calibrate_link, spread
 from app.errors import ConfigError
 
 ATTAINMENT = 0.9  # the knee: the highest rate where this share of requests met the SLO
@@ -142,7 +142,9 @@ def _ms(v: float | None) -> float | None:
 def step_figures(requests: Sequence[Mapping[str, Any]], slo: Slo) -> dict[str, Any]:
     """A rate step's figures from its requests (each with ``sent``, ``ended``, ...):
     throughput and goodput over the same span (first send → last end), completed and good
-    requests per second; attainment = good / sent."""
+    requests per second; attainment = good / sent; ``after_p_*``: per request, P's answer back
+    at the tap (``p_answered``) → the first token at the client, the handoff without P's
+    queue (negative: decode answered before P's own answer was back)."""
     if not requests:
         raise ConfigError("a rate step with no request")
     judged = [judge(r, slo) for r in requests]
@@ -151,6 +153,11 @@ def step_figures(requests: Sequence[Mapping[str, Any]], slo: Slo) -> dict[str, A
     good = sum(j["good"] for j in judged)
     ttft = [j["ttft_s"] for j in judged if j["ttft_s"] is not None]
     tpot = [j["tpot_s"] for j in judged if j["tpot_s"] is not None]
+    after_p = [
+        r["first"] - r["p_answered"]
+        for r in requests
+        if r.get("first") is not None and r.get("p_answered") is not None
+    ]
     return {
         "n_requests": len(requests),
         "completed": completed,
@@ -166,6 +173,10 @@ def step_figures(requests: Sequence[Mapping[str, Any]], slo: Slo) -> dict[str, A
         "ttft_p99_ms": _ms(percentile(ttft, 99)),
         "tpot_p50_ms": _ms(percentile(tpot, 50)),
         "tpot_p90_ms": _ms(percentile(tpot, 90)),
+        "after_p_n": len(after_p),
+        "after_p_p50_ms": _ms(percentile(after_p, 50)),
+        "after_p_p90_ms": _ms(percentile(after_p, 90)),
+        "after_p_p99_ms": _ms(percentile(after_p, 99)),
         "ttft_ok_share": sum(j["ttft_ok"] for j in judged) / len(requests),
         "tpot_ok_share": sum(j["tpot_ok"] for j in judged) / len(requests),
     }
@@ -210,12 +221,30 @@ def handoff_ms(ttft_ms: float | None, p_prefill_ms: float | None) -> float | Non
     return ttft_ms - p_prefill_ms
 
 
+def link_calibration(unloaded: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """``bench pd``'s shaped rate (``pd_stats.calibrate_link``) from the unloaded run: per
+    prompt length, KV bytes and P's prefill time over the answered requests of both systems."""
+    return calibrate_link(
+        {
+            "workload": str(r["prompt_tokens"]),
+            "concurrency": 1,
+            "counted": r["error"] is None and r["bytes"] > 0,
+            "bytes": r["bytes"],
+            "p_prefill_ms": 1e3 * r["p_prefill_s"],
+        }
+        for r in unloaded
+    )
+
+
 # Per rate and system, in the order the table shows them (``summarize_steps``).
 FIGURES = (
     "ttft_p50_ms",
     "ttft_p90_ms",
     "ttft_p99_ms",
     "handoff_ms",
+    "after_p_p50_ms",
+    "after_p_p99_ms",
+    "layer_write_ms",
     "tpot_p50_ms",
     "tpot_p90_ms",
     "throughput_rps",

@@ -15,6 +15,7 @@ import httpx
 from app.bench.load_stats import parse_metrics, series_figures, timings
 from app.bench.load_workload import Request
 from app.bench.pd_cores import descendants, proc_usage
+from app.bench.pd_front import prompt_key
 from app.bench.pd_stats import failed_loads, p_times, parse_histograms
 from app.bench.pd_systems import SIDECAR_PROCESSES, MooncakePD, System
 from app.bench.pd_trial import attempt, seed
@@ -29,8 +30,9 @@ PREEMPTIONS = "vllm:num_preemptions"
 
 
 def prompt_of(tokens: int, rung: int, index: int) -> list[int]:
-    # pd_trial's prompts (seed gives tokens - 1); distinct per rung and request, the same for
-    # every system at that rung.
+    # pd_trial's prompts (seed gives tokens - 1): distinct per request of a step, the same for
+    # every system. The rung's part of the seed vanishes mod 1000, so every rung sends the same
+    # prompts; the bench's engines keep no prefix cache, so one rung's cannot hit another's.
     return seed(tokens + 1, rung * 100_000 + index)
 
 
@@ -102,6 +104,21 @@ def metrics(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
 
 
+def p_answered(
+    answers: Sequence[dict[str, Any]], taps: Sequence[dict[str, Any]], rung: int
+) -> list[dict[str, Any]]:
+    """Each answer with ``p_answered``: when P's answer to its prompt was back at the tap
+    (its last successful POST there; None when P never answered it)."""
+    done: dict[str | None, float] = {}
+    for t in sorted(taps, key=lambda t: t["ended"]):
+        if t.get("prompt_key") is not None and t["status"] == 200:
+            done[t["prompt_key"]] = t["ended"]
+    return [
+        a | {"p_answered": done.get(prompt_key(prompt_of(a["prompt_tokens"], rung, a["index"])))}
+        for a in answers
+    ]
+
+
 def wait_idle(system: System, timeout_s: float = 60.0) -> bool:
     """Until neither engine runs or queues a request (a step's leftovers must not load the
     next); False if they still did at the timeout."""
@@ -142,6 +159,7 @@ def run_step(
     idle = wait_idle(system)
     time.sleep(0.2)  # the transfer agents' records of the last request
     t1 = time.time()
+    answers = p_answered(answers, system.taps(t0, t1), rung)
     cpu_s = system.transfer_cpu_s() - cpu0
     rss = transfer_rss_mib(system)
     p = p_times(p0, parse_histograms(metrics(system.prefill)))
@@ -167,6 +185,10 @@ def run_step(
         "idle_after": idle,
         "p_prefill_ms": 1e3 * p["prefill_s"],
         "p_queue_ms": 1e3 * p["arrival_to_step_s"],
+        # kv-sidecar: one layer's write (median, submitted -> landed), for handoff's bound.
+        "layer_write_ms": 1e3 * moved["timeline"]["layer_write_s"]
+        if moved["timeline"] is not None and moved["timeline"].get("layer_write_s") is not None
+        else None,
         "preemptions": None if pre0 is None or pre1 is None else pre1 - pre0,
         "bytes": moved["bytes"],
         "transfers_landed": len(moved["landed"]),
@@ -192,8 +214,10 @@ def run_step(
 def unloaded(system: System, req: Request, rung: int) -> dict[str, Any]:
     """One request alone (warm-up, calibration): its TTFT, TPOT and e2e, P's own prefill."""
     p0 = parse_histograms(metrics(system.prefill))
+    t0 = time.time()
     (answer,), _ = asyncio.run(fire(system, [req], rung, 600.0, 60.0, 600.0))
     wait_idle(system)
+    time.sleep(0.2)  # the transfer agents' records of it
     p = p_times(p0, parse_histograms(metrics(system.prefill)))
     return {
         "system": system.name,
@@ -202,4 +226,5 @@ def unloaded(system: System, req: Request, rung: int) -> dict[str, Any]:
         "tokens": len(answer.get("tokens") or ()),
         "error": answer["error"],
         "p_prefill_s": p["prefill_s"],
+        "bytes": system.transfers(t0, time.time())["bytes"],
     } | timings(answer)

@@ -25,7 +25,7 @@ from app.bench.pd_stats import (
     SIDECAR,
     SYSTEMS,
     Workload,
-    calibrate,
+    calibrate_link,
     default_burst,
     summarize,
     trial_order,
@@ -81,21 +81,23 @@ class PDOptions:
         return cls(**d)
 
 
-def set_link(opts: PDOptions, rate_bps: float | None) -> dict[str, Any]:
+def set_link(
+    rate_bps: float | None, burst: int | None = None, latency_ms: int = 100
+) -> dict[str, Any]:
     """Shape loopback (a token bucket) or take the shaping off; we are inside the namespace."""
     subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True, check=False)
     if rate_bps is None:
         return {"link": "unshaped"}
-    burst = opts.burst or default_burst(rate_bps)
+    burst = burst or default_burst(rate_bps)
     cmd = ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{int(rate_bps)}bit"]
-    cmd += ["burst", str(burst), "latency", f"{opts.latency_ms}ms"]
+    cmd += ["burst", str(burst), "latency", f"{latency_ms}ms"]
     subprocess.run(cmd, check=True)
     print(f"shaped loopback: {' '.join(cmd)}", flush=True)
     return {
         "link": "shaped",
         "rate_bps": rate_bps,
         "burst": burst,
-        "latency_ms": opts.latency_ms,
+        "latency_ms": latency_ms,
         "tc": cmd,
     }
 
@@ -204,19 +206,19 @@ def run(opts: PDOptions) -> dict[str, Any]:
         links: list[dict[str, Any]] = []
         cal: dict[str, Any] | None = None
         if opts.link in ("unshaped", "both") or (opts.rate_bps is None and opts.link == "shaped"):
-            links.append(set_link(opts, None))
+            links.append(set_link(None))
             reps = opts.reps if opts.link != "shaped" else 1  # shaped only: a calibration rep
             phase = run_phase(opts, "unshaped", systems, prompts, refs, reps, b)
             if opts.link != "shaped":
                 phases.append(phase)
             if opts.link != "unshaped" and opts.rate_bps is None:
-                cal = calibrate(t for t in phase["trials"] if t["system"] in SYSTEMS)
-                print(_calibration_text(cal), flush=True)
+                cal = calibrate_link(t for t in phase["trials"] if t["system"] in SYSTEMS)
+                print(calibration_text(cal), flush=True)
         if opts.link in ("shaped", "both"):
             rate = opts.rate_bps or (cal or {}).get("rate_bps")
-            links.append(set_link(opts, rate))
+            links.append(set_link(rate, opts.burst, opts.latency_ms))
             phases.append(run_phase(opts, "shaped", systems, prompts, refs, opts.reps, b))
-            set_link(opts, None)
+            set_link(None)
         trials = [t for ph in phases for t in ph["trials"]]
         aa = (opts.aa, aa_name(opts.aa)) if opts.aa is not None else None
         return {
@@ -254,7 +256,7 @@ NOT_COUNTED_KEYS = (
 )
 
 
-def _calibration_text(cal: dict[str, Any]) -> str:
+def calibration_text(cal: dict[str, Any]) -> str:
     share = cal["share"]
     lines = [f"calibration (unshaped): rate = bytes*8 / ({share} * P prefill s), median of:"]
     for w, v in cal["per_workload"].items():

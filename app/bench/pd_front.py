@@ -9,17 +9,20 @@ the client's.
 
 ``python -m app.bench.pd_front tap --upstream URL --port-file F`` forwards everything to one
 engine and notes, per POST, when it arrived and when the engine's answer was back
-(``time.time()``); ``GET /bench/taps`` lists them. Both systems' P sit behind one, so "when did
-P get the prompt" and "when was P done" are observed the same way for both.
+(``time.time()``) and which prompt it carried (``prompt_key``); ``GET /bench/taps`` lists them.
+Both systems' P sit behind one, so "when did P get the prompt" and "when was P done" are
+observed the same way for both, request by request.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import socket
 import time
 import uuid
+import zlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -34,6 +37,21 @@ from starlette.routing import Route
 from app.ports import write_port_file
 
 _HOP = {"content-length", "transfer-encoding", "connection", "host"}
+
+
+def prompt_key(prompt: object) -> str | None:
+    """A short name for a prompt of token ids (its length and CRC-32), to pair what the tap saw
+    with the client's request; None for anything else (text prompts are not paired)."""
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        return None
+    return f"{len(prompt)}:{zlib.crc32(json.dumps(prompt).encode()):08x}"
+
+
+def _body_prompt_key(body: bytes) -> str | None:
+    try:
+        return prompt_key(json.loads(body).get("prompt"))
+    except (ValueError, AttributeError):
+        return None
 
 
 def _client() -> httpx.AsyncClient:
@@ -113,6 +131,7 @@ def tap_app(upstream: str) -> Starlette:
                     "arrived": arrived,
                     "ended": time.time(),
                     "status": r.status_code,
+                    "prompt_key": _body_prompt_key(body),
                 }
             )
         out = {k: v for k, v in r.headers.items() if k.lower() not in _HOP | {"content-encoding"}}

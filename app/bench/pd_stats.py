@@ -123,7 +123,7 @@ def parse_size(text: str) -> int:
     return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2)]
 
 
-def calibrate(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+def calibrate_link(trials: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """The shaped rate from unshaped trials: per single-prompt workload, the median KV bytes and
     P prefill time over both systems give bytes·8 / (0.25·prefill); the rate is the median of
     those over workloads."""

@@ -13,13 +13,15 @@ import typer
 from app.bench.load_stats import SloFactors
 from app.bench.load_workload import Lengths
 from app.bench.pd_cores import LOAD_REGIMES, binding
-from app.bench.pd_stats import SYSTEMS
+from app.bench.pd_stats import SYSTEMS, parse_rate, parse_size
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
+LOAD_LINKS = ("unshaped", "shaped")
 JSON_KEYS = (
     "summary",
+    "link",
     "slo",
     "rates",
     "service_s",
@@ -78,6 +80,23 @@ def load_command(
             "forward on core 0, decode's on core 1, the rest on all cores."
         ),
     ] = "shared",
+    link: Annotated[
+        str,
+        typer.Option(
+            help="unshaped, or shaped: loopback shaped for the rate steps (after the unloaded "
+            "run), as bench pd's --link shaped."
+        ),
+    ] = "unshaped",
+    rate: Annotated[
+        str | None,
+        typer.Option(
+            help="Shaped rate, e.g. 200mbit; default: calibrated so a request's KV transfer "
+            "is ~25% of P's prefill."
+        ),
+    ] = None,
+    burst: Annotated[
+        str | None, typer.Option(help="Token bucket size, e.g. 256kb; default 5 ms of rate.")
+    ] = None,
     aa: Annotated[
         str, typer.Option(help="Measure this system twice at the middle rate (A/A), or 'none'.")
     ] = SYSTEMS[0],
@@ -93,6 +112,8 @@ def load_command(
         raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
     if regime not in LOAD_REGIMES:
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(LOAD_REGIMES)}")
+    if link not in LOAD_LINKS:
+        raise ConfigError(f"--link {link!r}: expected one of {', '.join(LOAD_LINKS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     if reps < 1 or duration <= 0 or min_requests < 1:
@@ -117,6 +138,9 @@ def load_command(
         dtype=None if dtype == "auto" else dtype,
         out=str(out.resolve()),
         regime=regime,
+        link=link,
+        rate_bps=parse_rate(rate) if rate else None,
+        burst=parse_size(burst) if burst else None,
         slo=SloFactors(ttft=ttft_factor, tpot=tpot_factor),
     )
     if quick:

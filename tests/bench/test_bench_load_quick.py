@@ -115,10 +115,19 @@ def test_quick_load_run_compares_both_systems(tmp_path: Path) -> None:
         assert s["transfer_cpu_ms"] >= 0 and s["preemptions"] is not None
         assert s["d_kv_usage_max"] is not None and 0 <= s["d_kv_usage_max"] <= 1
         assert s["samples"], s["system"]  # decode's gauges were sampled during the step
+        # The handoff per request: every answered request's P answer was seen at the tap,
+        # paired by its prompt.
+        answered = [q for q in reqs if q["error"] is None]
+        assert all(q["p_answered"] is not None for q in answered), s["system"]
+        assert s["after_p_n"] == len(answered)
+        assert s["after_p_p50_ms"] <= s["after_p_p99_ms"]
         if s["system"] == "mooncake":
             assert s["transfer_rss_mib"] is None  # inside the engines: not separable
+            # Its decode pulls once P has answered: the first token comes after P's answer.
+            assert s["after_p_p50_ms"] > 0
         else:
             assert s["transfer_rss_mib"] > 0
+            assert s["layer_write_ms"] is not None and s["layer_write_ms"] > 0
     # The same request sequence for both systems at each rate.
     for rate in rates:
         seqs = {

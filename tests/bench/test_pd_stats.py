@@ -13,7 +13,7 @@ from app.bench.pd_stats import (
     METRICS,
     Iteration,
     Workload,
-    calibrate,
+    calibrate_link,
     default_burst,
     failed_loads,
     link_rate_bps,
@@ -105,7 +105,7 @@ def test_calibration_takes_median_bytes_and_prefill_over_both_systems() -> None:
         _trial(A, "4x2k", bytes=99e6, p_prefill_ms=1),  # concurrent: not a calibration point
         _trial(B, "2k", counted=False, bytes=1, p_prefill_ms=1),  # wrong output: left out
     ]
-    cal = calibrate(trials)
+    cal = calibrate_link(trials)
     assert set(cal["per_workload"]) == {"512", "2k"}
     assert cal["per_workload"]["512"]["bytes"] == 2e6
     assert cal["per_workload"]["512"]["rate_bps"] == pytest.approx(2e6 * 8 / (0.25 * 0.2))
