@@ -32,12 +32,21 @@ COLUMNS = (  # (figure, header, format)
 )
 
 
-def _cell(sp: dict[str, Any], fmt: str) -> str:
-    """median (min–max) where reps exist."""
-    if sp["n"] == 0:
+def _cell(sp: dict[str, Any] | None, fmt: str) -> str:
+    """median (min–max) where reps exist; '-' for none, or a figure older runs lack."""
+    if sp is None or sp["n"] == 0:
         return "-"
     mid = format(sp["median"], fmt)
     return mid if sp["n"] == 1 else f"{mid} ({format(sp['min'], fmt)}–{format(sp['max'], fmt)})"
+
+
+def _link_text(result: dict[str, Any]) -> str | None:
+    """'a shaped link (R Mbit/s)' when the rate steps ran on one; None otherwise (and for runs
+    made before the option, which were all unshaped)."""
+    link = result.get("link") or {"link": "unshaped"}
+    if link["link"] != "shaped":
+        return None
+    return f"a shaped link ({link['rate_bps'] / 1e6:.0f} Mbit/s)"
 
 
 def _knee(v: float | None) -> str:
@@ -50,9 +59,8 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     summary = result["summary"]
     console.print(result["engine_dtype"]["text"])
     console.print(result["slo"]["text"])
-    link = result.get("link") or {"link": "unshaped"}  # runs before the option: unshaped
-    if link["link"] == "shaped":
-        console.print(f"rate steps on a shaped link: {link['rate_bps'] / 1e6:.1f} Mbit/s")
+    if (link := _link_text(result)) is not None:
+        console.print(f"rate steps on {link}")
     console.print(
         f"unloaded service time {1e3 * result['service_s']:.0f} ms; rates: "
         + ", ".join(f"{r:.3g}" for r in result["rates"])
@@ -68,7 +76,7 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     for _, head, _ in COLUMNS:
         table.add_column(head, justify="right")
     for row in summary["rows"]:
-        cells = [_cell(row[f], fmt) for f, _, fmt in COLUMNS]
+        cells = [_cell(row.get(f), fmt) for f, _, fmt in COLUMNS]
         table.add_row(f"{row['rate']:.3g}", row["system"], *cells)
     console.print(table)
     for system, k in summary["knee"].items():
@@ -132,7 +140,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     ratio = result["summary"]["knee_ratio"]
     fig.suptitle(
-        f"bench load, {result['binding']['regime']} cores, {result['engine_dtype']['dtype']}: "
+        f"bench load, {result['binding']['regime']} cores, {result['engine_dtype']['dtype']}"
+        f"{'' if (link := _link_text(result)) is None else ', ' + link}: "
         f"knee ratio {SIDECAR}/{MOONCAKE} = " + ("-" if ratio is None else f"{ratio:.2f}")
     )
     fig.tight_layout()

@@ -3,11 +3,16 @@ quarter of P's prefill), and a link left alone when not shaped."""
 
 from __future__ import annotations
 
+import io
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
 from app.bench.load_bench import LoadOptions, shape
+from app.bench.load_report import print_summary
 from app.bench.load_stats import link_calibration
 
 
@@ -36,3 +41,16 @@ def test_the_rate_moves_a_requests_kv_in_a_quarter_of_its_prefill() -> None:
 def test_an_unshaped_run_touches_no_link() -> None:
     # No tc call (it would run outside the namespace here): nothing measured, nothing set.
     assert shape(LoadOptions(), []) == ({"link": "unshaped"}, None)
+
+
+def test_the_report_names_the_shaped_link_and_old_runs_stay_unshaped() -> None:
+    docs = Path(__file__).parents[2] / "docs" / "bench"
+    for name, shaped in (
+        ("load-dedicated-shaped-avx512.json", True),
+        ("load-dedicated-full-length-avx2.json", False),  # made before --link: no "link" key
+    ):
+        out = io.StringIO()
+        print_summary(json.loads((docs / name).read_text()), Console(file=out, width=400))
+        text = out.getvalue()
+        assert ("rate steps on a shaped link (409 Mbit/s)" in text) is shaped, name
+        assert "knee_ratio kv-sidecar / mooncake" in text
