@@ -14,7 +14,7 @@ from app.bench.load_stats import SloFactors
 from app.bench.load_workload import Lengths
 from app.bench.pd_cores import LOAD_REGIMES, binding
 from app.bench.pd_stats import SYSTEMS, parse_rate, parse_size
-from app.cli.bench_pd import bench_console, report_run
+from app.cli.bench_pd import LinkBurst, LinkRate, bench_console, report_run
 from app.errors import ConfigError
 
 DTYPES = ("auto", "float32", "bfloat16")
@@ -87,16 +87,8 @@ def load_command(
             "run), as bench pd's --link shaped."
         ),
     ] = "unshaped",
-    rate: Annotated[
-        str | None,
-        typer.Option(
-            help="Shaped rate, e.g. 200mbit; default: calibrated so a request's KV transfer "
-            "is ~25% of P's prefill."
-        ),
-    ] = None,
-    burst: Annotated[
-        str | None, typer.Option(help="Token bucket size, e.g. 256kb; default 5 ms of rate.")
-    ] = None,
+    rate: LinkRate = None,
+    burst: LinkBurst = None,
     aa: Annotated[
         str, typer.Option(help="Measure this system twice at the middle rate (A/A), or 'none'.")
     ] = SYSTEMS[0],

@@ -18,6 +18,17 @@ from app.bench.pd_stats import SYSTEMS, Workload, parse_rate, parse_size, parse_
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")
+# The shaped link's options, the same in bench pd and bench load.
+LinkRate = Annotated[
+    str | None,
+    typer.Option(
+        help="Shaped rate, e.g. 800mbit; default: calibrated so a request's KV transfer is "
+        "~25% of P's prefill."
+    ),
+]
+LinkBurst = Annotated[
+    str | None, typer.Option(help="Token bucket size, e.g. 256kb; default 5 ms of rate.")
+]
 
 
 def pd_command(
@@ -31,16 +42,8 @@ def pd_command(
         str, typer.Option(help="Concurrent workloads COUNTxTOKENS, comma-separated; '' for none.")
     ] = "4x2k",
     link: Annotated[str, typer.Option(help="unshaped, shaped or both.")] = "both",
-    rate: Annotated[
-        str | None,
-        typer.Option(
-            help="Shaped rate, e.g. 800mbit; default: calibrated so the transfer is "
-            "~25% of P's prefill."
-        ),
-    ] = None,
-    burst: Annotated[
-        str | None, typer.Option(help="Token bucket size, e.g. 256kb; default 5 ms of rate.")
-    ] = None,
+    rate: LinkRate = None,
+    burst: LinkBurst = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens decoded per prompt.")] = 16,
     layers: Annotated[
         int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")

@@ -10,10 +10,13 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
 from app.bench.load_bench import LoadOptions, shape
 from app.bench.load_report import print_summary
 from app.bench.load_stats import link_calibration
+from app.cli.main import app
+from app.errors import ConfigError
 
 
 def _row(system: str, tokens: int, kv: int, prefill_s: float, **kw: Any) -> dict[str, Any]:
@@ -54,3 +57,9 @@ def test_the_report_names_the_shaped_link_and_old_runs_stay_unshaped() -> None:
         text = out.getvalue()
         assert ("rate steps on a shaped link (409 Mbit/s)" in text) is shaped, name
         assert "knee_ratio kv-sidecar / mooncake" in text
+
+
+def test_an_unknown_link_is_refused_before_anything_starts() -> None:
+    r = CliRunner().invoke(app, ["bench", "load", "--link", "both"])  # bench pd's, not load's
+    assert isinstance(r.exception, ConfigError)
+    assert "--link 'both': expected one of unshaped, shaped" in str(r.exception)
