@@ -1,5 +1,5 @@
-"""``bench load --link shaped``: the shaped rate from the unloaded run (a request's KV in a
-quarter of P's prefill), and a link left alone when not shaped."""
+"""``bench load --link``: the shaped rate from the unloaded run (a request's KV in a quarter of
+P's prefill), a link left alone when not shaped, the report naming it, an unknown one refused."""
 
 from __future__ import annotations
 
