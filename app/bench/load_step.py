@@ -40,6 +40,7 @@ async def _one(
     client: httpx.AsyncClient, url: str, req: Request, prompt: list[int], start: float
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"index": req.index, "prompt_tokens": req.prompt_tokens}
+    out["prompt_key"] = prompt_key(prompt)  # pairs it with what the tap before P saw
     out |= {"max_tokens": req.max_tokens, "scheduled": start + req.at_s, "sent": start + req.at_s}
     cancelled = "cancelled: past the step's drain time"
     try:
@@ -105,18 +106,15 @@ def metrics(url: str) -> str:
 
 
 def p_answered(
-    answers: Sequence[dict[str, Any]], taps: Sequence[dict[str, Any]], rung: int
+    answers: Sequence[dict[str, Any]], taps: Sequence[dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Each answer with ``p_answered``: when P's answer to its prompt was back at the tap
-    (its last successful POST there; None when P never answered it)."""
+    """Each answer with ``p_answered``: when P's answer to its prompt (``prompt_key``) was back
+    at the tap (its last successful POST there; None when P never answered it)."""
     done: dict[str | None, float] = {}
     for t in sorted(taps, key=lambda t: t["ended"]):
         if t.get("prompt_key") is not None and t["status"] == 200:
             done[t["prompt_key"]] = t["ended"]
-    return [
-        a | {"p_answered": done.get(prompt_key(prompt_of(a["prompt_tokens"], rung, a["index"])))}
-        for a in answers
-    ]
+    return [a | {"p_answered": done.get(a["prompt_key"])} for a in answers]
 
 
 def wait_idle(system: System, timeout_s: float = 60.0) -> bool:
@@ -159,7 +157,7 @@ def run_step(
     idle = wait_idle(system)
     time.sleep(0.2)  # the transfer agents' records of the last request
     t1 = time.time()
-    answers = p_answered(answers, system.taps(t0, t1), rung)
+    answers = p_answered(answers, system.taps(t0, t1))
     cpu_s = system.transfer_cpu_s() - cpu0
     rss = transfer_rss_mib(system)
     p = p_times(p0, parse_histograms(metrics(system.prefill)))

@@ -15,10 +15,16 @@ SLO = Slo(prefill_a_s=0.010, prefill_b_s=0.0001, tpot_s=0.020)
 RUNG = 3
 
 
+def _key(index: int, tokens: int) -> str | None:
+    # The token ids the client sent for (rung, index), as JSON carried them to the tap.
+    return prompt_key(list(prompt_of(tokens, RUNG, index)))
+
+
 def _answer(index: int, tokens: int, first: float | None) -> dict[str, Any]:
     return {
         "index": index,
         "prompt_tokens": tokens,
+        "prompt_key": _key(index, tokens),
         "max_tokens": 4,
         "sent": 0.0,
         "first": first,
@@ -30,8 +36,7 @@ def _answer(index: int, tokens: int, first: float | None) -> dict[str, Any]:
 
 
 def _tap(index: int, tokens: int, ended: float, status: int = 200) -> dict[str, Any]:
-    # What the tap keys: the token ids the client sent for (rung, index), as JSON carried them.
-    key = prompt_key(list(prompt_of(tokens, RUNG, index)))
+    key = _key(index, tokens)
     return {"arrived": ended - 0.5, "ended": ended, "status": status, "prompt_key": key}
 
 
@@ -40,7 +45,7 @@ def test_each_answer_gets_its_own_prompts_p_answer() -> None:
     # Taps listed out of order; request 1's P answered twice (a retry): the last 200 counts;
     # request 2's P failed.
     taps = [_tap(1, 64, 0.40), _tap(0, 64, 1.00), _tap(1, 64, 0.45), _tap(2, 128, 0.7, 500)]
-    paired = p_answered(answers, taps, RUNG)
+    paired = p_answered(answers, taps)
     assert [a["p_answered"] for a in paired] == [1.00, 0.45, None]
     f = step_figures(paired, SLO)
     assert f["after_p_n"] == 2
@@ -51,9 +56,9 @@ def test_each_answer_gets_its_own_prompts_p_answer() -> None:
 
 def test_another_requests_prompt_is_not_paired() -> None:
     # The same length, another request of the step: another prompt.
-    other = prompt_key(list(prompt_of(64, RUNG, 1)))
+    other = _key(1, 64)
     taps = [{"arrived": 0.0, "ended": 1.0, "status": 200, "prompt_key": other}]
-    (a,) = p_answered([_answer(0, 64, 0.9)], taps, RUNG)
+    (a,) = p_answered([_answer(0, 64, 0.9)], taps)
     assert a["p_answered"] is None
     assert step_figures([a], SLO)["after_p_p50_ms"] is None
 
