@@ -374,6 +374,8 @@ class PoolCallView(_Model):
     held_tokens: int = Field(description="A load's tokens the engine's own cache held.")
     blocks: list[list[int]] = Field(description="Per group, the block indices stored or loaded.")
     block_ids: list[list[int]] = Field(description="Per group, the request's block table.")
+    started_at: float = Field(description="Unix seconds: the call reached the pool service.")
+    ended_at: float = Field(description="Unix seconds: the store answered.")
 
 
 class PoolResponse(_Model):

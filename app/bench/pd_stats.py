@@ -281,11 +281,13 @@ class Iteration:
     context_tokens: int  # prompt tokens the step computed (vLLM: requests with no output yet)
     generation_requests: int
     generation_tokens: int
+    elapsed_ms: float | None = None  # the step's model execution, vLLM's own clock
 
 
 _ITERATION = re.compile(
     r"^(\d+\.\d+) .*?Iteration\(\d+\): (\d+) context requests, (\d+) context tokens, "
-    r"(\d+) generation requests, (\d+) generation tokens",
+    r"(\d+) generation requests, (\d+) generation tokens"
+    r"(?:, iteration elapsed time: (\d+(?:\.\d+)?) ms)?",
     re.M,
 )
 
@@ -293,7 +295,9 @@ _ITERATION = re.compile(
 def parse_iterations(log_text: str) -> list[Iteration]:
     """vLLM's per-step lines in an engine log written with ``ITERATION_LOG_FORMAT``."""
     return [
-        Iteration(float(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]))
+        Iteration(
+            float(m[1]), int(m[2]), int(m[3]), int(m[4]), int(m[5]), float(m[6]) if m[6] else None
+        )
         for m in _ITERATION.finditer(log_text)
     ]
 

@@ -117,6 +117,7 @@ class System:
     front: str = ""
     tap: str = ""
     _d_log: LogTail | None = None
+    _p_log: LogTail | None = None
     _cpu_pids: list[int] | None = None
 
     @property
@@ -145,6 +146,12 @@ class System:
         if self._d_log is None:
             self._d_log = LogTail(self.pd.work / f"vllm-{self.pd.decode.name}.log")
         return self._d_log.between(t0, t1)
+
+    def prefill_steps(self, t0: float, t1: float) -> list[Iteration]:
+        """P's engine steps in ``[t0, t1]`` as vLLM logged them."""
+        if self._p_log is None:
+            self._p_log = LogTail(self.pd.work / f"vllm-{self.pd.prefill.name}.log")
+        return self._p_log.between(t0, t1)
 
     def process_groups(self) -> dict[str, list[int]]:
         """Every process this system started, by name (the roots of their trees)."""

@@ -33,9 +33,11 @@ import httpx
 
 from app.bench.pd_bench import aa_name
 from app.bench.pd_cores import binding, place_threads
+from app.bench.pd_observe import write_logging_config
 from app.bench.pd_stats import MOONCAKE, SIDECAR, quantile, spread
 from app.bench.pd_systems import MooncakePD, System, start_mooncake_front
 from app.bench.pd_trial import stream
+from app.bench.turn_stages import STAGES, prefill_forward_ms, sidecar_stages
 from app.bench.turns_workload import Message, TurnsWorkload, conversations, in_turn_order
 from app.errors import BenchError
 from app.harness.engines import prompt_tokens_by_source
@@ -110,6 +112,13 @@ def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) ->
         )
     after = _settled(system, before, len(prompt))
     delta = {k: after[k] - before[k] for k in after}
+    moved = system.transfers(t0, time.time() + 1)
+    forward = prefill_forward_ms(system.prefill_steps(got["sent"], got["last"]))
+    ttft_ms = 1e3 * (got["first"] - got["sent"])
+    stages: dict[str, float | None] = {}
+    if not isinstance(system.pd, MooncakePD):
+        calls = httpx.get(f"{system.pd.prefill.admin}/v1/pool", timeout=10).json()["recent"]
+        stages = sidecar_stages(got["sent"], got["first"], moved["records"], calls)
     return {
         "system": system.name,
         "conversation": m.conversation,
@@ -118,12 +127,15 @@ def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) ->
         "prompt_tokens": len(prompt),
         "new_tokens": len(m.tokens),
         "history_tokens": len(prompt) - len(m.tokens),
-        "ttft_ms": 1e3 * (got["first"] - got["sent"]),
+        "ttft_ms": ttft_ms,
+        "p_forward_ms": forward,
+        "ttft_minus_forward_ms": None if forward is None else ttft_ms - forward,
+        "stages_ms": stages,
         "prefill_computed": delta["local_compute"],
         "prefill_cached": delta["local_cache_hit"],
         "prefill_loaded": delta["external_kv_transfer"],
         "pool_bytes": delta.get("pool_bytes"),
-        "kv_bytes": system.transfers(t0, time.time() + 1)["bytes"],
+        "kv_bytes": moved["bytes"],
         "answer": list(got["tokens"]),
     }
 
@@ -181,6 +193,7 @@ def start(
         model,
         work / name,
         pool=True,
+        pool_tails=True,  # both kv-sidecar systems: they differ by the answer's save only
         pool_segment_bytes=pool_bytes,
         connector_extra=answers,
         **common,
@@ -212,16 +225,20 @@ def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any
                 "prefill_loaded": _mean(r["prefill_loaded"] for r in at),
                 "pool_bytes": _mean(r["pool_bytes"] for r in at if r["pool_bytes"] is not None),
                 "kv_bytes": _mean(r["kv_bytes"] for r in at),
+                "p_forward_p50_ms": _p50(r.get("p_forward_ms") for r in at),
+                "ttft_minus_forward_p50_ms": _p50(r.get("ttft_minus_forward_ms") for r in at),
+                "stages_p50_ms": {
+                    k: _p50((r.get("stages_ms") or {}).get(k) for r in at)
+                    for k in (*STAGES, "pool_load")
+                },
             }
     late = [str(t) for t in range(3, w.turns + 1)]
 
-    def ratio(a: str, b: str) -> dict[str, Any]:
+    def ratio(a: str, b: str, key: str = "ttft_p50_ms") -> dict[str, Any]:
         if a not in per or b not in per:
             return spread(())
         return spread(
-            per[a][t]["ttft_p50_ms"] / per[b][t]["ttft_p50_ms"]
-            for t in late
-            if per[a][t]["ttft_p50_ms"] and per[b][t]["ttft_p50_ms"]
+            per[a][t][key] / per[b][t][key] for t in late if per[a][t][key] and per[b][t][key]
         )
 
     over = [
@@ -235,6 +252,11 @@ def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any
             f"{SIDECAR}/{NO_ANSWERS}": ratio(SIDECAR, NO_ANSWERS),
             f"{SIDECAR}/{MOONCAKE}": ratio(SIDECAR, MOONCAKE),
             f"{aa_name(SIDECAR)}/{SIDECAR} (A/A)": ratio(aa_name(SIDECAR), SIDECAR),
+        },
+        # The compute the answer's KV saves prefill, apart from everything else in the TTFT.
+        "p_forward_p50_ratio_turns_3_on": {
+            f"{SIDECAR}/{NO_ANSWERS}": ratio(SIDECAR, NO_ANSWERS, "p_forward_p50_ms"),
+            f"{SIDECAR}/{MOONCAKE}": ratio(SIDECAR, MOONCAKE, "p_forward_p50_ms"),
         },
         "computed_over_new_plus_block": {
             name: sum(1 for o in over if o["system"] == name) for name in names
@@ -263,6 +285,11 @@ def _mean(values: Any) -> float | None:
     return statistics.fmean(vs) if vs else None
 
 
+def _p50(values: Any) -> float | None:
+    vs = [v for v in values if v is not None]
+    return quantile(vs, 0.5) if vs else None
+
+
 def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
     """The whole bench: each system up, warmed up, measured, down; then the summary."""
     from app.harness.tiny_models import write_tiny_model
@@ -276,7 +303,14 @@ def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, An
             f"the longest conversation takes {max_len} tokens; the model holds "
             f"{opts.model['max_position_embeddings']}: fewer turns or shorter messages"
         )
-    args = ["--max-model-len", str(max_len), *(("--dtype", opts.dtype) if opts.dtype else ())]
+    # vLLM logs every step (prefill's forward time); every engine of every system logs alike.
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
+    args = [
+        "--max-model-len",
+        str(max_len),
+        "--enable-logging-iteration-details",
+        *(("--dtype", opts.dtype) if opts.dtype else ()),
+    ]
     warm = TurnsWorkload(
         **{**dataclasses.asdict(w), "conversations": 1, "turns": min(w.turns, opts.warmup_turns)}
     )

@@ -8,6 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from app.bench.turn_stages import STAGES
+
 
 def _f(v: float | None, fmt: str = "{:.0f}") -> str:
     return "-" if v is None else fmt.format(v)
@@ -60,8 +62,36 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         "turns >= 3 where prefill computed more than the new message and one block: "
         + ", ".join(f"{k} {v}" for k, v in s["computed_over_new_plus_block"].items())
     )
+    for key, sp in s.get("p_forward_p50_ratio_turns_3_on", {}).items():
+        console.print(
+            f"prefill's forward P50 at turns >= 3, {key}: median {_f(sp['median'], '{:.2f}')} "
+            f"[{_f(sp['min'], '{:.2f}')}-{_f(sp['max'], '{:.2f}')}]"
+        )
+    _print_stages(s["per_turn"], w["turns"], console)
     eq = s["answers_equal"]
     console.print(f"answers alike on all three systems: {eq['equal']} of {eq['compared']} turns")
+
+
+def _print_stages(per: dict[str, Any], turns: int, console: Console) -> None:
+    """Where the TTFT goes (P50 ms): prefill's forward and the rest, every system; kv-sidecar's
+    stages from its sidecars' stamps (``turn_stages``). Older results lack them: "-"."""
+    table = Table(title="where the TTFT goes, P50 ms (kv-sidecar's stages from its sidecars)")
+    cols = ("turn", "system", "TTFT", "P fwd", "TTFT-P fwd", *STAGES, "pool load")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for t in range(1, turns + 1):
+        for name, rows in per.items():
+            r = rows[str(t)]
+            st = r.get("stages_p50_ms") or {}
+            table.add_row(
+                str(t),
+                name,
+                _f(r["ttft_p50_ms"]),
+                _f(r.get("p_forward_p50_ms")),
+                _f(r.get("ttft_minus_forward_p50_ms")),
+                *(_f(st.get(k)) for k in (*STAGES, "pool_load")),
+            )
+    console.print(table)
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:

@@ -99,6 +99,7 @@ def run_vllm_demo(
         root / "run",
         kind=kind,
         pool=pool,
+        pool_tails=pool,
         connector_extra={"pool_save_answers": True} if pool else {},
     )
     try:

@@ -41,6 +41,17 @@ class PoolSettings(BaseModel):
         description="Registered staging buffer for pool puts and gets (bytes, at least 1MiB).",
     )
 
+    tails: bool = Field(
+        default=False,
+        description=(
+            "Also store a request's last partial block (its tail) and let a lookup hit it, so "
+            "a conversation's next turn computes only its new tokens, not the rest of the "
+            "block its history ends in. Only models whose every KV cache group is full "
+            "attention or MLA of one block size take tails (a window, a chunk or a Mamba "
+            "state is only hit at block boundaries, as in vLLM)."
+        ),
+    )
+
     @field_validator("global_segment_bytes", "local_buffer_bytes", mode="before")
     @classmethod
     def _sizes(cls, value: object) -> object:

@@ -48,11 +48,11 @@ class LocalPD:
     pool_segment_bytes: int = 256 << 20  # what each sidecar gives the pool
     # Prefill's share instead (0: none, so every object lives in decode's segment).
     prefill_pool_segment_bytes: int | None = None
+    pool_tails: bool = False  # the sidecars store and hit partial last blocks (pool.tails)
     in_process: bool = False  # the vLLM workers host their agents: no sidecar processes
     prefill_tp: int = 1
     decode_tp: int = 1
-    # Data parallel: DP ranks of each prefill and decode server (each rank an instance).
-    prefill_dp: int = 1
+    prefill_dp: int = 1  # data parallel: DP ranks of each server (each rank an instance)
     decode_dp: int = 1
     # Pipeline parallel: stages of each prefill and decode server (each stage an instance).
     prefill_pp: int = 1
@@ -176,6 +176,7 @@ class LocalPD:
                 "KVSIDECAR_POOL__MASTER_ADDRESS": self.master.rpc_address,
                 "KVSIDECAR_POOL__GLOBAL_SEGMENT_BYTES": str(self._segment_bytes(inst)),
                 "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
+                "KVSIDECAR_POOL__TAILS": "true" if self.pool_tails else "false",
             }
         if self.in_process:  # what the command line gives a sidecar process
             env |= {

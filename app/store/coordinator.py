@@ -302,6 +302,18 @@ class PoolCoordinator:
         return tuple(spec_groups)
 
     @property
+    def takes_tails(self) -> bool:
+        """Whether a hit may end inside a block (a *tail*, ``hashing.tail_hash``): only where
+        every group is full attention or MLA of one block size, without EAGLE. vLLM then
+        resumes at any token and every group reads the whole prefix; a sliding window, a chunk
+        or a Mamba state is only ever hit at a block boundary."""
+        return (
+            all(g.is_full for g in self.groups)
+            and len({g.block_size for g in self.groups}) == 1
+            and not self.eagle_group_ids
+        )
+
+    @property
     def spec_group_ids(self) -> tuple[tuple[int, ...], ...]:
         """Group ids per merged lookup, in evaluation order."""
         return tuple(sg.group_ids for sg in self._spec_groups)

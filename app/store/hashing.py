@@ -3,7 +3,9 @@
 A block hash names the KV of one *full* block of tokens together with everything before it:
 ``hash_i = sha256(tag, parent = hash_{i-1}, token_ids of block i, extra_keys)``, with the first
 block's parent a root derived from a fixed tag and an optional seed. Partial blocks are never
-hashed (their KV is not final and no other request can reuse it).
+hashed into the chain (their KV is not final); a request's last partial block can be stored
+as a *tail* (``tail_hash``), named apart from every full block, where every group resumes at
+any token (full attention).
 
 Stability: the input is a canonical byte string -- a fixed domain tag, the 32-byte parent, the
 token count and token ids as little-endian int64, and the extra keys encoded with msgpack (which
@@ -58,6 +60,7 @@ HASH_LEN = 32
 _ROOT_TAG = b"kv-sidecar/block-hash/root/v1\x00"
 _BLOCK_TAG = b"kv-sidecar/block-hash/block/v1\x00"
 _COARSE_TAG = b"kv-sidecar/block-hash/coarse/v1\x00"
+_TAIL_TAG = b"kv-sidecar/block-hash/tail/v1\x00"
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -141,6 +144,22 @@ def hash_blocks(
         prev = hash_block(prev, tokens[i * block_size : (i + 1) * block_size], extra)
         out.append(prev)
     return out
+
+
+def tail_hash(
+    block_size: int,
+    parent: BlockHash,
+    token_ids: Sequence[int] | np.ndarray,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> BlockHash:
+    """Name of a *tail*: the first 1 to ``block_size - 1`` tokens of the block after the chain
+    ending in ``parent`` (``root_hash()`` for a request's first block). A tail is never a
+    parent; it is wrapped with its own tag and block size, so it never shares a name with a
+    full block, nor with a tail of another block size."""
+    if not 0 < len(token_ids) < block_size:
+        raise ValueError(f"a tail holds 1 to {block_size - 1} tokens, got {len(token_ids)}")
+    inner = hash_block(parent, token_ids, extra_keys)
+    return hashlib.sha256(_TAIL_TAG + struct.pack("<Q", block_size) + inner).digest()
 
 
 def hash_block_size(block_sizes: Iterable[int]) -> int:

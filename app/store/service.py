@@ -12,6 +12,8 @@ the coordinator decides which of them a hit needs.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +27,7 @@ from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
-from app.store.hashing import group_block_hashes, hash_blocks
+from app.store.hashing import group_block_hashes, hash_blocks, root_hash, tail_hash
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
@@ -52,6 +54,8 @@ class PoolCall:
     held_tokens: int  # a load's tokens the engine's own cache held (0 for a save)
     blocks: list[list[int]]  # per group, the block indices stored or loaded
     block_ids: list[list[int]]  # per group, the request's block table as the engine sent it
+    started_at: float  # Unix seconds: the call reached the pool service
+    ended_at: float  # Unix seconds: the store answered
 
 
 RECENT_CALLS = 32
@@ -150,6 +154,29 @@ class RankPool:
             out.extend((layer, b, k) for b, k in zip(blocks, keys, strict=True))
         return out
 
+    def tail_name(
+        self,
+        hashes: list[list[bytes]],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        extra_keys: Sequence[str],
+    ) -> bytes:
+        """The name of the tail ``token_ids[start:end]`` (``start`` on a block boundary, the
+        full blocks before it named by ``hashes``): every group shares one block size here."""
+        block = start // self.coordinator.lcm_block_size
+        parent = hashes[0][block - 1] if block else root_hash()
+        return tail_hash(
+            self.coordinator.lcm_block_size, parent, token_ids[start:end], tuple(extra_keys)
+        )
+
+    def tail_keys(self, group: int, name: bytes) -> list[tuple[int, str]]:
+        """(layer, key) of a tail in every layer of ``group``."""
+        return [
+            (layer, block_keys(self.prefixes[layer], layer, [name])[0])
+            for layer in self.desc.groups[group].layers
+        ]
+
     def page(self, layer: int, block_id: int) -> tuple[int, int]:
         """(address, bytes) of one layer's page of a manager block."""
         pl = self.desc.placement(layer)
@@ -189,8 +216,11 @@ def _pages(placements: Sequence[LayerPlacement]) -> dict[int, int]:
 class PoolService:
     """One Mooncake Store client for the sidecar; one ``RankPool`` per registered rank."""
 
-    def __init__(self, config: PoolConfig) -> None:
+    def __init__(self, config: PoolConfig, *, tails: bool = False) -> None:
         self.client = PoolClient(config)
+        # Store a request's last partial block and hit it (``hashing.tail_hash``), where the
+        # model's groups allow it (``PoolCoordinator.takes_tails``).
+        self.tails = tails
         self.ranks: dict[int, RankPool] = {}
         self.lookups = 0
         self.hit_tokens = 0
@@ -234,10 +264,41 @@ class PoolService:
         for (g, (_, b, _)), ok in zip(entries, found, strict=True):
             masks[g][b] &= ok
         hit = rp.coordinator.find_longest_cache_hit([m.tolist() for m in masks], len(token_ids))
+        if self._tails(rp):
+            tail = await self._tail_hit(rp, hashes, token_ids, extra_keys, hit.hit_tokens)
+            hit = dataclasses.replace(hit, hit_tokens=hit.hit_tokens + tail)
         if count:
             self.lookups += 1
             self.hit_tokens += hit.hit_tokens
         return hit
+
+    def _tails(self, rp: RankPool) -> bool:
+        return self.tails and rp.coordinator.takes_tails
+
+    async def _tail_hit(
+        self,
+        rp: RankPool,
+        hashes: list[list[bytes]],
+        token_ids: Sequence[int],
+        extra_keys: Sequence[str],
+        full: int,
+    ) -> int:
+        """The longest stored tail after a hit of ``full`` tokens, leaving the last token to
+        compute as the full blocks do: one existence check of every length's first key, then
+        every key of the longest found (a tail some layer lacks is no hit)."""
+        room = min(rp.coordinator.lcm_block_size - 1, len(token_ids) - 1 - full)
+        if room < 1:
+            return 0
+        lengths = range(room, 0, -1)
+        names = [rp.tail_name(hashes, token_ids, full, full + m, extra_keys) for m in lengths]
+        probes = await self.client.exists_async([rp.tail_keys(0, n)[0][1] for n in names])
+        for m, name, ok in zip(lengths, names, probes, strict=True):
+            if not ok:
+                continue
+            keys = [k for g in range(len(rp.desc.groups)) for _, k in rp.tail_keys(g, name)]
+            if all(await self.client.exists_async(keys)):
+                return m
+        return 0
 
     async def router_lookup(
         self, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
@@ -262,6 +323,7 @@ class PoolService:
     ) -> SaveOutcome:
         """Store the fully computed blocks the coordinator's store masks name (the caller
         keeps them pinned until this returns)."""
+        started = time.time()
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
         keys, ptrs, sizes = [], [], []
@@ -281,9 +343,22 @@ class PoolService:
                 keys.append(key)
                 ptrs.append(ptr)
                 sizes.append(size)
+        tail = num_computed % c.lcm_block_size if self._tails(rp) else 0
+        at = num_computed // c.lcm_block_size
+        # The tail follows the chain only when every full block before it is stored.
+        if tail and storable == num_computed - tail and all(at < len(h) and h[at] for h in held):
+            name = rp.tail_name(hashes, token_ids, num_computed - tail, num_computed, extra_keys)
+            for g in range(len(block_ids)):
+                chosen[g].append(at)
+                for layer, key in rp.tail_keys(g, name):
+                    ptr, size = rp.page(layer, int(block_ids[g][at]))
+                    keys.append(key)
+                    ptrs.append(ptr)
+                    sizes.append(size)
+            storable = num_computed
         res = await self.client.put_from_async(keys, ptrs, sizes)
         self.calls.saves += 1
-        self._record("save", request, rank, storable, 0, chosen, block_ids)
+        self._record("save", request, rank, storable, 0, chosen, block_ids, started)
         return SaveOutcome(
             len(res.stored), len(res.skipped), len(res.backpressure), len(res.failed), res.bytes_put
         )
@@ -301,6 +376,7 @@ class PoolService:
         """Load what a hit of ``hit_tokens`` needs into ``block_ids``, less what the engine's
         own cache hit of ``held_tokens`` holds; failed blocks by id. A needed block mapped to
         the null block is refused, with nothing written (the engine recomputes)."""
+        started = time.time()
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids, extra_keys)
         null = rp.desc.null_block
@@ -308,8 +384,11 @@ class PoolService:
         keys, ptrs, sizes = [], [], []
         local = 0
         chosen: list[list[int]] = []
-        whole = rp.coordinator.load_masks(hit_tokens)
-        for g, mask in enumerate(rp.coordinator.load_masks(hit_tokens, held_tokens)):
+        bs = rp.coordinator.lcm_block_size
+        tail = hit_tokens % bs if self._tails(rp) else 0
+        full = hit_tokens - tail
+        whole = rp.coordinator.load_masks(full)
+        for g, mask in enumerate(rp.coordinator.load_masks(full, held_tokens)):
             local += sum(whole[g]) - sum(mask)
             blocks = [i for i, m in enumerate(mask) if m and i < len(block_ids[g])]
             chosen.append(blocks)
@@ -325,6 +404,23 @@ class PoolService:
                 keys.append(key)
                 ptrs.append(ptr)
                 sizes.append(size)
+        if tail:
+            name = rp.tail_name(hashes, token_ids, full, hit_tokens, extra_keys)
+            at = full // bs
+            for g in range(len(block_ids)):
+                if at >= len(block_ids[g]) or int(block_ids[g][at]) == null:
+                    raise ConfigError(
+                        f"rank {rank}: a load of {hit_tokens} tokens ends inside block {at} of "
+                        f"group {g}, which the engine did not give a block of its own; nothing "
+                        "was loaded"
+                    )
+                chosen[g].append(at)
+                for layer, key in rp.tail_keys(g, name):
+                    ptr, size = rp.page(layer, int(block_ids[g][at]))
+                    entries.append((g, int(block_ids[g][at])))
+                    keys.append(key)
+                    ptrs.append(ptr)
+                    sizes.append(size)
         res = await self.client.get_into_async(keys, ptrs, sizes)
         failed: list[set[int]] = [set() for _ in block_ids]
         for i in res.failed:
@@ -334,7 +430,7 @@ class PoolService:
         self.calls.keys += len(res.loaded)
         self.calls.bytes += res.bytes_got
         self.calls.local_blocks += local
-        self._record("load", request, rank, hit_tokens, held_tokens, chosen, block_ids)
+        self._record("load", request, rank, hit_tokens, held_tokens, chosen, block_ids, started)
         return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])
 
     def _record(
@@ -346,6 +442,10 @@ class PoolService:
         held_tokens: int,
         blocks: list[list[int]],
         block_ids: Sequence[np.ndarray],
+        started: float,
     ) -> None:
         table = [[int(b) for b in ids] for ids in block_ids]
-        self.recent.append(PoolCall(kind, request, rank, tokens, held_tokens, blocks, table))
+        call = PoolCall(
+            kind, request, rank, tokens, held_tokens, blocks, table, started, time.time()
+        )
+        self.recent.append(call)

@@ -203,8 +203,8 @@ def test_iteration_lines_parse_from_the_engine_log() -> None:
         ]
     )
     assert parse_iterations(log) == [
-        Iteration(1764237600.5, 1, 512, 0, 0),
-        Iteration(1764237600.6, 0, 0, 4, 4),
+        Iteration(1764237600.5, 1, 512, 0, 0, 12.0),
+        Iteration(1764237600.6, 0, 0, 4, 4),  # a line without the elapsed time still parses
     ]
 
 

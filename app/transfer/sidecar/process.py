@@ -91,7 +91,8 @@ class Sidecar(SidecarCore):
                     local_buffer_size=s.pool.local_buffer_bytes,
                     protocol=s.transport,
                     rdma_devices=s.device_name,
-                )
+                ),
+                tails=s.pool.tails,
             )
             await pool.start()
         if self._engine_hook is not None:

@@ -112,6 +112,7 @@ def pd(
         recv_timeout_s=15.0,
         kind=kind,
         pool=mode == "pool",
+        pool_tails=mode == "pool",
         in_process=mode == "inproc",
         # The pool pair runs float32: its next-turn test compares with transformers.
         extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ("--dtype", "float32") if mode == "pool" else ()),

@@ -42,6 +42,7 @@ def small_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         recv_timeout_s=15.0,
         kind="llama",
         pool=True,
+        pool_tails=True,
         pool_segment_bytes=SEGMENT,
         prefill_pool_segment_bytes=0,
         extra_vllm_args=("--dtype", "float32"),

@@ -155,10 +155,10 @@ def pool_keys(admin: str) -> int:
 @pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
 def test_the_next_turn_loads_the_answer_decode_stored(pd: LocalPD) -> None:
     """Three turns of one conversation through the proxy. Decode stores each turn's prompt
-    and answer in the pool (``pool_save_answers``); the next turn, the history plus a new
-    message, goes to prefill, which loads every whole block of the history, the answer's
-    included, and computes only the rest. Every answer is the model's own."""
-    size = block_size(pd.prefill.admin)
+    and answer in the pool (``pool_save_answers``), its last partial block as a tail
+    (``pool.tails``); the next turn, the history plus a new message, goes to prefill, which
+    loads the whole history, the answer's tokens and the partial block included, and computes
+    only the new message. Every answer is the model's own."""
     conversation = prompt(360, 31)  # with the answer: 423 tokens, a block more than 360
     stored = 0  # tokens of the conversation decode stored after the previous turn
     for turn in range(3):
@@ -170,7 +170,8 @@ def test_the_next_turn_loads_the_answer_decode_stored(pd: LocalPD) -> None:
         after = prompt_tokens_by_source(pd.prefill.url)
         assert answer == greedy(pd.model, conversation, len(answer)), f"turn {turn + 1}"
         if turn:
-            hit = stored // size * size  # the whole blocks of history and answer
+            hit = stored  # all of the history and answer decode computed, tail included
+            assert hit % block_size(pd.prefill.admin), "the history should end inside a block"
             loaded = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
             computed = after.get("local_compute", 0) - before.get("local_compute", 0)
             # Prefill leaves the prompt's last token to decode (it computes it for its logits).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -49,6 +50,7 @@ def pool_pair(factory: pytest.TempPathFactory, kind: str, *vllm_args: str) -> It
         recv_timeout_s=15.0,
         kind=kind,
         pool=True,
+        pool_tails=True,
         prefill_prefix_caching=True,
         decode_prefix_caching=True,
         extra_vllm_args=vllm_args,
@@ -332,10 +334,13 @@ def test_a_load_writes_the_engines_own_bytes_and_nothing_else(gemma: LocalPD) ->
     d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
     known = prompt(3 * 128 + 30, 1400)
     saves = len(recent(pd.prefill.admin, "save"))
+    sent = time.time()
     pd.complete(pd.prefill.url, known, 1)
     wait_for("prefill's store", lambda: len(recent(pd.prefill.admin, "save")) > saves, 30.0, 0.2)
     save = recent(pd.prefill.admin, "save")[-1]
     assert save["tokens"] == 384
+    # When the store ran, on the sidecar's clock (this host's): after the request was sent.
+    assert sent <= save["started_at"] <= save["ended_at"] <= time.time()
     # Read now: prefill's freed blocks keep their bytes only until it reuses them.
     computed = {
         (name, i): block_pages(p_kv, name, save["block_ids"][layer["group"]][i])
