@@ -162,6 +162,36 @@ def tail_hash(
     return hashlib.sha256(_TAIL_TAG + struct.pack("<Q", block_size) + inner).digest()
 
 
+def tail_hashes(
+    block_size: int,
+    parent: BlockHash,
+    token_ids: Sequence[int] | np.ndarray,
+    extra_keys: Sequence[ExtraKey] = (),
+) -> list[BlockHash]:
+    """``tail_hash`` of every prefix of ``token_ids`` (1 to ``len`` tokens, in that order):
+    the tokens and extra keys are encoded once, for a lookup that tries every tail length."""
+    if not len(token_ids) < block_size:
+        raise ValueError(f"a tail holds 1 to {block_size - 1} tokens, got {len(token_ids)}")
+    if len(parent) != HASH_LEN:
+        raise ValueError(f"parent hash must be {HASH_LEN} bytes, got {len(parent)}")
+    extra = tuple(extra_keys)
+    for key in extra:
+        _check_extra(key)
+    tokens = _token_bytes(token_ids)
+    encoded_extra = _encoder.encode(extra)
+    suffix = struct.pack("<Q", len(encoded_extra)) + encoded_extra
+    wrap = _TAIL_TAG + struct.pack("<Q", block_size)
+    out = []
+    for m in range(1, len(token_ids) + 1):
+        h = hashlib.sha256(_BLOCK_TAG)
+        h.update(parent)
+        h.update(struct.pack("<Q", m))
+        h.update(tokens[: 8 * m])
+        h.update(suffix)
+        out.append(hashlib.sha256(wrap + h.digest()).digest())
+    return out
+
+
 def hash_block_size(block_sizes: Iterable[int]) -> int:
     """The block size hashes are computed at: the gcd of the group block sizes."""
     sizes = list(block_sizes)

@@ -27,7 +27,13 @@ from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
-from app.store.hashing import group_block_hashes, hash_blocks, root_hash, tail_hash
+from app.store.hashing import (
+    group_block_hashes,
+    hash_blocks,
+    root_hash,
+    tail_hash,
+    tail_hashes,
+)
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
@@ -154,6 +160,23 @@ class RankPool:
             out.extend((layer, b, k) for b, k in zip(blocks, keys, strict=True))
         return out
 
+    def tail_names(
+        self,
+        hashes: list[list[bytes]],
+        token_ids: Sequence[int],
+        start: int,
+        end: int,
+        extra_keys: Sequence[str],
+    ) -> list[bytes]:
+        """The names of the tails ``token_ids[start:start + m]``, m = 1 .. ``end - start``
+        (``start`` on a block boundary, the full blocks before it named by ``hashes``): every
+        group shares one block size here."""
+        block = start // self.coordinator.lcm_block_size
+        parent = hashes[0][block - 1] if block else root_hash()
+        return tail_hashes(
+            self.coordinator.lcm_block_size, parent, token_ids[start:end], tuple(extra_keys)
+        )
+
     def tail_name(
         self,
         hashes: list[list[bytes]],
@@ -162,19 +185,20 @@ class RankPool:
         end: int,
         extra_keys: Sequence[str],
     ) -> bytes:
-        """The name of the tail ``token_ids[start:end]`` (``start`` on a block boundary, the
-        full blocks before it named by ``hashes``): every group shares one block size here."""
+        """The name of the tail ``token_ids[start:end]`` (as ``tail_names``, one length)."""
         block = start // self.coordinator.lcm_block_size
         parent = hashes[0][block - 1] if block else root_hash()
         return tail_hash(
             self.coordinator.lcm_block_size, parent, token_ids[start:end], tuple(extra_keys)
         )
 
-    def tail_keys(self, group: int, name: bytes) -> list[tuple[int, str]]:
-        """(layer, key) of a tail in every layer of ``group``."""
+    def tail_keys(self, group: int, names: Sequence[bytes]) -> list[tuple[int, str]]:
+        """(layer, key) of every tail in ``names`` in every layer of ``group``, layer by
+        layer."""
         return [
-            (layer, block_keys(self.prefixes[layer], layer, [name])[0])
+            (layer, key)
             for layer in self.desc.groups[group].layers
+            for key in block_keys(self.prefixes[layer], layer, names)
         ]
 
     def page(self, layer: int, block_id: int) -> tuple[int, int]:
@@ -289,12 +313,13 @@ class PoolService:
         room = min(rp.coordinator.lcm_block_size - 1, len(token_ids) - 1 - full)
         if room < 1:
             return 0
-        lengths = range(room, 0, -1)
-        names = [rp.tail_name(hashes, token_ids, full, full + m, extra_keys) for m in lengths]
-        probes = await self.client.exists_async([rp.tail_keys(0, n)[0][1] for n in names])
-        for m, name, ok in zip(lengths, names, probes, strict=True):
-            if not ok:
+        names = rp.tail_names(hashes, token_ids, full, full + room, extra_keys)
+        # The first layer's key of every length (tail_keys lists layer by layer).
+        probes = await self.client.exists_async([k for _, k in rp.tail_keys(0, names)[:room]])
+        for m in range(room, 0, -1):
+            if not probes[m - 1]:
                 continue
+            name = [names[m - 1]]
             keys = [k for g in range(len(rp.desc.groups)) for _, k in rp.tail_keys(g, name)]
             if all(await self.client.exists_async(keys)):
                 return m
@@ -347,7 +372,8 @@ class PoolService:
         at = num_computed // c.lcm_block_size
         # The tail follows the chain only when every full block before it is stored.
         if tail and storable == num_computed - tail and all(at < len(h) and h[at] for h in held):
-            name = rp.tail_name(hashes, token_ids, num_computed - tail, num_computed, extra_keys)
+            start = num_computed - tail
+            name = [rp.tail_name(hashes, token_ids, start, num_computed, extra_keys)]
             for g in range(len(block_ids)):
                 chosen[g].append(at)
                 for layer, key in rp.tail_keys(g, name):
@@ -405,7 +431,7 @@ class PoolService:
                 ptrs.append(ptr)
                 sizes.append(size)
         if tail:
-            name = rp.tail_name(hashes, token_ids, full, hit_tokens, extra_keys)
+            name = [rp.tail_name(hashes, token_ids, full, hit_tokens, extra_keys)]
             at = full // bs
             for g in range(len(block_ids)):
                 if at >= len(block_ids[g]) or int(block_ids[g][at]) == null:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from app.store.coordinator import PoolCoordinator, PoolGroup
-from app.store.hashing import hash_block, hash_blocks, root_hash, tail_hash
+from app.store.hashing import hash_block, hash_blocks, root_hash, tail_hash, tail_hashes
 
 TOKENS = list(range(2000, 2300))
 
@@ -24,6 +24,15 @@ def test_a_tail_is_named_by_its_parent_its_tokens_its_length_and_its_block_size(
     assert name != tail_hash(256, second, TOKENS[256:290])  # another block size
     assert name != tail_hash(128, second, TOKENS[256:290], ("lora-a",))  # other extra keys
     assert tail_hash(128, root_hash(), TOKENS[:5]) != hash_block(root_hash(), TOKENS[:5])
+
+
+def test_a_lookups_names_of_every_length_are_the_saves_names() -> None:
+    """A lookup names all lengths at once (``tail_hashes``), a save one (``tail_hash``): if
+    they ever differed, no stored tail would be found."""
+    (parent,) = hash_blocks(TOKENS[:128], 128)
+    extra = ("lora-a", 3)
+    every = tail_hashes(128, parent, TOKENS[128:255], extra)
+    assert every == [tail_hash(128, parent, TOKENS[128 : 128 + m], extra) for m in range(1, 128)]
 
 
 @pytest.mark.parametrize("length", [0, 128])
