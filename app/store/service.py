@@ -171,11 +171,9 @@ class RankPool:
         """The names of the tails ``token_ids[start:start + m]``, m = 1 .. ``end - start``
         (``start`` on a block boundary, the full blocks before it named by ``hashes``): every
         group shares one block size here."""
-        block = start // self.coordinator.lcm_block_size
-        parent = hashes[0][block - 1] if block else root_hash()
-        return tail_hashes(
-            self.coordinator.lcm_block_size, parent, token_ids[start:end], tuple(extra_keys)
-        )
+        parent = self._tail_parent(hashes, start)
+        bs = self.coordinator.lcm_block_size
+        return tail_hashes(bs, parent, token_ids[start:end], tuple(extra_keys))
 
     def tail_name(
         self,
@@ -186,11 +184,13 @@ class RankPool:
         extra_keys: Sequence[str],
     ) -> bytes:
         """The name of the tail ``token_ids[start:end]`` (as ``tail_names``, one length)."""
+        parent = self._tail_parent(hashes, start)
+        bs = self.coordinator.lcm_block_size
+        return tail_hash(bs, parent, token_ids[start:end], tuple(extra_keys))
+
+    def _tail_parent(self, hashes: list[list[bytes]], start: int) -> bytes:
         block = start // self.coordinator.lcm_block_size
-        parent = hashes[0][block - 1] if block else root_hash()
-        return tail_hash(
-            self.coordinator.lcm_block_size, parent, token_ids[start:end], tuple(extra_keys)
-        )
+        return hashes[0][block - 1] if block else root_hash()
 
     def tail_keys(self, group: int, names: Sequence[bytes]) -> list[tuple[int, str]]:
         """(layer, key) of every tail in ``names`` in every layer of ``group``, layer by

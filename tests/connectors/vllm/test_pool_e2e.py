@@ -12,6 +12,7 @@ import pytest
 
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import System
+from app.bench.turn_stages import STAGES
 from app.bench.turns_bench import run_workload
 from app.bench.turns_workload import TurnsWorkload, conversations, in_turn_order
 from app.harness.engines import prompt_tokens_by_source
@@ -193,7 +194,8 @@ def test_bench_turns_accounts_for_every_prompt_token(pd: LocalPD) -> None:
     """``bench turns``' measurement on this pair (answers stored, no prefix cache): each turn's
     prompt tokens add up in prefill's counters (computed + cached + loaded = all but the last),
     from turn 2 the pool serves the history so prefill computes at most the new message and a
-    block, and the KV moved and the pool bytes read are seen."""
+    block, and the KV moved and the pool bytes read are seen; the turn's stages, from the
+    sidecars' own stamps, are all there and add up to the TTFT."""
     w = TurnsWorkload(2, 3, 300, (20, 40), (60, 100), 0.5, MAX_TOKENS, seed=5)
     system = System(SIDECAR, pd, pd.proxy)
     rows = run_workload(system, in_turn_order(conversations(w)), w, 0.5, lambda _: None)
@@ -204,9 +206,13 @@ def test_bench_turns_accounts_for_every_prompt_token(pd: LocalPD) -> None:
         took = r["prefill_computed"] + r["prefill_cached"] + r["prefill_loaded"]
         assert took == r["prompt_tokens"] - 1, r
         assert r["kv_bytes"] > 0, r
+        stages = r["stages_ms"]
+        assert stages["to_forward"] > 0 and stages["forward"] > 0, r
+        assert sum(stages[k] for k in STAGES) == pytest.approx(r["ttft_ms"], abs=1e-3), r
         if r["turn"] > 1:
             assert r["prefill_computed"] <= r["new_tokens"] + block_size(pd.decode.admin), r
             assert r["pool_bytes"] > 0, r
+            assert stages["pool_load"] > 0, r  # this turn's load, timed by the pool
 
 
 @pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
