@@ -93,27 +93,34 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
     return arr.astype("<i8", copy=False).tobytes()
 
 
+def _encoded_extra(extra_keys: Sequence[ExtraKey]) -> bytes:
+    """The extra keys as hashed: checked, msgpack-encoded, length-prefixed."""
+    extra = tuple(extra_keys)
+    for key in extra:
+        _check_extra(key)
+    encoded = _encoder.encode(extra)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
+def _block_digest(parent: BlockHash, tokens: bytes, extra: bytes) -> BlockHash:
+    if len(parent) != HASH_LEN:
+        raise ValueError(f"parent hash must be {HASH_LEN} bytes, got {len(parent)}")
+    h = hashlib.sha256(_BLOCK_TAG)
+    h.update(parent)
+    # Length prefixes keep (tokens, extra) boundaries unambiguous.
+    h.update(struct.pack("<Q", len(tokens) // 8))
+    h.update(tokens)
+    h.update(extra)
+    return h.digest()
+
+
 def hash_block(
     parent: BlockHash,
     token_ids: Sequence[int] | np.ndarray,
     extra_keys: Sequence[ExtraKey] = (),
 ) -> BlockHash:
     """Hash one block: its parent's hash, its token ids and its extra keys."""
-    if len(parent) != HASH_LEN:
-        raise ValueError(f"parent hash must be {HASH_LEN} bytes, got {len(parent)}")
-    extra = tuple(extra_keys)
-    for key in extra:
-        _check_extra(key)
-    tokens = _token_bytes(token_ids)
-    h = hashlib.sha256(_BLOCK_TAG)
-    h.update(parent)
-    # Length prefixes keep (tokens, extra) boundaries unambiguous.
-    h.update(struct.pack("<Q", len(tokens) // 8))
-    h.update(tokens)
-    encoded_extra = _encoder.encode(extra)
-    h.update(struct.pack("<Q", len(encoded_extra)))
-    h.update(encoded_extra)
-    return h.digest()
+    return _block_digest(parent, _token_bytes(token_ids), _encoded_extra(extra_keys))
 
 
 def hash_blocks(
@@ -154,12 +161,11 @@ def tail_hash(
 ) -> BlockHash:
     """Name of a *tail*: the first 1 to ``block_size - 1`` tokens of the block after the chain
     ending in ``parent`` (``root_hash()`` for a request's first block). A tail is never a
-    parent; it is wrapped with its own tag and block size, so it never shares a name with a
-    full block, nor with a tail of another block size."""
+    parent; it is the block hash of its tokens wrapped with its own tag and block size, so it
+    never shares a name with a full block, nor with a tail of another block size."""
     if not 0 < len(token_ids) < block_size:
         raise ValueError(f"a tail holds 1 to {block_size - 1} tokens, got {len(token_ids)}")
-    inner = hash_block(parent, token_ids, extra_keys)
-    return hashlib.sha256(_TAIL_TAG + struct.pack("<Q", block_size) + inner).digest()
+    return tail_hashes(block_size, parent, token_ids, extra_keys)[-1]
 
 
 def tail_hashes(
@@ -172,24 +178,13 @@ def tail_hashes(
     the tokens and extra keys are encoded once, for a lookup that tries every tail length."""
     if not len(token_ids) < block_size:
         raise ValueError(f"a tail holds 1 to {block_size - 1} tokens, got {len(token_ids)}")
-    if len(parent) != HASH_LEN:
-        raise ValueError(f"parent hash must be {HASH_LEN} bytes, got {len(parent)}")
-    extra = tuple(extra_keys)
-    for key in extra:
-        _check_extra(key)
     tokens = _token_bytes(token_ids)
-    encoded_extra = _encoder.encode(extra)
-    suffix = struct.pack("<Q", len(encoded_extra)) + encoded_extra
+    extra = _encoded_extra(extra_keys)
     wrap = _TAIL_TAG + struct.pack("<Q", block_size)
-    out = []
-    for m in range(1, len(token_ids) + 1):
-        h = hashlib.sha256(_BLOCK_TAG)
-        h.update(parent)
-        h.update(struct.pack("<Q", m))
-        h.update(tokens[: 8 * m])
-        h.update(suffix)
-        out.append(hashlib.sha256(wrap + h.digest()).digest())
-    return out
+    return [
+        hashlib.sha256(wrap + _block_digest(parent, tokens[: 8 * m], extra)).digest()
+        for m in range(1, len(token_ids) + 1)
+    ]
 
 
 def hash_block_size(block_sizes: Iterable[int]) -> int:

@@ -31,7 +31,6 @@ from app.store.hashing import (
     group_block_hashes,
     hash_blocks,
     root_hash,
-    tail_hash,
     tail_hashes,
 )
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
@@ -171,26 +170,10 @@ class RankPool:
         """The names of the tails ``token_ids[start:start + m]``, m = 1 .. ``end - start``
         (``start`` on a block boundary, the full blocks before it named by ``hashes``): every
         group shares one block size here."""
-        parent = self._tail_parent(hashes, start)
         bs = self.coordinator.lcm_block_size
+        block = start // bs
+        parent = hashes[0][block - 1] if block else root_hash()
         return tail_hashes(bs, parent, token_ids[start:end], tuple(extra_keys))
-
-    def tail_name(
-        self,
-        hashes: list[list[bytes]],
-        token_ids: Sequence[int],
-        start: int,
-        end: int,
-        extra_keys: Sequence[str],
-    ) -> bytes:
-        """The name of the tail ``token_ids[start:end]`` (as ``tail_names``, one length)."""
-        parent = self._tail_parent(hashes, start)
-        bs = self.coordinator.lcm_block_size
-        return tail_hash(bs, parent, token_ids[start:end], tuple(extra_keys))
-
-    def _tail_parent(self, hashes: list[list[bytes]], start: int) -> bytes:
-        block = start // self.coordinator.lcm_block_size
-        return hashes[0][block - 1] if block else root_hash()
 
     def tail_keys(self, group: int, names: Sequence[bytes]) -> list[tuple[int, str]]:
         """(layer, key) of every tail in ``names`` in every layer of ``group``, layer by
@@ -373,7 +356,7 @@ class PoolService:
         # The tail follows the chain only when every full block before it is stored.
         if tail and storable == num_computed - tail and all(at < len(h) and h[at] for h in held):
             start = num_computed - tail
-            name = [rp.tail_name(hashes, token_ids, start, num_computed, extra_keys)]
+            name = rp.tail_names(hashes, token_ids, start, num_computed, extra_keys)[-1:]
             for g in range(len(block_ids)):
                 chosen[g].append(at)
                 for layer, key in rp.tail_keys(g, name):
@@ -431,7 +414,7 @@ class PoolService:
                 ptrs.append(ptr)
                 sizes.append(size)
         if tail:
-            name = [rp.tail_name(hashes, token_ids, full, hit_tokens, extra_keys)]
+            name = rp.tail_names(hashes, token_ids, full, hit_tokens, extra_keys)[-1:]
             at = full // bs
             for g in range(len(block_ids)):
                 if at >= len(block_ids[g]) or int(block_ids[g][at]) == null:

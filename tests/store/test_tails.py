@@ -5,6 +5,9 @@ block boundary)."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 
 from app.store.coordinator import PoolCoordinator, PoolGroup
@@ -24,6 +27,16 @@ def test_a_tail_is_named_by_its_parent_its_tokens_its_length_and_its_block_size(
     assert name != tail_hash(256, second, TOKENS[256:290])  # another block size
     assert name != tail_hash(128, second, TOKENS[256:290], ("lora-a",))  # other extra keys
     assert tail_hash(128, root_hash(), TOKENS[:5]) != hash_block(root_hash(), TOKENS[:5])
+
+
+def test_a_tail_is_its_block_hash_wrapped_with_the_tail_tag_and_block_size() -> None:
+    """The definition, written out here apart from the module's code (its tag is part of
+    every tail's pool key: changing it must be a version bump)."""
+    (parent,) = hash_blocks(TOKENS[:128], 128)
+    tag = b"kv-sidecar/block-hash/tail/v1\x00" + struct.pack("<Q", 128)
+    inner = hash_block(parent, TOKENS[128:161], ("lora-a",))
+    expected = hashlib.sha256(tag + inner).digest()
+    assert tail_hash(128, parent, TOKENS[128:161], ("lora-a",)) == expected
 
 
 def test_a_lookups_names_of_every_length_are_the_saves_names() -> None:
