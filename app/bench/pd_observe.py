@@ -81,8 +81,9 @@ def sidecar_timeline(
     """A trial's transfer from the sidecars' own records (``*_at``: Unix seconds).
 
     ``kv_landed``: the last layer write P's sidecar saw land at D (``None`` unless every layer
-    landed); ``d_done``: the last of D's records that ended DONE; ``forward_end``: the end of
-    P's last forward among the trial's steps; ``layer_write_s``: the median of one layer's
+    landed); ``d_done``: the last of D's records that ended DONE; ``forward_began``: when the
+    engine announced the first of the trial's steps; ``forward_end``: the end of P's last
+    forward among them; ``layer_write_s``: the median of one layer's
     write, submitted → landed; the count of layers signalled during P's forward and only at its
     step's end (every layer at the end: the push was not layer-wise)."""
     layers = [x for e in sends for x in e.get("layers") or ()]
@@ -94,6 +95,7 @@ def sidecar_timeline(
         if x.get("landed_at") is not None and x.get("submitted_at") is not None
     ]
     forward = [float(s["forward_ended_at"]) for s in steps if s.get("forward_ended_at") is not None]
+    began = [float(s["began_at"]) for s in steps if s.get("began_at") is not None]
     signalled = [float(x["signalled_at"]) for x in layers if x.get("signalled_at") is not None]
     done = [
         float(r["ended_at"])
@@ -104,6 +106,7 @@ def sidecar_timeline(
         "kv_landed": max(landed) if landed and len(landed) == len(layers) else None,
         "first_landed": min(landed) if landed else None,
         "last_signalled": max(signalled) if signalled else None,
+        "forward_began": min(began) if began else None,
         "forward_end": max(forward) if forward else None,
         "d_done": max(done) if done else None,
         "layer_write_s": _median(writes),

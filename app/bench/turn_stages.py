@@ -33,31 +33,17 @@ def prefill_forward_ms(steps: Sequence[Iteration]) -> float | None:
 def sidecar_stages(
     sent: float,
     first: float,
-    records: Sequence[Mapping[str, Any]],
+    timeline: Mapping[str, Any],
     pool_calls: Sequence[Mapping[str, Any]],
 ) -> dict[str, float | None]:
-    """The stages (ms) of one turn from ``sidecar_transfers``' records (the sends with their
-    steps and layer rows, decode's records) and the prefill sidecar's recent pool calls; a
-    stage whose stamps are missing is None."""
-    sends = [r for r in records if r.get("side") == "send"]
-    began = [float(s["began_at"]) for r in sends for s in r.get("steps") or () if s.get("began_at")]
-    at = {c: i for i, c in enumerate(_columns(sends))}
-    signalled = [
-        float(row[at["signalled_at"]])
-        for r in sends
-        for row in r.get("layers") or ()
-        if "signalled_at" in at and row[at["signalled_at"]] is not None
-    ]
-    done = [
-        float(r["ended_at"])
-        for r in records
-        if r.get("side") == "recv" and r.get("state") == "DONE" and r.get("ended_at") is not None
-    ]
+    """The stages (ms) of one turn from its transfer's timeline (``sidecar_timeline``:
+    ``forward_began``, ``last_signalled``, ``d_done``) and the prefill sidecar's recent pool
+    calls; a stage whose stamps are missing is None."""
     marks = [
         sent,
-        min(began) if began else None,
-        max(signalled) if signalled else None,
-        max(done) if done else None,
+        timeline.get("forward_began"),
+        timeline.get("last_signalled"),
+        timeline.get("d_done"),
         first,
     ]
     out: dict[str, float | None] = {
@@ -71,10 +57,3 @@ def sidecar_stages(
         1e3 * sum(float(c["ended_at"]) - float(c["started_at"]) for c in loads) if loads else None
     )
     return out
-
-
-def _columns(sends: Sequence[Mapping[str, Any]]) -> list[str]:
-    for r in sends:
-        if r.get("layer_columns"):
-            return list(r["layer_columns"])
-    return []

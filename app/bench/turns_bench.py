@@ -118,7 +118,7 @@ def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) ->
     stages: dict[str, float | None] = {}
     if not isinstance(system.pd, MooncakePD):
         calls = httpx.get(f"{system.pd.prefill.admin}/v1/pool", timeout=10).json()["recent"]
-        stages = sidecar_stages(got["sent"], got["first"], moved["records"], calls)
+        stages = sidecar_stages(got["sent"], got["first"], moved["timeline"], calls)
     return {
         "system": system.name,
         "conversation": m.conversation,
@@ -286,8 +286,7 @@ def _mean(values: Any) -> float | None:
 
 
 def _p50(values: Any) -> float | None:
-    vs = [v for v in values if v is not None]
-    return quantile(vs, 0.5) if vs else None
+    return quantile([v for v in values if v is not None], 0.5)
 
 
 def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:

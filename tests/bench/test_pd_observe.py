@@ -60,6 +60,7 @@ def test_timeline_landed_forward_end_and_d_done() -> None:
     assert tl["kv_landed"] == pytest.approx(T + 0.811)
     assert tl["first_landed"] == pytest.approx(T + 0.211)
     assert tl["last_signalled"] == pytest.approx(T + 0.8)
+    assert tl["forward_began"] == pytest.approx(T)
     assert tl["forward_end"] == pytest.approx(T + 1.0)
     assert tl["d_done"] == pytest.approx(T + 0.9)
     assert tl["layer_write_s"] == pytest.approx(0.010, abs=1e-6)

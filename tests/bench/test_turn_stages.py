@@ -1,4 +1,5 @@
-"""``bench turns``' stage split of a turn, from hand-made sidecar records: the four stages add
+"""``bench turns``' stage split of a turn, from hand-made sidecar records (through
+``sidecar_timeline``, as the bench reads them): the four stages add
 up to the TTFT, the pool's load is this turn's only, prefill's forward counts only the steps
 that computed prompt tokens, and a missing stamp leaves its stages unknown (None), not zero."""
 
@@ -8,32 +9,26 @@ from typing import Any
 
 import pytest
 
-from app.bench.pd_observe import LAYER_COLUMNS
+from app.bench.pd_observe import sidecar_timeline
 from app.bench.pd_stats import Iteration
 from app.bench.turn_stages import STAGES, prefill_forward_ms, sidecar_stages
 
 T = 1_800_000_000.0
 
 
-def layer(signalled: float | None) -> list[Any]:
-    row = dict.fromkeys(LAYER_COLUMNS)
-    row["signalled_at"] = signalled
-    return [row[c] for c in LAYER_COLUMNS]
-
-
-def records(began: float | None, signalled: list[float], done: float) -> list[dict[str, Any]]:
+def timeline(began: float | None, signalled: list[float], done: float) -> dict[str, Any]:
+    """A turn's transfer timeline as ``bench turns`` gets it, from sidecar records."""
     send = {
         "side": "send",
         "state": "DONE",
-        "layer_columns": list(LAYER_COLUMNS),
-        "layers": [layer(s) for s in signalled],
+        "layers": [{"layer": i, "signalled_at": s} for i, s in enumerate(signalled)],
         "steps": [{"began_at": began, "forward_ended_at": T + 0.9}],
     }
     recvs = [
         {"side": "recv", "state": "DONE", "ended_at": done},
         {"side": "recv", "state": "FAILED", "ended_at": done + 5},  # not a landing
     ]
-    return [send, *recvs]
+    return sidecar_timeline([send], recvs)
 
 
 def test_the_stages_add_up_to_the_ttft_and_take_this_turns_load_only() -> None:
@@ -43,7 +38,7 @@ def test_the_stages_add_up_to_the_ttft_and_take_this_turns_load_only() -> None:
         {"kind": "load", "started_at": T + 0.02, "ended_at": T + 0.045},
     ]
     out = sidecar_stages(
-        T, T + 0.8, records(T + 0.06, [T + 0.3, T + 0.7, T + 0.5], T + 0.71), calls
+        T, T + 0.8, timeline(T + 0.06, [T + 0.3, T + 0.7, T + 0.5], T + 0.71), calls
     )
     assert out["to_forward"] == pytest.approx(60, abs=1e-3)
     assert out["forward"] == pytest.approx(
@@ -56,7 +51,7 @@ def test_the_stages_add_up_to_the_ttft_and_take_this_turns_load_only() -> None:
 
 
 def test_a_missing_stamp_leaves_its_stages_unknown() -> None:
-    out = sidecar_stages(T, T + 0.8, records(None, [T + 0.3], T + 0.4), [])
+    out = sidecar_stages(T, T + 0.8, timeline(None, [T + 0.3], T + 0.4), [])
     assert out["to_forward"] is None and out["forward"] is None
     assert out["handoff"] == pytest.approx(100, abs=1e-3)
     assert out["pool_load"] is None  # no load: unknown, not a zero-length load
