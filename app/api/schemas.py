@@ -350,11 +350,22 @@ class RegistrationResponse(_Model):
 class PoolLookupBody(_Model):
     """A prompt the proxy weighs (its second tier): how much of it the pool could serve."""
 
-    token_ids: list[int] = Field(min_length=1, max_length=131072)
-    extra_keys: list[str] = Field(
-        default_factory=list,
-        max_length=16,
-        description="What roots the prompt's block hashes beside its tokens (as the engine's).",
+    token_ids: list[int] = Field(
+        min_length=1,
+        max_length=131072,
+        description="The whole prompt; the hit leaves its last token, as the engine's does.",
+    )
+    cache_salt: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="The request's cache_salt: a salted prompt is scored on its tenant's "
+        "entries only.",
+    )
+    model: str | None = Field(
+        default=None,
+        max_length=256,
+        description="The request's model: a LoRA adapter's name keys the adapter (no hit for "
+        "one no engine of this sidecar has used).",
     )
 
 
@@ -375,7 +386,15 @@ class PoolCallView(_Model):
     blocks: list[list[int]] = Field(description="Per group, the block indices stored or loaded.")
     block_ids: list[list[int]] = Field(description="Per group, the request's block table.")
     started_at: float = Field(description="Unix seconds: the call reached the pool service.")
-    ended_at: float = Field(description="Unix seconds: the store answered.")
+    ended_at: float | None = Field(
+        description="Unix seconds: the store answered (null: its call still runs)."
+    )
+    state: Literal["done", "running", "late"] = Field(
+        default="done",
+        description="done: answered in time; running: the store call has not returned (past "
+        "the pool's timeout the engine holds the request's blocks for it); late: it returned "
+        "after the timeout, the engine held the blocks until then.",
+    )
 
 
 class PoolResponse(_Model):
@@ -393,6 +412,21 @@ class PoolResponse(_Model):
     backpressure: int = Field(description="Keys not stored because the pool was full (-200).")
     failures: int
     timeouts: int
+    late_returns: int = Field(
+        default=0, description="Store calls that returned after their timeout (calls)."
+    )
+    late_running: int = Field(
+        default=0, description="Store calls past their timeout running now (a gauge)."
+    )
+    late_loads: int = Field(default=0, description="Engine loads answered pending (late).")
+    late_saves: int = Field(default=0, description="Engine saves answered pending (late).")
+    late_released: int = Field(
+        default=0, description="Late calls returned since: their blocks given back."
+    )
+    late_stuck: int = Field(
+        default=0,
+        description="Late calls still running past quarantine_max_s (blocks kept anyway).",
+    )
     recent: list[PoolCallView] = Field(
         default=[], description="The last engine saves and loads, oldest first."
     )

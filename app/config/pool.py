@@ -52,6 +52,18 @@ class PoolSettings(BaseModel):
         ),
     )
 
+    namespace: str = Field(
+        default="",
+        max_length=128,
+        description=(
+            "An operator's name for this deployment's pool objects, part of every key: sidecars "
+            "with different namespaces never share an object on one master. The keys already "
+            "name the checkpoint (model, revision, dtypes, a fingerprint of the weight files); "
+            "set a new namespace on a rollout whose weights vLLM cannot see change (weights "
+            "served from a hub name not in the local cache), or to keep tenants apart."
+        ),
+    )
+
     @field_validator("global_segment_bytes", "local_buffer_bytes", mode="before")
     @classmethod
     def _sizes(cls, value: object) -> object:

@@ -35,6 +35,7 @@ from app.devices.spec import FdSource
 from app.engine_link.sync_client import SyncClient
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
+from app.store.hashing import KeyRun
 from app.transfer.planning.planner import MambaMode
 from app.transfer.wire.protocol import (
     AbortRequest,
@@ -51,6 +52,8 @@ from app.transfer.wire.protocol import (
     PoolLoad,
     PoolLoaded,
     PoolLookup,
+    PoolPoll,
+    PoolRunning,
     PoolSave,
     RegisterEngine,
     RemoteTarget,
@@ -123,7 +126,7 @@ class EngineLink:
             reply = self.client.request(msg, timeout or self.timeout_s)
         if isinstance(reply, Reply) and not reply.ok:
             raise EngineLinkError(reply.error or "sidecar refused the call")
-        if not isinstance(reply, Reply | Finished | PoolLoaded | SignedTargets):
+        if not isinstance(reply, Reply | Finished | PoolLoaded | PoolRunning | SignedTargets):
             raise EngineLinkError(
                 f"unexpected reply {type(reply).__name__}: {getattr(reply, 'reason', '')}"
             )
@@ -224,10 +227,12 @@ class EngineLink:
         num_spec: int = 0,
         target_timeout_s: float | None = None,
         traceparent: str | None = None,
+        prompt_digest: str = "",
     ) -> None:
         """Admit a send; without ``remote`` the sidecar keeps its layers until ``set_target``
         (at most ``target_timeout_s``, else the sidecar's send deadline). ``traceparent``
-        (W3C) makes the send's spans children of that span."""
+        (W3C) makes the send's spans children of that span; ``prompt_digest`` names the prompt
+        decode's target must be signed for (target_auth.prompt_digest)."""
         self._call(
             AddSend(
                 rank=self.rank,
@@ -239,6 +244,7 @@ class EngineLink:
                 num_spec=num_spec,
                 target_timeout_s=target_timeout_s,
                 traceparent=traceparent,
+                prompt_digest=prompt_digest,
             )
         )
 
@@ -328,7 +334,7 @@ class EngineLink:
         )
 
     def pool_lookup(
-        self, request: str, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+        self, request: str, token_ids: Sequence[int], extra_keys: Sequence[KeyRun] = ()
     ) -> int:
         """Tokens of this prompt the KV pool can serve (vLLM's hybrid hit rule)."""
         reply = self._call(
@@ -336,7 +342,7 @@ class EngineLink:
                 rank=self.rank,
                 request=request,
                 token_ids=list(token_ids),
-                extra_keys=list(extra_keys),
+                extra_keys=_wire_runs(extra_keys),
             )
         )
         assert isinstance(reply, Reply)
@@ -348,9 +354,11 @@ class EngineLink:
         token_ids: Sequence[int],
         block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         num_computed: int,
-        extra_keys: Sequence[str] = (),
+        extra_keys: Sequence[KeyRun] = (),
     ) -> dict[str, int]:
-        """Store fully computed blocks after prefill; the blocks may be freed on return."""
+        """Store fully computed blocks after prefill; the blocks may be freed on return, unless
+        the reply says ``pending`` (the put still reads them: ``pool_poll`` until it returned).
+        A ``DeadlineExceeded`` says as little: the sidecar may have begun the put."""
         reply = self._call(
             PoolSave(
                 rank=self.rank,
@@ -358,7 +366,7 @@ class EngineLink:
                 token_ids=list(token_ids),
                 block_ids=_wire_ids(block_ids),
                 num_computed=num_computed,
-                extra_keys=list(extra_keys),
+                extra_keys=_wire_runs(extra_keys),
             ),
             self.timeout_s * 3,
         )
@@ -371,11 +379,13 @@ class EngineLink:
         token_ids: Sequence[int],
         block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         hit_tokens: int,
-        extra_keys: Sequence[str] = (),
+        extra_keys: Sequence[KeyRun] = (),
         held_tokens: int = 0,
     ) -> PoolLoaded:
         """Load a hit into ``block_ids``, less the ``held_tokens`` the engine's own cache hit
-        holds; ``failed_blocks`` must be recomputed."""
+        holds; ``failed_blocks`` must be recomputed. A ``pending`` reply (or a
+        ``DeadlineExceeded``) means the get may still write the blocks: ``pool_poll`` until it
+        returned, then recompute."""
         reply = self._call(
             PoolLoad(
                 rank=self.rank,
@@ -383,13 +393,21 @@ class EngineLink:
                 token_ids=list(token_ids),
                 block_ids=_wire_ids(block_ids),
                 hit_tokens=hit_tokens,
-                extra_keys=list(extra_keys),
+                extra_keys=_wire_runs(extra_keys),
                 held_tokens=held_tokens,
             ),
             self.timeout_s * 3,
         )
         assert isinstance(reply, PoolLoaded)
         return reply
+
+    def pool_poll(self, loads: Sequence[str], saves: Sequence[str]) -> tuple[set[str], set[str]]:
+        """(loads, saves) of those asked about whose store call still runs; the others are
+        settled. Sent on the link that sent them: the sidecar reads a link's frames in order,
+        so a load or save still queued there is registered before this poll is answered."""
+        reply = self._call(PoolPoll(rank=self.rank, loads=list(loads), saves=list(saves)))
+        assert isinstance(reply, PoolRunning)
+        return set(reply.loads), set(reply.saves)
 
     def abort(self, request: str, reason: str = "aborted by engine", *, wait: bool = True) -> None:
         """End a request as ABORTED; ``wait=False`` sends it one-way (vLLM's scheduler loop)."""
@@ -434,6 +452,10 @@ class _Registered:
         for fd in self.fds:
             os.close(fd)
         self.fds = []
+
+
+def _wire_runs(runs: Sequence[KeyRun]) -> list[tuple[int, list[object]]]:
+    return [(n, list(keys)) for n, keys in runs]
 
 
 def _wire_ids(block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]]) -> list[list[int]]:

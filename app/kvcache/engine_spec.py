@@ -125,3 +125,13 @@ class EngineRegistration(msgspec.Struct):
     memory_fds: FdSource | None = None
     # The engine's speculative decoding settings ("" when off): both sides must run the same.
     speculative: Name = ""
+    # The KV pool (app.store): which weights and KV dtypes computed this KV (a digest of the
+    # checkpoint's identity, "" when unknown), and the groups whose last matched block vLLM's
+    # prefix cache drops under EAGLE/MTP (empty: no drop).
+    checkpoint: Name = ""
+    # The names clients call the base model by (vLLM's served_model_name): a router's pool
+    # lookup for any other ``model`` is an adapter's.
+    served_models: Annotated[list[Name], msgspec.Meta(max_length=16)] = []
+    eagle_groups: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0, lt=64)]], msgspec.Meta(max_length=64)
+    ] = []

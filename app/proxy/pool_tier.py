@@ -3,8 +3,8 @@
 Every prefill instance's connector looks its prompt up in the shared KV pool (Mooncake Store)
 and loads the hit instead of computing it. So an instance that holds none of a prompt in its
 own cache still computes only what the pool lacks, at the price of the load. The proxy asks
-the pool once per pick (``POST /v1/pool/lookup`` on a sidecar of the pool, the prompt less
-its last token as the connector asks) and scores each candidate with
+the pool once per pick (``POST /v1/pool/lookup`` on a sidecar of the pool, the whole prompt with
+its ``cache_salt`` and ``model``, as the connector asks) and scores each candidate with
 
     engine hit + (1 - load_cost) * max(0, pool hit - engine hit)
 
@@ -73,12 +73,15 @@ class PoolTier:
     async def lookup(self, shape: RequestShape) -> PoolAnswer:
         if shape.token_ids is None:
             return self._without("a text prompt: the proxy has no tokenizer to key it")
-        ids = list(shape.token_ids[:-1])  # the engine computes the last token itself
-        if not ids:
+        # The whole prompt, as the connector asks: the hit leaves the last token to compute.
+        ids = list(shape.token_ids)
+        if len(ids) < 2:
             return PoolAnswer(0, self.load_cost)
+        # The tenant: a salted or adapter prompt is scored on its own entries only.
+        body = {"token_ids": ids, "cache_salt": shape.cache_salt, "model": shape.model}
         try:
             r = await self.client.post(
-                self.url, json={"token_ids": ids}, headers=self._headers, timeout=self.timeout_s
+                self.url, json=body, headers=self._headers, timeout=self.timeout_s
             )
         except httpx.HTTPError as e:
             return self._without(f"pool lookup failed: {type(e).__name__}: {e}")
@@ -91,7 +94,7 @@ class PoolTier:
             hit = r.json().get("hit_tokens")
         except (ValueError, AttributeError):
             hit = None
-        if type(hit) is not int or not 0 <= hit <= len(ids):
+        if type(hit) is not int or not 0 <= hit < len(ids):
             return self._without(f"pool lookup answered an unusable hit: {hit!r}")
         return PoolAnswer(hit, self.load_cost)
 

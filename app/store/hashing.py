@@ -13,10 +13,12 @@ encodes equal str / int / bytes / tuples to equal bytes). No ``hash()``, no pick
 ``PYTHONHASHSEED``: the same tokens give the same hash in every process, on every machine and
 after restarts, which is what a shared pool needs.
 
-Extra keys are whatever else decides the KV of a block besides its tokens: a LoRA name, a cache
-salt, multimodal input hashes. ``hash_blocks`` puts request-wide keys (e.g. the LoRA name) into
-every block, as vLLM does, and the cache salt into the first block only -- the chain carries it
-into every later block.
+Extra keys are whatever else decides the KV of a block besides its tokens: exactly vLLM's own
+per-block extra keys (``generate_block_hash_extra_keys``: the LoRA adapter's name and path, the
+multimodal inputs overlapping the block with their offsets in it, the cache salt on the first
+block, prompt embeddings), which the connector computes with vLLM's function and hands over as
+*key runs* (``expand_key_runs``). A block's name then differs exactly where vLLM's block hash
+differs: the chain carries every block's keys into every later block, as vLLM's does.
 
 Hybrid models have groups with different block sizes. Hashes are computed once, at the *hash
 block size* = gcd of the group block sizes, and a group with a larger block size (a multiple of
@@ -45,15 +47,26 @@ import math
 import struct
 from collections.abc import Iterable, Sequence
 from functools import reduce
+from typing import Any
 
 import msgspec
 import numpy as np
 
+from app.errors import ProtocolError
+
 BlockHash = bytes
 """A 32-byte sha256 digest naming one full block and its whole prefix."""
 
-ExtraKey = str | int | bytes | tuple["ExtraKey", ...]
-"""One extra key: anything msgpack encodes canonically (no floats, no dicts)."""
+ExtraKey = str | int | bytes | None | tuple["ExtraKey", ...] | list["ExtraKey"]
+"""One extra key: anything msgpack encodes canonically (no floats, no dicts). A list and a
+tuple encode alike (a msgpack array): keys that crossed the wire as lists name what they did."""
+
+BlockKeys = tuple[ExtraKey, ...]
+"""The extra keys of one block (empty: none)."""
+
+KeyRun = tuple[int, Sequence[Any]]
+"""``(blocks, keys)``: the next ``blocks`` hash blocks carry ``keys``; 0 blocks: this and every
+later block (a run that closes the list)."""
 
 HASH_LEN = 32
 
@@ -72,11 +85,43 @@ def _as_bytes(seed: str | bytes) -> bytes:
 def _check_extra(key: object) -> None:
     # Floats and dicts have no single canonical encoding; refuse them up front rather than hash
     # something that may differ between producers.
-    if isinstance(key, bool) or not isinstance(key, str | int | bytes | tuple):
-        raise TypeError(f"extra key {key!r} must be str, int, bytes or a tuple of those")
-    if isinstance(key, tuple):
+    if key is None:
+        return
+    if isinstance(key, bool) or not isinstance(key, str | int | bytes | tuple | list):
+        raise TypeError(f"extra key {key!r} must be str, int, bytes, None or a tuple of those")
+    if isinstance(key, tuple | list):
         for k in key:
             _check_extra(k)
+
+
+def expand_key_runs(runs: Sequence[KeyRun], num_blocks: int) -> list[BlockKeys]:
+    """The extra keys of each of ``num_blocks`` hash blocks, from runs (``KeyRun``); no runs at
+    all: no block has extra keys. Runs that stop short are an error, not a guess (a block whose
+    keys are unknown must not be named as if it had none); so is a key that has no canonical
+    encoding (``ProtocolError``: they come from an engine over the wire)."""
+    if not runs:
+        return [()] * num_blocks
+    out: list[BlockKeys] = []
+    for i, (count, keys) in enumerate(runs):
+        block_keys = tuple(keys)
+        try:
+            for key in block_keys:
+                _check_extra(key)
+        except TypeError as e:
+            raise ProtocolError(f"extra-key run {i}: {e}") from None
+        if count < 0 or (count == 0 and i != len(runs) - 1):
+            raise ProtocolError(
+                f"extra-key run {i} covers {count} blocks: expected a positive count, or 0 "
+                "(every later block) in the last run only"
+            )
+        if count == 0:
+            return out[:num_blocks] + [block_keys] * max(0, num_blocks - len(out))
+        out.extend([block_keys] * count)
+    if len(out) < num_blocks:
+        raise ProtocolError(
+            f"the extra-key runs name {len(out)} blocks, the tokens fill {num_blocks}"
+        )
+    return out[:num_blocks]
 
 
 def root_hash(seed: str | bytes = b"") -> BlockHash:
@@ -129,24 +174,30 @@ def hash_blocks(
     *,
     extra_keys: Sequence[ExtraKey] = (),
     cache_salt: str | None = None,
+    block_keys: Sequence[BlockKeys] | None = None,
     seed: str | bytes = b"",
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of every full block of ``token_ids`` (a trailing partial block is skipped).
 
-    ``extra_keys`` go into every block; ``cache_salt`` into the first block of the request only
-    (ignored when ``parent`` continues an earlier chain).
+    ``block_keys``: each block's own extra keys (``expand_key_runs``), as vLLM computes them.
+    Without it, ``extra_keys`` go into every block and ``cache_salt`` into the first block of
+    the request only (ignored when ``parent`` continues an earlier chain).
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     tokens = np.asarray(token_ids)
     num_full = len(tokens) // block_size
+    if block_keys is not None and len(block_keys) < num_full:
+        raise ValueError(f"extra keys for {len(block_keys)} blocks, the tokens fill {num_full}")
     prev = root_hash(seed) if parent is None else parent
     base_extra = tuple(extra_keys)
     out: list[BlockHash] = []
     for i in range(num_full):
         extra = base_extra
-        if i == 0 and parent is None and cache_salt is not None:
+        if block_keys is not None:
+            extra = tuple(block_keys[i])
+        elif i == 0 and parent is None and cache_salt is not None:
             extra = (("cache_salt", cache_salt), *base_extra)
         prev = hash_block(prev, tokens[i * block_size : (i + 1) * block_size], extra)
         out.append(prev)

@@ -12,12 +12,16 @@ the coordinator decides which of them a hit needs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import hashlib
+import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -28,6 +32,8 @@ from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind
 from app.store.coordinator import CacheHit, PoolCoordinator, PoolGroup
 from app.store.hashing import (
+    KeyRun,
+    expand_key_runs,
     group_block_hashes,
     hash_blocks,
     root_hash,
@@ -36,6 +42,11 @@ from app.store.hashing import (
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
+from app.store.running import RunningCalls
+from app.store.tail_pages import TailStaging, staging_for
+from app.store.tenants import TenantKeys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class SaveOutcome:
     backpressure: int
     failed: int
     bytes: int
+    # The put ran past the pool's timeout and still reads the blocks: the engine keeps them
+    # until a poll finds it returned (``running.RunningCalls``).
+    pending: bool = False
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,10 @@ class PoolCall:
     blocks: list[list[int]]  # per group, the block indices stored or loaded
     block_ids: list[list[int]]  # per group, the request's block table as the engine sent it
     started_at: float  # Unix seconds: the call reached the pool service
-    ended_at: float  # Unix seconds: the store answered
+    ended_at: float | None  # Unix seconds: the store answered (None: it has not yet)
+    # "done": answered in time; "running": the store call has not returned (past the timeout,
+    # the engine holds the blocks for it); "late": it returned after the timeout.
+    state: Literal["done", "running", "late"] = "done"
 
 
 RECENT_CALLS = 32
@@ -78,6 +95,7 @@ class CallCounters:
     local_blocks: int = 0
     saves: int = 0
     saves_cut: int = 0
+    tails_unstaged: int = 0  # tails not stored: every staging slot was in use
 
 
 @dataclass(frozen=True)
@@ -85,6 +103,9 @@ class LoadOutcome:
     loaded: int
     bytes: int
     failed_blocks: list[list[int]]  # per group: block ids the engine must recompute
+    # The get ran past the pool's timeout and may still write the blocks: the engine keeps
+    # them, and the request waits, until a poll finds it returned (then it recomputes).
+    pending: bool = False
 
 
 _NS_KIND: dict[RegionKind, Literal["split", "replicate", "state"]] = {
@@ -103,23 +124,41 @@ class RankPool:
         prefixes: dict[int, KeyPrefix],
         page_bytes: dict[int, int],
         spans: list[tuple[int, int]],
+        *,
+        eagle_groups: Sequence[int] = (),
+        speculative: bool = False,
+        served_models: Sequence[str] = (),
     ) -> None:
         self.desc = desc
+        self.served_models = tuple(served_models)
         self.prefixes = prefixes
         self.page_bytes = page_bytes
         self.spans = spans
+        # EAGLE/MTP: vLLM drops the last matched block of these groups; with any speculative
+        # decoding no tails (a hit inside a block is not what vLLM's cache would take).
+        self.speculative = speculative
         self.coordinator = PoolCoordinator(
             [
                 PoolGroup(g.kind.value, g.block_size, sliding_window=g.sliding_window)
                 for g in desc.groups
-            ]
+            ],
+            use_eagle=bool(eagle_groups),
+            eagle_group_ids=list(eagle_groups) or None,
         )
 
     @classmethod
     def from_engine(
-        cls, desc: LayoutDesc, reg: EngineRegistration, spans: list[tuple[int, int]]
+        cls,
+        desc: LayoutDesc,
+        reg: EngineRegistration,
+        spans: list[tuple[int, int]],
+        namespace: str = "",
     ) -> RankPool:
         """A rank registered by a real engine: pages, dtypes and heads are the engine's own.
+
+        The key's model part names the architecture (``model_type``, the compat hash over the
+        layer facts), the checkpoint the engine registered (weights, revision, KV dtypes) and the
+        operator's ``namespace``: KV computed by other weights is never another's hit.
 
         A layer's page of a block is its block stride (vLLM gives every layer its own
         block-major tensor; hybrid pages are padded alike), so a stored page is what the
@@ -129,6 +168,8 @@ class RankPool:
         layout_name = f"engine.{desc.kv_layout}.bs{max(g.block_size for g in desc.groups)}"
         prefixes: dict[int, KeyPrefix] = {}
         kinds = {layer: r.kind for r in desc.regions for layer in r.layers}
+        identity = "\0".join((desc.compat_hash, reg.checkpoint, namespace))
+        model = f"{reg.model}.{hashlib.sha256(identity.encode()).hexdigest()[:12]}"
         for pl in desc.placements:
             layer = reg.layers[pl.layer]
             ns = tp_namespace(
@@ -137,16 +178,25 @@ class RankPool:
                 rank=desc.rank,
                 num_kv_heads=layer.total_heads or None,
             )
-            prefixes[pl.layer] = KeyPrefix(
-                f"{reg.model}.{desc.compat_hash[:8]}", layer.dtype, layout_name, ns
-            )
-        return cls(desc, prefixes, _pages(desc.placements), spans)
+            prefixes[pl.layer] = KeyPrefix(model, layer.dtype, layout_name, ns)
+        return cls(
+            desc,
+            prefixes,
+            _pages(desc.placements),
+            spans,
+            eagle_groups=reg.eagle_groups,
+            speculative=bool(reg.speculative),
+            served_models=reg.served_models,
+        )
 
     def group_hashes(
-        self, token_ids: Sequence[int], extra_keys: Sequence[str]
+        self, token_ids: Sequence[int], extra_keys: Sequence[KeyRun]
     ) -> list[list[bytes]]:
+        """Per group, the names of the full blocks of ``token_ids``; ``extra_keys``: vLLM's
+        extra keys of each hash block, as runs (``hashing.expand_key_runs``)."""
         bs = self.coordinator.hash_block_size
-        fine = hash_blocks(list(token_ids), bs, extra_keys=tuple(extra_keys))
+        keys = expand_key_runs(extra_keys, len(token_ids) // bs)
+        fine = hash_blocks(list(token_ids), bs, block_keys=keys)
         return group_block_hashes(fine, bs, [g.block_size for g in self.desc.groups])
 
     def keys(
@@ -165,15 +215,16 @@ class RankPool:
         token_ids: Sequence[int],
         start: int,
         end: int,
-        extra_keys: Sequence[str],
+        extra_keys: Sequence[KeyRun],
     ) -> list[bytes]:
         """The names of the tails ``token_ids[start:start + m]``, m = 1 .. ``end - start``
         (``start`` on a block boundary, the full blocks before it named by ``hashes``): every
-        group shares one block size here."""
+        group shares one block size here. A tail carries the extra keys of the block it begins."""
         bs = self.coordinator.lcm_block_size
         block = start // bs
         parent = hashes[0][block - 1] if block else root_hash()
-        return tail_hashes(bs, parent, token_ids[start:end], tuple(extra_keys))
+        keys = expand_key_runs(extra_keys, block + 1)[block]
+        return tail_hashes(bs, parent, token_ids[start:end], keys)
 
     def tail_keys(self, group: int, names: Sequence[bytes]) -> list[tuple[int, str]]:
         """(layer, key) of every tail in ``names`` in every layer of ``group``, layer by
@@ -223,16 +274,21 @@ def _pages(placements: Sequence[LayerPlacement]) -> dict[int, int]:
 class PoolService:
     """One Mooncake Store client for the sidecar; one ``RankPool`` per registered rank."""
 
-    def __init__(self, config: PoolConfig, *, tails: bool = False) -> None:
+    def __init__(self, config: PoolConfig, *, tails: bool = False, namespace: str = "") -> None:
         self.client = PoolClient(config)
+        self.namespace = namespace  # the operator's, in every key (``RankPool.from_engine``)
         # Store a request's last partial block and hit it (``hashing.tail_hash``), where the
         # model's groups allow it (``PoolCoordinator.takes_tails``).
         self.tails = tails
         self.ranks: dict[int, RankPool] = {}
+        self.tenants = TenantKeys()
         self.lookups = 0
         self.hit_tokens = 0
         self.calls = CallCounters()
         self.recent: deque[PoolCall] = deque(maxlen=RECENT_CALLS)
+        self.running = RunningCalls(config.quarantine_max_s)
+        self.staging: dict[int, TailStaging] = {}  # per rank, where tails are put from
+        self._retired: list[TailStaging] = []
 
     async def start(self) -> None:
         await self.client.start_async()
@@ -240,11 +296,27 @@ class PoolService:
     async def stop(self) -> None:
         await self.client.close_async()
 
-    async def register(self, rank: RankPool) -> None:
-        """Register a rank's memory with the store client (again after a re-registration)."""
+    async def register(self, rank: RankPool, *, host_memory: bool = True) -> None:
+        """Register a rank's memory with the store client (again after a re-registration).
+        Tails are stored only from ``host_memory`` (``tail_pages``: they are staged by a CPU
+        copy)."""
         self.ranks[rank.desc.rank] = rank
+        self.tenants.serve(rank.served_models)
         for ptr, length in rank.spans:
             await self.client.register_async(ptr, length)
+        old = self.staging.pop(rank.desc.rank, None)
+        if old is not None:
+            # Never freed: a late put may still read it, and Mooncake refuses to register a
+            # new buffer where a registered one was (-600).
+            self._retired.append(old)
+        if self.tails and rank.coordinator.takes_tails and host_memory:
+            staging = _tail_staging(rank)
+            if staging is not None:
+                if old is not None and staging.adopt(old):
+                    pass  # the registered arena, with this registration's token maps
+                else:
+                    await self.client.register_async(*staging.span)
+                self.staging[rank.desc.rank] = staging
 
     def _rank(self, rank: int) -> RankPool:
         rp = self.ranks.get(rank)
@@ -256,7 +328,7 @@ class PoolService:
         self,
         rank: int,
         token_ids: Sequence[int],
-        extra_keys: Sequence[str] = (),
+        extra_keys: Sequence[KeyRun] = (),
         count: bool = True,
     ) -> CacheHit:
         """The longest prefix the pool can serve, as vLLM's hybrid coordinator computes it
@@ -277,17 +349,18 @@ class PoolService:
         if count:
             self.lookups += 1
             self.hit_tokens += hit.hit_tokens
+            self.tenants.learn(extra_keys)
         return hit
 
     def _tails(self, rp: RankPool) -> bool:
-        return self.tails and rp.coordinator.takes_tails
+        return self.tails and rp.coordinator.takes_tails and not rp.speculative
 
     async def _tail_hit(
         self,
         rp: RankPool,
         hashes: list[list[bytes]],
         token_ids: Sequence[int],
-        extra_keys: Sequence[str],
+        extra_keys: Sequence[KeyRun],
         full: int,
     ) -> int:
         """The longest stored tail after a hit of ``full`` tokens, leaving the last token to
@@ -309,16 +382,22 @@ class PoolService:
         return 0
 
     async def router_lookup(
-        self, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+        self, token_ids: Sequence[int], cache_salt: str | None = None, model: str | None = None
     ) -> tuple[int, int]:
-        """(hit tokens, block size) for a router weighing where a prompt goes: the lowest
-        registered rank's lookup stands for every rank, as the connector's does; (0, 0)
-        before any rank registered. Not counted as an engine's lookup."""
+        """(hit tokens, block size) for a router weighing where a prompt goes (the whole
+        prompt: the hit leaves its last token, as the engine's does), keyed by the tenant's
+        salt and adapter (``tenants``): the lowest registered rank's lookup stands for every
+        rank, as the connector's does; (0, 0) before any rank registered, and no hit for an
+        adapter no engine here has used. Not counted as an engine's lookup."""
         if not self.ranks:
             return 0, 0
         rank = min(self.ranks)
-        hit = await self.lookup(rank, token_ids, extra_keys, count=False)
-        return hit.hit_tokens, max(g.block_size for g in self.ranks[rank].desc.groups)
+        runs = self.tenants.runs(cache_salt, model)
+        block = max(g.block_size for g in self.ranks[rank].desc.groups)
+        if runs is None:
+            return 0, block
+        hit = await self.lookup(rank, token_ids, runs, count=False)
+        return hit.hit_tokens, block
 
     async def save(
         self,
@@ -326,7 +405,7 @@ class PoolService:
         token_ids: Sequence[int],
         block_ids: Sequence[np.ndarray],
         num_computed: int,
-        extra_keys: Sequence[str] = (),
+        extra_keys: Sequence[KeyRun] = (),
         request: str = "",
     ) -> SaveOutcome:
         """Store the fully computed blocks the coordinator's store masks name (the caller
@@ -334,6 +413,7 @@ class PoolService:
         started = time.time()
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
+        self.tenants.learn(extra_keys)
         keys, ptrs, sizes = [], [], []
         held = [(np.asarray(ids) != rp.desc.null_block).tolist() for ids in block_ids]
         c = rp.coordinator
@@ -354,7 +434,13 @@ class PoolService:
         tail = num_computed % c.lcm_block_size if self._tails(rp) else 0
         at = num_computed // c.lcm_block_size
         # The tail follows the chain only when every full block before it is stored.
+        staging, slot = self.staging.get(rank), None
         if tail and storable == num_computed - tail and all(at < len(h) and h[at] for h in held):
+            slot = staging.take() if staging is not None else None
+            if slot is None:
+                self.calls.tails_unstaged += 1
+        if slot is not None:
+            assert staging is not None
             start = num_computed - tail
             name = rp.tail_names(hashes, token_ids, start, num_computed, extra_keys)[-1:]
             for g in range(len(block_ids)):
@@ -362,14 +448,22 @@ class PoolService:
                 for layer, key in rp.tail_keys(g, name):
                     ptr, size = rp.page(layer, int(block_ids[g][at]))
                     keys.append(key)
-                    ptrs.append(ptr)
+                    # Only the tail's tokens: past them the page holds its last owner's KV.
+                    ptrs.append(staging.stage(slot, layer, ptr, tail))
                     sizes.append(size)
             storable = num_computed
+        call = self._begin("save", request, rank, storable, 0, chosen, block_ids, started)
         res = await self.client.put_from_async(keys, ptrs, sizes)
+        freed = None if slot is None else functools.partial(_release, staging, slot)
+        pending = self._end(call, res.late, freed)
         self.calls.saves += 1
-        self._record("save", request, rank, storable, 0, chosen, block_ids, started)
         return SaveOutcome(
-            len(res.stored), len(res.skipped), len(res.backpressure), len(res.failed), res.bytes_put
+            len(res.stored),
+            len(res.skipped),
+            len(res.backpressure),
+            len(res.failed),
+            res.bytes_put,
+            pending,
         )
 
     async def load(
@@ -378,7 +472,7 @@ class PoolService:
         token_ids: Sequence[int],
         block_ids: Sequence[np.ndarray],
         hit_tokens: int,
-        extra_keys: Sequence[str] = (),
+        extra_keys: Sequence[KeyRun] = (),
         held_tokens: int = 0,
         request: str = "",
     ) -> LoadOutcome:
@@ -430,7 +524,11 @@ class PoolService:
                     keys.append(key)
                     ptrs.append(ptr)
                     sizes.append(size)
+        call = self._begin(
+            "load", request, rank, hit_tokens, held_tokens, chosen, block_ids, started
+        )
         res = await self.client.get_into_async(keys, ptrs, sizes)
+        pending = self._end(call, res.late)
         failed: list[set[int]] = [set() for _ in block_ids]
         for i in res.failed:
             g, block = entries[i]
@@ -439,10 +537,9 @@ class PoolService:
         self.calls.keys += len(res.loaded)
         self.calls.bytes += res.bytes_got
         self.calls.local_blocks += local
-        self._record("load", request, rank, hit_tokens, held_tokens, chosen, block_ids, started)
-        return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed])
+        return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed], pending)
 
-    def _record(
+    def _begin(
         self,
         kind: Literal["save", "load"],
         request: str,
@@ -452,9 +549,49 @@ class PoolService:
         blocks: list[list[int]],
         block_ids: Sequence[np.ndarray],
         started: float,
-    ) -> None:
+    ) -> tuple[int, PoolCall]:
+        """Register a call about to reach the store: an engine's poll sees it from now on."""
         table = [[int(b) for b in ids] for ids in block_ids]
         call = PoolCall(
-            kind, request, rank, tokens, held_tokens, blocks, table, started, time.time()
+            kind, request, rank, tokens, held_tokens, blocks, table, started, None, "running"
         )
-        self.recent.append(call)
+        return self.running.begin(kind, rank, request, call), call
+
+    def _end(
+        self,
+        begun: tuple[int, PoolCall],
+        late: concurrent.futures.Future[Any] | None,
+        freed: Callable[[], None] | None = None,
+    ) -> bool:
+        """The store answered, or its call went late (True: the engine is answered pending);
+        either way the call is in ``recent`` once the store returned."""
+        call_id, call = begun
+        state: Literal["done", "late"] = "done" if late is None else "late"
+
+        def returned() -> None:
+            # On the store's thread for a late call: deque.append is atomic.
+            self.recent.append(dataclasses.replace(call, ended_at=time.time(), state=state))
+            if freed is not None:
+                freed()
+
+        return self.running.end(call_id, late, returned)
+
+    def recent_calls(self) -> list[PoolCall]:
+        """``recent``, then the calls whose store call has not returned yet."""
+        return [*self.recent, *(c.detail for c in self.running.calls())]
+
+
+def _release(staging: TailStaging | None, slot: int) -> None:
+    assert staging is not None
+    staging.release(slot)
+
+
+def _tail_staging(rank: RankPool) -> TailStaging | None:
+    """Staging slots for ``rank``'s tails; None (no tails stored) for a page geometry whose
+    token bytes are not known."""
+    sizes = {layer: g.block_size for g in rank.desc.groups for layer in g.layers}
+    try:
+        return staging_for(rank.desc.placements, sizes, rank.page_bytes)
+    except ConfigError as e:
+        log.warning("rank %d: tails are not stored: %s", rank.desc.rank, e)
+        return None

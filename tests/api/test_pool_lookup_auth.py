@@ -30,7 +30,7 @@ class StubPool:
         self.asked = 0
 
     async def router_lookup(
-        self, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+        self, token_ids: Sequence[int], cache_salt: str | None = None, model: str | None = None
     ) -> tuple[int, int]:
         self.asked += 1
         return min(48, len(token_ids)), 16

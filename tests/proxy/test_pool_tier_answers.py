@@ -1,5 +1,5 @@
 """A pool lookup's answer is used only when it can be true: a whole number of tokens from 0 to
-what was asked (the prompt less its last token). Anything else (longer than the prompt, below
+what was asked less its last token. Anything else (longer than the prompt, below
 0, not an integer) is refused as unusable, and the pick goes without the pool and says why."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from tests.proxy.conftest import Cluster
 from tests.proxy.test_pool_tier import A, FakePool
 
-ASKED = len(A) - 1  # the connector's question: the engine computes the last token itself
+ASKED = len(A) - 1  # the most a lookup of A may hit: the engine computes the last token
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_an_answer_longer_than_the_prompt_is_refused_as_unusable(
         hit, note = pool_pick(c)
         assert hit == 0, bad
         assert note == f"pool lookup answered an unusable hit: {fake_pool.forced!r}", bad
-    assert fake_pool.asked[-1] == A[:-1]
+    assert fake_pool.asked[-1] == A  # the whole prompt, as the connector asks
     # The boundaries themselves are usable: the whole question, and nothing.
     for good in (ASKED, 0):
         fake_pool.forced = good

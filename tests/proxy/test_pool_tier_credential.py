@@ -33,7 +33,7 @@ PROMPT = list(range(1000, 2088))  # 1088 tokens
 
 class StubPool:
     async def router_lookup(
-        self, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
+        self, token_ids: Sequence[int], cache_salt: str | None = None, model: str | None = None
     ) -> tuple[int, int]:
         return min(1024, len(token_ids)), 128
 

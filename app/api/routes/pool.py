@@ -48,7 +48,7 @@ async def pool_lookup(body: PoolLookupBody, sidecar: SidecarDep) -> PoolLookupRe
             409, detail="the KV pool is not enabled on this sidecar (KVSIDECAR_POOL__ENABLED)"
         )
     try:
-        hit, block = await svc.router_lookup(body.token_ids, body.extra_keys)
+        hit, block = await svc.router_lookup(body.token_ids, body.cache_salt, body.model)
     except KVSidecarError as e:  # the store unreachable or slow: the router goes without
         raise HTTPException(503, detail=f"the KV pool did not answer: {e}") from None
     return PoolLookupResponse(hit_tokens=hit, block_size=block)

@@ -9,12 +9,14 @@ until the result is in, so a slow or silent sidecar never holds up other request
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError
+from app.store.hashing import KeyRun
 
 log = logging.getLogger(__name__)
 
@@ -30,12 +32,14 @@ class PoolLookups:
         self._link: EngineLink | None = None  # made and used on the lookup thread only
         self._pending: dict[str, Future[int]] = {}
 
-    def hit(self, rid: str, token_ids: list[int], extra_keys: tuple[str, ...] = ()) -> int | None:
+    def hit(
+        self, rid: str, token_ids: Sequence[int], key_runs: Sequence[KeyRun] = ()
+    ) -> int | None:
         """Tokens the pool holds for ``rid``'s prompt, or None while the lookup runs."""
         fut = self._pending.get(rid)
         if fut is None:
             fut = self._pending[rid] = self._thread.submit(
-                self._lookup, rid, list(token_ids), extra_keys
+                self._lookup, rid, list(token_ids), list(key_runs)
             )
             try:
                 fut.result(timeout=_FIRST_WAIT_S)
@@ -50,12 +54,12 @@ class PoolLookups:
         """The request ended: a lookup still running is answered to nobody."""
         self._pending.pop(rid, None)
 
-    def _lookup(self, rid: str, token_ids: list[int], extra_keys: tuple[str, ...]) -> int:
+    def _lookup(self, rid: str, token_ids: list[int], key_runs: list[KeyRun]) -> int:
         if self._link is None:
             c = self._config
             self._link = EngineLink(c.sidecar, c.engine_id, 0, timeout_s=c.link_timeout_s)
         try:
-            return self._link.pool_lookup(rid, token_ids, extra_keys)
+            return self._link.pool_lookup(rid, token_ids, key_runs)
         except KVSidecarError as e:
             log.warning("request %s: KV pool lookup failed (%s); computing it", rid, e)
             return 0

@@ -12,6 +12,7 @@ import msgspec
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
+from app.store.hashing import KeyRun
 from app.transfer.wire.protocol import AddSend, ExpectRecv, RemoteTarget, StepSlice
 
 BlockIds = list[list[int]]
@@ -58,15 +59,15 @@ class Expect:
 class PoolJob:
     """Load ``tokens`` pool-hit tokens into, or store the first ``tokens`` tokens from, a
     request's blocks (per group). ``held``: tokens of a load the engine's own prefix cache
-    already put in place (never fetched again); ``extra_keys``: what besides the tokens
-    names the prefix (vLLM's ``cache_salt``), as in the engine's own block hashes."""
+    already put in place (never fetched again); ``key_runs``: what besides the tokens names
+    each block (vLLM's own extra keys, ``pool_keys.key_runs``), as in its block hashes."""
 
     req_id: str
     token_ids: list[int]
     block_ids: BlockIds
     tokens: int
     held: int = 0
-    extra_keys: tuple[str, ...] = ()
+    key_runs: list[KeyRun] = field(default_factory=list)
 
 
 @dataclass

@@ -3,20 +3,30 @@
 One thread with its own engine link (a ZMQ socket belongs to one thread): a load or a store
 takes as long as Mooncake Store needs, and the engine only learns the outcome from
 ``get_finished`` like any other asynchronous transfer.
+
+A load or save the sidecar answers *pending* (its Mooncake call ran past the pool's timeout
+and still writes or reads the request's blocks), or that the link gave up on (the sidecar may
+have begun it), is reported to vLLM only once a poll finds it settled: until then the request
+waits (load) or keeps its blocks (save), so vLLM reuses no block the store may still touch. The
+polls go out on this thread between jobs, one at a time, at most every ``POLL_INTERVAL_S``: a
+late call holds its own request, never the loads queued behind it.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import PoolJob
 from app.engine_link.client import EngineLink
-from app.errors import KVSidecarError
+from app.errors import DeadlineExceeded, KVSidecarError, SidecarGone
 
 log = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.05
 
 
 class PoolJobs:
@@ -29,6 +39,11 @@ class PoolJobs:
         self._loaded: set[str] = set()
         self._saved: set[str] = set()
         self._failed: set[str] = set()
+        # Calls whose store call may still run: reported once a poll finds them settled.
+        self._late_loads: set[str] = set()
+        self._late_saves: set[str] = set()
+        self._polling = False
+        self._polled_at = 0.0
 
     def load(self, job: PoolJob) -> None:
         self._thread.submit(self._load, job)
@@ -37,11 +52,50 @@ class PoolJobs:
         self._thread.submit(self._save, job)
 
     def drain(self) -> tuple[set[str], set[str], set[str]]:
-        """Requests loaded, stored, and failed to load (whole or in part) since the last call."""
+        """Requests loaded, stored, and failed to load (whole or in part) since the last call;
+        asks the sidecar about late calls again (never waits for it)."""
         with self._lock:
             out = (self._loaded, self._saved, self._failed)
             self._loaded, self._saved, self._failed = set(), set(), set()
+            poll = (
+                bool(self._late_loads or self._late_saves)
+                and not self._polling
+                and time.monotonic() - self._polled_at >= POLL_INTERVAL_S
+            )
+            if poll:
+                self._polling = True
+        if poll:
+            self._thread.submit(self._poll)
         return out
+
+    @property
+    def late(self) -> tuple[set[str], set[str]]:
+        """(loads, saves) reported pending and not settled yet."""
+        with self._lock:
+            return set(self._late_loads), set(self._late_saves)
+
+    def _poll(self) -> None:
+        with self._lock:
+            loads, saves = set(self._late_loads), set(self._late_saves)
+        try:
+            running_loads, running_saves = self.link.pool_poll(sorted(loads), sorted(saves))
+        except SidecarGone:
+            # Its process is gone, and its Mooncake calls with it: nothing writes or reads now.
+            running_loads, running_saves = set(), set()
+        except KVSidecarError as e:
+            log.warning("late KV pool calls not polled (%s); asking again", e)
+            running_loads, running_saves = loads, saves
+        with self._lock:
+            for req in loads - running_loads:
+                log.warning("request %s: late KV pool load settled; recomputing", req)
+                self._late_loads.discard(req)
+                self._loaded.add(req)
+                self._failed.add(req)  # nothing checked what the late get wrote
+            for req in saves - running_saves:
+                self._late_saves.discard(req)
+                self._saved.add(req)
+            self._polling = False
+            self._polled_at = time.monotonic()
 
     def _load(self, job: PoolJob) -> None:
         try:
@@ -50,27 +104,45 @@ class PoolJobs:
                 job.token_ids,
                 job.block_ids,
                 job.tokens,
-                job.extra_keys,
+                job.key_runs,
                 held_tokens=job.held,
             )
             failed = any(reply.failed_blocks)
+            late = reply.pending
+        except SidecarGone as e:
+            log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
+            failed, late = True, False
+        except DeadlineExceeded as e:
+            log.error("request %s: KV pool load unanswered (%s); waiting for it", job.req_id, e)
+            failed, late = True, True
         except KVSidecarError as e:
             log.error("request %s: KV pool load failed (%s); recomputing", job.req_id, e)
-            failed = True
+            failed, late = True, False
+        if late:
+            with self._lock:
+                self._late_loads.add(job.req_id)
+            return
         with self._lock:
             self._loaded.add(job.req_id)
             if failed:
                 self._failed.add(job.req_id)
 
     def _save(self, job: PoolJob) -> None:
+        late = False
         try:
-            self.link.pool_save(
-                job.req_id, job.token_ids, job.block_ids, job.tokens, job.extra_keys
+            reply = self.link.pool_save(
+                job.req_id, job.token_ids, job.block_ids, job.tokens, job.key_runs
             )
+            late = bool(reply.get("pending"))
+        except DeadlineExceeded as e:
+            log.warning(
+                "request %s: KV pool save unanswered (%s); holding its blocks", job.req_id, e
+            )
+            late = True
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
         with self._lock:
-            self._saved.add(job.req_id)
+            (self._late_saves if late else self._saved).add(job.req_id)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -27,7 +27,13 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
-from app.connectors.vllm.speculative import draft_kv_heads, draft_layers, speculative_identity
+from app.connectors.vllm.checkpoint import checkpoint_identity
+from app.connectors.vllm.speculative import (
+    draft_kv_heads,
+    draft_layers,
+    eagle_groups,
+    speculative_identity,
+)
 from app.devices import Device
 from app.devices.memory import Exported, export_buffer
 from app.devices.shm import SHM_DIR
@@ -334,7 +340,17 @@ def build_registration(
         memory=memory,
         device_memory=device_memory if on_device else None,
         speculative=speculative_identity(vllm_config),
+        checkpoint=checkpoint_identity(vllm_config),
+        served_models=served_models(model_config),
+        eagle_groups=eagle_groups(vllm_config, kv_cache_config),
     )
+
+
+def served_models(model_config: Any) -> list[str]:
+    """The names the OpenAI server answers for the base model (vLLM's served_model_name, else
+    the model itself)."""
+    names = model_config.served_model_name or model_config.model
+    return [str(n) for n in ([names] if isinstance(names, str) else names)][:16]
 
 
 def _export(storage: torch.UntypedStorage, exported: list[Exported]) -> DeviceBuffer:

@@ -44,8 +44,15 @@ from app.connectors.vllm.metadata import (
     KVSidecarMetadata,
     PoolJob,
 )
+from app.connectors.vllm.pool_keys import (
+    SKIP_UNKEYABLE,
+    hash_block_size,
+    key_runs,
+    without_keys,
+)
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
+from app.store.hashing import KeyRun
 from app.tracing.traceparent import parse as parse_traceparent
 from app.transfer.planning.planner import MambaMode
 from app.transfer.wire.protocol import (
@@ -56,6 +63,7 @@ from app.transfer.wire.protocol import (
     StepSlice,
     remote_target,
 )
+from app.transfer.wire.target_auth import prompt_digest
 
 log = logging.getLogger(__name__)
 
@@ -70,12 +78,26 @@ class _Send:
     block_ids: BlockIds
     computes: int  # tokens this engine computes: the prompt, or one fewer when truncated
     traceparent: str | None
+    prompt_digest: str  # of the whole prompt: decode's target must be signed for it
     token: str | None = None  # the transfer's capability at the router
     # Decode first: decode's target per pipeline stage (``remote`` is stage 0's).
     stage_remotes: list[RemoteTarget] = field(default_factory=list)
     admitted: bool = False
     grown: bool = False
     sliced: bool = False
+
+
+@dataclass(frozen=True)
+class _Whole:
+    """A prefill prompt as decode holds it, taken before ``_truncate`` dropped its last token."""
+
+    digest: str  # prompt_digest of the whole prompt ("" without token ids: binds nothing)
+    truncated: bool
+
+
+# The attribute of vLLM's Request that holds its ``_Whole``: on the request, not in its
+# ``kv_transfer_params``, which are the client's to write.
+_WHOLE = "_kvs_whole"
 
 
 @dataclass
@@ -95,6 +117,7 @@ class _State:
     # find the same keys (a dead sidecar's segment stays listed until the master drops it)
     # and fail the same way, once a step, for as long as that takes.
     pool_failed: set[str] = field(default_factory=set)
+    skipped: set[str] = field(default_factory=set)  # counted in ``skips`` already
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -130,6 +153,9 @@ class SchedulerSide:
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
         self.lookups = PoolLookups(config) if config.pool else None
+        self.hash_block_size = hash_block_size(kv_cache_config) if kv_cache_config else 1
+        # Requests that went without the pool or a transfer, by reason (pool_keys.SKIP_*).
+        self.skips: dict[str, int] = {}
         # One per rank of every pipeline stage, for one-way aborts (they never wait for the
         # sidecar) and to see a sidecar die: connected now, while the sidecars the workers
         # registered with are up, so a later exit shows on the links' monitors.
@@ -145,11 +171,17 @@ class SchedulerSide:
         self, request: Any, num_computed: int
     ) -> tuple[int | None, bool]:
         p = _params(request)
+        rid = request.request_id
+        unkeyed = without_keys(request)
+        if unkeyed is not None:
+            # Prompt embeddings: no token ids to key or truncate, and no transfer (prefill
+            # sends nothing, decode computes the prompt). Client input never raises here.
+            self._skip(rid, unkeyed, "no KV transfer and no KV pool")
+            return 0, False
         if p.get("do_remote_decode"):
             self._truncate(request)
         if not p.get("do_remote_prefill"):
             return self._pool_hit(request, num_computed)
-        rid = request.request_id
         if rid in self.state.recvs:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
@@ -167,7 +199,16 @@ class SchedulerSide:
         self.state.pool_hits.pop(rid, None)
         if self.lookups is None or rid in self.state.pool_failed:
             return 0, False
-        hit = self.lookups.hit(rid, request.prompt_token_ids[:-1], _extra_keys(request))
+        if request.skip_reading_prefix_cache:
+            # As vLLM's own cache: the client asked for every prompt token computed (e.g.
+            # prompt logprobs); the computed blocks are still stored at the end.
+            return 0, False
+        # The whole prompt: the sidecar caps the hit at one token short of it, as vLLM does.
+        tokens = request.prompt_token_ids
+        runs = self._key_runs(request, len(tokens))
+        if runs is None:
+            return 0, False
+        hit = self.lookups.hit(rid, tokens, runs)
         if hit is None:
             return None, False
         if hit <= num_computed:
@@ -181,14 +222,21 @@ class SchedulerSide:
         and the KV of N - 1 tokens is then bit for bit what one engine holds after a prefill
         of them: a prefill of N tokens rounds some of the same rows otherwise (measured: a
         37-token MLA prompt whose 36 loaded rows were byte-equal to prefill's answered
-        otherwise than the engine alone)."""
-        params = request.kv_transfer_params
-        if params.get("_kvs_truncated") or request.num_prompt_tokens < 2:
+        otherwise than the engine alone).
+
+        The whole prompt's digest is taken first: decode's target binds the prompt as decode
+        holds it, last token included. Whether this ran is kept on the request, never in its
+        ``kv_transfer_params`` (a client could preset a marker there and skip the cut)."""
+        if getattr(request, _WHOLE, None) is not None:
+            return  # vLLM asks again each step until the request is scheduled
+        ids = request.prompt_token_ids
+        cut = ids is not None and request.num_prompt_tokens >= 2
+        setattr(request, _WHOLE, _Whole(_digest(ids), cut))
+        if not cut:
             return
         del request.prompt_token_ids[-1]
         del request._all_token_ids[-1]  # vLLM keeps its own copy of the token list
         request.num_prompt_tokens -= 1
-        params["_kvs_truncated"] = True
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         p = _params(request)
@@ -198,9 +246,9 @@ class SchedulerSide:
         if pool_hit is not None and num_external > 0:
             hit, held = pool_hit
             tokens = list(request.prompt_token_ids[:hit])
-            self.state.pool_loads.append(
-                PoolJob(rid, tokens, ids, hit, held=held, extra_keys=_extra_keys(request))
-            )
+            runs = self._key_runs(request, hit)
+            assert runs is not None  # the lookup keyed the same request
+            self.state.pool_loads.append(PoolJob(rid, tokens, ids, hit, held=held, key_runs=runs))
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             # The proxy's transfer id names the transfer on both sidecars; without a proxy,
             # this engine's request id.
@@ -215,6 +263,7 @@ class SchedulerSide:
                 timeout_s=self.config.recv_timeout_s,
                 queue_timeout_s=self.config.recv_queue_timeout_s,
                 traceparent=_traceparent(p),
+                prompt_digest=_digest(request.prompt_token_ids),
             )
             computed = self.state.local_hits.pop(rid, 0)
             self.state.expects.append(Expect(rid, recv, computed, p.get("router_url"), _token(p)))
@@ -222,7 +271,11 @@ class SchedulerSide:
                 log.warning(
                     "request %s: no router_url in kv_transfer_params; nobody will send", rid
                 )
-        elif p.get("do_remote_decode") and rid not in self.state.sends:
+        elif (
+            p.get("do_remote_decode")
+            and rid not in self.state.sends
+            and without_keys(request) is None
+        ):
             send = self._send(request, p, ids)
             if send is not None:
                 self.state.sends[rid] = send
@@ -240,6 +293,16 @@ class SchedulerSide:
                 # As a missing target: no send; decode's deadline ends its side (it recomputes).
                 log.error("request %s: %s; not sent", rid, e)
                 return None
+            # The id this engine's request runs under (the proxy's transfer id), not the
+            # target's own: the sidecar checks the target was signed for it.
+            sid = str(p.get("transfer_id") or "")
+            if not sid:
+                log.error(
+                    "request %s: a remote target without the transfer_id it was signed for "
+                    "(kv_transfer_params needs both, as the proxy sends them); not sent",
+                    rid,
+                )
+                return None
             if len(stages) != self.config.pp_size:
                 log.error(
                     "request %s: decode runs %d pipeline stage(s) and this prefill %d: each "
@@ -250,7 +313,6 @@ class SchedulerSide:
                     self.config.pp_size,
                 )
                 return None
-            sid = remote.request_id
         elif p.get("router_url") and p.get("transfer_id"):
             sid = str(p["transfer_id"])  # concurrent: the target comes later, by this id
         elif self.config.target_url:
@@ -265,8 +327,11 @@ class SchedulerSide:
             return None
         # The sidecar plans with the whole prompt (decode loads all but its last token);
         # a truncated prefill computes exactly those, and its last slice ends the prompt.
+        taken = getattr(request, _WHOLE, None)
+        if not isinstance(taken, _Whole):  # not truncated: the prompt is whole as it is
+            taken = _Whole(_digest(request.prompt_token_ids), False)
         computes = len(request.prompt_token_ids)
-        whole = computes + 1 if p.get("_kvs_truncated") else computes
+        whole = computes + 1 if taken.truncated else computes
         timeout = float(p.get("target_timeout_s") or self.config.target_timeout_s)
         if not 0 < timeout <= MAX_DEADLINE_S:
             log.error(
@@ -288,6 +353,7 @@ class SchedulerSide:
             ids,
             computes,
             _traceparent(p),
+            taken.digest,
             _token(p),
             stages,
         )
@@ -351,6 +417,7 @@ class SchedulerSide:
             # Prefill first: nobody fetches the target, the sidecar bounds the wait.
             target_timeout_s=send.target_timeout_s if prefill_first else None,
             traceparent=send.traceparent,
+            prompt_digest=send.prompt_digest,
         )
         return Admit(
             req_id,
@@ -367,6 +434,7 @@ class SchedulerSide:
         rid = request.request_id
         self.state.pool_hits.pop(rid, None)
         self.state.pool_failed.discard(rid)
+        self.state.skipped.discard(rid)
         self.state.local_hits.pop(rid, None)
         if self.lookups is not None:
             self.lookups.forget(rid)
@@ -433,21 +501,18 @@ class SchedulerSide:
         computed) for the pool; True when the blocks must stay until then."""
         if not self.config.pool or request.status == RequestStatus.FINISHED_ABORTED:
             return False
+        if without_keys(request) is not None:
+            return False  # counted when the request was first seen
         known = request.all_token_ids if answer else request.prompt_token_ids
         tokens = min(int(request.num_computed_tokens), len(known))
         if tokens < 1 or not any(block_ids):
             return False
+        runs = self._key_runs(request, tokens)
+        if runs is None:
+            return False
         rid = request.request_id
         ids = [list(map(int, g)) for g in block_ids]
-        self.state.pool_saves.append(
-            PoolJob(
-                rid,
-                list(known[:tokens]),
-                ids,
-                tokens,
-                extra_keys=_extra_keys(request),
-            )
-        )
+        self.state.pool_saves.append(PoolJob(rid, list(known[:tokens]), ids, tokens, key_runs=runs))
         self.state.unfinished_saves.add(rid)
         return True
 
@@ -465,6 +530,22 @@ class SchedulerSide:
         return bool(self.state.unfinished_sends or self.state.unfinished_saves)
 
     # ---- helpers ---------------------------------------------------------------------------
+
+    def _key_runs(self, request: Any, num_tokens: int) -> list[KeyRun] | None:
+        """vLLM's extra keys of the request's blocks for the pool (None: it cannot be keyed,
+        and goes without the pool)."""
+        runs = key_runs(request, num_tokens, self.hash_block_size)
+        if runs is None:
+            self._skip(request.request_id, SKIP_UNKEYABLE, "no KV pool")
+        return runs
+
+    def _skip(self, rid: str, reason: str, what: str) -> None:
+        """Count (once a request) a request that goes without the pool or a transfer."""
+        if rid in self.state.skipped:
+            return
+        self.state.skipped.add(rid)
+        self.skips[reason] = self.skips.get(reason, 0) + 1
+        log.info("request %s: %s (%s)", rid, what, reason)
 
     def _abort_send(self, rid: str, reason: str) -> None:
         send = self.state.sends.get(rid)
@@ -487,11 +568,10 @@ class SchedulerSide:
             link.close(unlink=False)
 
 
-def _extra_keys(request: Any) -> tuple[str, ...]:
-    """What names a prefix besides its tokens: vLLM's ``cache_salt`` keeps one tenant's
-    cache apart from another's in its own prefix cache, so it does in the pool too."""
-    salt = getattr(request, "cache_salt", None)
-    return (f"salt:{salt}",) if salt else ()
+def _digest(token_ids: Any) -> str:
+    """``prompt_digest`` of a request's prompt; "" without token ids (prompt embeddings),
+    which binds no target: none is taken for such a send."""
+    return "" if token_ids is None else prompt_digest(token_ids)
 
 
 def _copy(ids: BlockIds) -> BlockIds:

@@ -53,3 +53,15 @@ def draft_kv_heads(vllm_config: Any) -> int | None:
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None)
     return None if draft is None else int(draft.get_total_num_kv_heads())
+
+
+def eagle_groups(vllm_config: Any, kv_cache_config: Any) -> list[int]:
+    """The KV cache groups whose last matched block vLLM's prefix cache drops (EAGLE/MTP's
+    block drop, ``use_eagle_block_drop``): the groups vLLM flags, else every group, as its
+    coordinator falls back; none without it."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None or not spec.use_eagle_block_drop():
+        return []
+    groups = kv_cache_config.kv_cache_groups
+    flagged = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)]
+    return flagged or list(range(len(groups)))

@@ -117,7 +117,8 @@ class Registry:
         ]
         await asyncio.to_thread(self.engine.register_many, spans)
         if self.pool is not None:
-            await self.pool.register(RankPool.from_engine(desc, reg, spans))
+            rank_pool = RankPool.from_engine(desc, reg, spans, self.pool.namespace)
+            await self.pool.register(rank_pool, host_memory=reg.device_memory is None)
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
         agent.device_memory = imported

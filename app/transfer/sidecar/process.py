@@ -20,9 +20,8 @@ from app.store.service import PoolService
 from app.tracing.otel import open_tracing
 from app.transfer.control.server import ControlServer
 from app.transfer.lanes.mooncake import EngineConfig, MooncakeEngine
-from app.transfer.requests.agent import RecvRequest, SendRequest, agent_of
+from app.transfer.requests.agent import agent_of
 from app.transfer.requests.pool_calls import pool_call
-from app.transfer.requests.receiving import expiry_reason
 from app.transfer.sidecar.core import SidecarCore
 from app.transfer.wire.protocol import (
     Abort,
@@ -47,6 +46,7 @@ from app.transfer.wire.protocol import (
     Pong,
     PoolLoad,
     PoolLookup,
+    PoolPoll,
     PoolSave,
     RegisterEngine,
     Rejected,
@@ -91,8 +91,10 @@ class Sidecar(SidecarCore):
                     local_buffer_size=s.pool.local_buffer_bytes,
                     protocol=s.transport,
                     rdma_devices=s.device_name,
+                    quarantine_max_s=s.quarantine_max_s,
                 ),
                 tails=s.pool.tails,
+                namespace=s.pool.namespace,
             )
             await pool.start()
         if self._engine_hook is not None:
@@ -218,7 +220,7 @@ class Sidecar(SidecarCore):
             if isinstance(msg, AbortRequest):
                 await self.abort(msg.rank, msg.request, msg.reason)
                 return Reply()
-            if isinstance(msg, PoolLookup | PoolSave | PoolLoad):
+            if isinstance(msg, PoolLookup | PoolSave | PoolLoad | PoolPoll):
                 return await pool_call(self.pool, msg)
         except KVSidecarError as e:
             return Reply(ok=False, error=str(e))
@@ -228,7 +230,10 @@ class Sidecar(SidecarCore):
 
     async def _on_peer(self, msg: AnyMsg, ident: bytes) -> Msg | None:
         if isinstance(msg, Ping):
-            return Pong(epoch=self.epoch, known=self._peers.heard(msg.engine_id, msg.epoch))
+            known = self._peers.heard(msg.engine_id, msg.epoch)
+            if known and msg.sending:
+                self.recv.still_sending(msg.engine_id, msg.sending)
+            return Pong(epoch=self.epoch, known=known)
         if isinstance(msg, Hello):
             return self._hello(msg)
         if isinstance(msg, Claim):
@@ -297,21 +302,15 @@ class Sidecar(SidecarCore):
                 continue
             await asyncio.sleep(0.05)
             now = time.monotonic()
-            for agent in list(self.agents.values()):
-                for req in agent.all_requests():
-                    if req.state.terminal or now <= req.deadline:
-                        continue
-                    if isinstance(req, SendRequest):
-                        ended = self.send.fail(req, "deadline passed while sending", Status.EXPIRED)
-                    elif isinstance(req, RecvRequest):
-                        ended = self.recv.end(req, Status.EXPIRED, expiry_reason(req))
-                    self._counters["expired"] += ended
+            self._counters["expired"] += self.send.expire(now) + self.recv.expire(now)
 
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             try:
                 in_use = self.send.live_peers() | self.recv.live_peers()
-                await self._peers.heartbeat(in_use, self.settings.engine_id, self.epoch)
+                await self._peers.heartbeat(
+                    in_use, self.settings.engine_id, self.epoch, self.send.sending_to
+                )
             except Exception:  # the heartbeat must outlive any one bad round
                 log.exception("heartbeat round failed")

@@ -49,11 +49,19 @@ Host = Annotated[str, msgspec.Meta(pattern=HOST_PATTERN)]
 # megabyte id out of records, answers and logs.
 MAX_ID_CHARS = 256
 Id = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_CHARS)]
+# Requests one heartbeat names (``Ping.sending``): at most half the default control frame cap
+# however long the ids; more sends in flight to one peer than this is far past any engine's batch.
+MAX_SENDING = 2048
 # The connector passes on only a traceparent it parsed (README "Tracing"); anything else from
 # an engine is a malformed frame.
 TraceParentHeader = Annotated[str, msgspec.Meta(pattern=TRACEPARENT_PATTERN)]
 # An HMAC-SHA256 in hex (app.transfer.wire.target_auth), or "" for none.
 Signature = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+# A prompt's SHA-256 in hex (target_auth.prompt_digest), or "" for none.
+PromptDigest = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
+# The format of the targets this release signs: 2 binds decode's prompt (``prompt_digest``). A
+# target without the field is of format 1, from an older decode, and refused by name.
+TARGET_FORMAT = 2
 
 # What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
 _SHOWN_BYTES = 32
@@ -149,6 +157,10 @@ class Ping(Msg, tag="ping"):
 
     engine_id: str
     epoch: str
+    # Prefill to decode: the requests it claimed there and still sends (each progressed within
+    # prefill's send_timeout_s, or it would have ended). Decode's receive of each waits its
+    # idle bound (recv_timeout_s) anew: a long prefill's transfer follows its progress.
+    sending: Annotated[list[Id], msgspec.Meta(max_length=MAX_SENDING)] = []
 
 
 class Pong(Msg, tag="pong"):
@@ -209,6 +221,11 @@ class RemoteTarget(msgspec.Struct):
     block_ids: BlockIds
     # Prompt tokens decode already holds (its own prefix cache): prefill sends from here on.
     computed: NonNegInt = 0
+    # The prompt decode holds for this transfer (target_auth.prompt_digest): prefill's sidecar
+    # writes only for a send whose prompt has this digest.
+    prompt_digest: PromptDigest = ""
+    # Set by the signer; absent (1) in targets of releases that bound no prompt.
+    format: Annotated[int, msgspec.Meta(ge=1)] = 1
     # Decode's sidecar's signature over the fields above (app.transfer.wire.target_auth): prefill's
     # sidecar uses no target without a good one.
     signature: Signature = ""
@@ -229,6 +246,9 @@ class AddSend(Msg, tag="add_send"):
     target_timeout_s: Deadline | None = None
     # W3C trace context of the prefill request: the send's spans are its children.
     traceparent: TraceParentHeader | None = None
+    # Digest of the whole prompt prefill's engine runs (decode's view: before prefill drops
+    # the last token): only a target signed for this prompt is taken.
+    prompt_digest: PromptDigest = ""
 
 
 class SetTarget(Msg, tag="set_target"):
@@ -254,6 +274,8 @@ class ExpectRecv(Msg, tag="expect_recv"):
     queue_timeout_s: Deadline | None = None
     # W3C trace context of the decode request: the receive's span is its child.
     traceparent: TraceParentHeader | None = None
+    # Digest of the prompt decode holds: its target binds it (target_auth.prompt_digest).
+    prompt_digest: PromptDigest = ""
 
 
 class StepSlice(msgspec.Struct, array_like=True):
@@ -351,11 +373,17 @@ class AbortRequest(Msg, tag="abort_request"):
     reason: str
 
 
+# vLLM's extra keys of a prompt's hash blocks, as runs: ``(blocks, keys)`` names the next
+# ``blocks`` hash blocks' keys, 0 blocks this and every later one (``app.store.hashing``); no runs:
+# no block has extra keys. Keys are vLLM's own tuples (str, int, bytes, None), arrays on the wire.
+KeyRuns = list[tuple[NonNegInt, list[object]]]
+
+
 class PoolLookup(Msg, tag="pool_lookup"):
     rank: Index
     request: str
     token_ids: list[Index]
-    extra_keys: list[str] = []
+    extra_keys: KeyRuns = []
 
 
 class PoolSave(Msg, tag="pool_save"):
@@ -366,7 +394,7 @@ class PoolSave(Msg, tag="pool_save"):
     token_ids: list[Index]
     block_ids: BlockIds
     num_computed: NonNegInt
-    extra_keys: list[str] = []
+    extra_keys: KeyRuns = []
 
 
 class PoolLoad(Msg, tag="pool_load"):
@@ -375,7 +403,7 @@ class PoolLoad(Msg, tag="pool_load"):
     token_ids: list[Index]
     block_ids: BlockIds
     hit_tokens: NonNegInt
-    extra_keys: list[str] = []
+    extra_keys: KeyRuns = []
     # Tokens the engine's own prefix cache already put in place: never fetched again (its
     # blocks are shared with other requests).
     held_tokens: NonNegInt = 0
@@ -385,6 +413,25 @@ class PoolLoaded(Msg, tag="pool_loaded"):
     loaded: NonNegInt
     bytes: NonNegInt
     failed_blocks: BlockIds
+    # The get ran past the pool's timeout and may still write the blocks: nothing is decided;
+    # the engine keeps them (the request waits) and asks with ``PoolPoll`` until it returned.
+    pending: bool = False
+
+
+class PoolPoll(Msg, tag="pool_poll"):
+    """Which of these loads and saves, answered pending, still run in the store."""
+
+    rank: Index
+    loads: list[Id] = []
+    saves: list[Id] = []
+
+
+class PoolRunning(Msg, tag="pool_running"):
+    """The reply to ``PoolPoll``: those still running. Every other one asked about is settled
+    (returned, or never reached the store): its blocks are the engine's again."""
+
+    loads: list[Id] = []
+    saves: list[Id] = []
 
 
 class Reply(Msg, tag="reply"):
@@ -423,6 +470,8 @@ AnyMsg = (
     | PoolSave
     | PoolLoad
     | PoolLoaded
+    | PoolPoll
+    | PoolRunning
 )
 
 _encoder = msgspec.msgpack.Encoder()
