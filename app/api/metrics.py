@@ -326,8 +326,33 @@ class SidecarCollector(Collector):
                 "Stores of a shorter prefix than computed: blocks a hit needs were given back.",
                 calls.saves_cut,
             ),
+            (
+                "tails_unstaged",
+                "Tails not stored: every staging slot was in use.",
+                calls.tails_unstaged,
+            ),
         ):
             yield CounterMetricFamily(f"kvsidecar_pool_{name}", doc, value=value)
+        late = svc.running.counters
+        calls_late = CounterMetricFamily(
+            "kvsidecar_pool_late_calls",
+            "Engine saves and loads whose store call ran past the pool's timeout (the engine "
+            "kept their blocks), and what became of them.",
+            labels=["outcome"],
+        )
+        for outcome, value in (
+            ("load", late.late_loads),
+            ("save", late.late_saves),
+            ("released", late.released),
+            ("stuck", late.stuck),
+        ):
+            calls_late.add_metric([outcome], value)
+        yield calls_late
+        yield GaugeMetricFamily(
+            "kvsidecar_pool_late_running",
+            "Store calls past their timeout still running now (their buffers held).",
+            value=c.late_running,
+        )
 
     def _peers(self) -> Iterator[Metric]:
         failures = CounterMetricFamily(

@@ -383,7 +383,11 @@ def pool(sidecar: Sidecar) -> PoolResponse:
         master_address=svc.client.config.master_address,
         lookups=svc.lookups,
         hit_tokens=svc.hit_tokens,
-        recent=[PoolCallView(**asdict(call)) for call in svc.recent],
+        recent=[PoolCallView(**asdict(call)) for call in svc.recent_calls()],
+        late_loads=svc.running.counters.late_loads,
+        late_saves=svc.running.counters.late_saves,
+        late_released=svc.running.counters.released,
+        late_stuck=svc.running.counters.stuck,
         **{k: getattr(c, k) for k in _POOL_COUNTERS},
     )
 
@@ -399,6 +403,8 @@ _POOL_COUNTERS = (
     "backpressure",
     "failures",
     "timeouts",
+    "late_returns",
+    "late_running",
 )
 
 

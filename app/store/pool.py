@@ -31,26 +31,33 @@ Mooncake Store facts (mooncake-transfer-engine-non-cuda 0.3.13.post1, loopback T
 * Over TCP the buffers need not be registered (data is copied); registering keeps the zero-copy
   path for RDMA and costs nothing here.
 
+* A get or put whose peer segment's holder is stopped (SIGSTOP) blocks; on SIGCONT it finishes
+  and *succeeds*: a get writes its buffers seconds after the caller gave up. Stopped for 30 s,
+  Mooncake's TCP transport drops the transfer and the get answers ``-800`` per key.
+
 So every blocking call runs on a small bounded pool of *daemon* threads and is waited for with a
 timeout: a call that runs past it is reported (counted, keys failed) and left to finish in the
-background (``quiesce`` waits for it). Outcomes, not exceptions, report pool trouble on the data
+background; the result's ``late`` is that call, and its buffers are not the caller's to reuse
+until it is done (``quiesce`` waits for every call).
+Outcomes, not exceptions, report pool trouble on the data
 path: a full pool is back-pressure (counted, the rest of that request's puts not sent, nothing
 raised); ``exists`` errors read as misses; a failed or timed-out ``get_into`` names the blocks to
 recompute. ``PoolError`` is raised for set-up, registration and use of a client not started.
-Counters count keys, except ``bytes_*`` (bytes) and ``timeouts`` (calls).
+Counters count keys, except ``bytes_*`` (bytes) and ``timeouts`` and ``late_*`` (calls).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from app.errors import PoolError
 from app.store.daemon_threads import DaemonExecutor
@@ -91,7 +98,9 @@ class _Counters:
 
 
 class _CallTimeout(Exception):
-    pass
+    def __init__(self, late: concurrent.futures.Future[Any]) -> None:
+        super().__init__("the pool call ran past its timeout")
+        self.late = late
 
 
 def _check_batch(keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int]) -> None:
@@ -117,6 +126,7 @@ class PoolClient:
         self._closed: threading.Event | None = None
         self._counters = _Counters()
         self._state_lock = threading.Lock()
+        self._late: set[concurrent.futures.Future[Any]] = set()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -261,7 +271,10 @@ class PoolClient:
 
     def counters(self) -> PoolCounters:
         """A snapshot of the counters."""
-        return self._counters.snapshot()
+        snap = self._counters.snapshot()
+        with self._state_lock:
+            running = len(self._late)
+        return dataclasses.replace(snap, late_running=running)
 
     def quiesce(self, timeout_s: float) -> bool:
         """Wait until no call -- not a timed-out one, not the close -- still runs; True if so.
@@ -298,8 +311,21 @@ class PoolClient:
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout=timeout_s)
         except TimeoutError:
-            fut.cancel()
-            raise _CallTimeout from None
+            # A queued call is cancelled and never reaches the store; a running one cannot be.
+            if not fut.cancel():
+                self._track_late(fut)
+            raise _CallTimeout(fut) from None
+
+    def _track_late(self, fut: concurrent.futures.Future[Any]) -> None:
+        with self._state_lock:
+            self._late.add(fut)
+
+        def returned(done: concurrent.futures.Future[Any]) -> None:
+            with self._state_lock:
+                self._late.discard(done)
+            self._counters.add(late_returns=1)
+
+        fut.add_done_callback(returned)  # at once if it already returned
 
     # ---------------------------------------------------------------- register
 
@@ -406,9 +432,15 @@ class PoolClient:
 
         return job
 
-    def _put_done(self, result: PutResult | None, n: int, timed_out: bool) -> PutResult:
+    def _put_done(
+        self,
+        result: PutResult | None,
+        n: int,
+        timed_out: bool,
+        late: concurrent.futures.Future[Any] | None = None,
+    ) -> PutResult:
         if result is None:
-            result = PutResult(failed=tuple(range(n)), timed_out=timed_out)
+            result = PutResult(failed=tuple(range(n)), timed_out=timed_out, late=_running(late))
         self._counters.add(
             keys_put=len(result.stored),
             keys_skipped=len(result.skipped),
@@ -431,8 +463,8 @@ class PoolClient:
         job = self._put_job(store, list(keys), list(ptrs), list(sizes), time.monotonic() + timeout)
         try:
             result = await self._call_async(job, timeout)
-        except _CallTimeout:
-            return self._put_done(None, len(keys), True)
+        except _CallTimeout as t:
+            return self._put_done(None, len(keys), True, t.late)
         except Exception:
             return self._put_done(None, len(keys), False)
         return self._put_done(result, len(keys), False)
@@ -457,12 +489,16 @@ class PoolClient:
         return job
 
     def _get_done(
-        self, codes: Sequence[int] | None, sizes: Sequence[int], timed_out: bool
+        self,
+        codes: Sequence[int] | None,
+        sizes: Sequence[int],
+        timed_out: bool,
+        late: concurrent.futures.Future[Any] | None = None,
     ) -> GetResult:
         n = len(sizes)
         if codes is None or len(codes) != n:
             self._counters.add(failures=n, timeouts=1 if timed_out else 0)
-            return GetResult(failed=tuple(range(n)), timed_out=timed_out)
+            return GetResult(failed=tuple(range(n)), timed_out=timed_out, late=_running(late))
         # A short read is as useless as none: the block must be recomputed.
         loaded = tuple(i for i, c in enumerate(codes) if c == sizes[i])
         failed = tuple(i for i, c in enumerate(codes) if c != sizes[i])
@@ -487,8 +523,13 @@ class PoolClient:
         job = self._get_job(store, list(keys), list(ptrs), list(sizes))
         try:
             codes = await self._call_async(job, self.config.timeout_s)
-        except _CallTimeout:
-            return self._get_done(None, sizes, True)
+        except _CallTimeout as t:
+            return self._get_done(None, sizes, True, t.late)
         except Exception:
             return self._get_done(None, sizes, False)
         return self._get_done(codes, sizes, False)
+
+
+def _running(fut: concurrent.futures.Future[Any] | None) -> concurrent.futures.Future[Any] | None:
+    """``fut`` if the store may still be running it (a cancelled one never started)."""
+    return None if fut is None or fut.cancelled() else fut

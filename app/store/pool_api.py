@@ -4,8 +4,9 @@ counters and results."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from app.errors import PoolError
 
@@ -82,6 +83,10 @@ class PoolConfig:
     close_timeout_s: float = 5.0
     max_workers: int = 2
     max_batch_keys: int = 512
+    # How long a call past ``timeout_s`` may keep its buffers before it is reported stuck
+    # (logged, counted). Its buffers stay in use all the same: the call can still write them.
+    # Mooncake's TCP transport drops a transfer that made no progress for 30 s (measured).
+    quarantine_max_s: float = 30.0
 
     def __post_init__(self) -> None:
         host, sep, port = self.master_address.rpartition(":")
@@ -97,7 +102,7 @@ class PoolConfig:
                 f"(Mooncake's minimum), and local_buffer_size non-negative; got "
                 f"{self.global_segment_size} and {self.local_buffer_size}"
             )
-        for name in ("timeout_s", "setup_timeout_s", "close_timeout_s"):
+        for name in ("timeout_s", "setup_timeout_s", "close_timeout_s", "quarantine_max_s"):
             if getattr(self, name) <= 0:
                 raise PoolError(f"{name} must be positive")
         if self.max_workers < 1 or self.max_batch_keys < 1:
@@ -118,13 +123,16 @@ class PoolCounters:
     backpressure: int = 0
     failures: int = 0
     timeouts: int = 0
+    late_returns: int = 0  # calls that returned after their timeout (their buffers were held)
+    late_running: int = 0  # calls past their timeout still running now (a gauge, not a total)
 
 
 @dataclass(frozen=True)
 class PutResult:
     """What a put did, by index into the request's keys.
 
-    After a timeout every key is reported failed, though some may still land in the pool.
+    After a timeout every key is reported failed, though some may still land in the pool:
+    ``late`` is the call still running, which reads the buffers until it is done.
     """
 
     stored: tuple[int, ...] = ()
@@ -133,6 +141,7 @@ class PutResult:
     failed: tuple[int, ...] = ()
     bytes_put: int = 0
     timed_out: bool = False
+    late: concurrent.futures.Future[Any] | None = field(default=None, compare=False)
 
     @property
     def complete(self) -> bool:
@@ -144,8 +153,8 @@ class PutResult:
 class GetResult:
     """What a get loaded, by index; ``failed`` blocks must be recomputed by the caller.
 
-    After a timeout the transfer may still land in the buffers later: do not reuse them for
-    other data until ``PoolClient.quiesce`` returns True.
+    After a timeout the transfer may still land in the buffers later: ``late`` is that call;
+    do not reuse the buffers for other data until it is done.
     """
 
     loaded: tuple[int, ...] = ()
@@ -153,6 +162,7 @@ class GetResult:
     codes: tuple[int, ...] = ()
     bytes_got: int = 0
     timed_out: bool = False
+    late: concurrent.futures.Future[Any] | None = field(default=None, compare=False)
 
     @property
     def ok(self) -> bool:
