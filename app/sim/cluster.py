@@ -37,6 +37,7 @@ from app.sim.side import Side, target_signer
 from app.store.master import MasterProcess, start_master, stop_master
 from app.transfer.planning.planner import MambaMode
 from app.transfer.wire.protocol import RemoteTarget
+from app.transfer.wire.target_auth import prompt_digest
 
 
 @dataclass
@@ -410,6 +411,7 @@ class Cluster:
                     d.info[0]["epoch"],
                     d.tp,
                     [b.tolist() for b in db],
+                    prompt_digest=prompt_digest(toks),
                 )
             )
             out.append(

@@ -25,6 +25,7 @@ from app.sim.kv_io import (
 from app.sim.ranks import CacheParams
 from app.transfer.planning.planner import MambaMode
 from app.transfer.wire.protocol import Status, StepSlice
+from app.transfer.wire.target_auth import prompt_digest
 
 T = TypeVar("T")
 DEFAULT_SENTINEL = 0x5E471E1
@@ -160,6 +161,7 @@ class SimEngine:
                     mamba_mode=MambaMode(cmd.mamba_mode),
                     num_spec=cmd.num_spec,
                     traceparent=req.traceparent,
+                    prompt_digest=prompt_digest(req.tokens),
                 )
             except Exception as e:  # reported to the driver; the sidecar ended it FAILED
                 refused[req.id] = str(e)

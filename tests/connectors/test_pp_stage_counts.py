@@ -57,7 +57,7 @@ def test_prefill_with_more_stages_than_decode_sends_nothing(
     caplog: pytest.LogCaptureFixture, shape: str
 ) -> None:
     one = msgspec.to_builtins(TARGET)
-    params: dict[str, Any] = {"do_remote_decode": True, "remote": one}
+    params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": "t", "remote": one}
     if shape == "one remote_stages":
         params["remote_stages"] = [one]
     assert _admits(PREFILL_TWO_STAGES, params) == []
@@ -67,6 +67,6 @@ def test_prefill_with_more_stages_than_decode_sends_nothing(
 def test_prefill_with_as_many_stages_as_decode_sends() -> None:
     """The same request with decode's two stages is admitted: the refusal above is the count's."""
     two = [msgspec.to_builtins(msgspec.structs.replace(TARGET, port=5600 + s)) for s in (0, 1)]
-    params = {"do_remote_decode": True, "remote": two[0], "remote_stages": two}
+    params = {"do_remote_decode": True, "transfer_id": "t", "remote": two[0], "remote_stages": two}
     (admit,) = _admits(PREFILL_TWO_STAGES, params)
     assert [r.port for r in admit.stage_remotes] == [5600, 5601]

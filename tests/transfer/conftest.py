@@ -51,7 +51,7 @@ from app.transfer.wire.protocol import (
     Status,
     StepSlice,
 )
-from app.transfer.wire.target_auth import TargetSigner
+from app.transfer.wire.target_auth import TargetSigner, prompt_digest
 
 
 @pytest.fixture
@@ -392,12 +392,18 @@ class DecodeStub:
 
 # The key the fake decode signs targets with, and the send side checks them with.
 SIGNER = TargetSigner(b"t" * 32)
+# The prompt the sends here run (40 tokens), and the fake decode's targets are signed for.
+PROMPT_DIGEST = prompt_digest(range(40))
 
 
 def target(
-    rid: str = "r1", d_ids: list[list[int]] = MINE, epoch: str = D_EPOCH, computed: int = 0
+    rid: str = "r1",
+    d_ids: list[list[int]] = MINE,
+    epoch: str = D_EPOCH,
+    computed: int = 0,
+    digest: str = PROMPT_DIGEST,
 ) -> RemoteTarget:
-    """The fake decode's target for ``rid``."""
+    """The fake decode's target for ``rid`` and the prompt whose digest is ``digest``."""
     host, port = D_ENDPOINT.removeprefix("tcp://").rsplit(":", 1)
     return SIGNER.sign(
         RemoteTarget(
@@ -409,6 +415,7 @@ def target(
             tp_size=1,
             block_ids=d_ids,
             computed=computed,
+            prompt_digest=digest,
         )
     )
 
@@ -442,6 +449,7 @@ class Prefill:
                 prompt_len=40,
                 block_ids=ids([7, 8, 9]),
                 remote=None if waiting else target(rid, d_ids, epoch),
+                prompt_digest=PROMPT_DIGEST,
             )
         )
 

@@ -10,7 +10,7 @@ import pytest
 
 from app.kvcache.desc import LayoutDesc
 from app.transfer.wire.protocol import AddSend, Reply, Status
-from tests.transfer.conftest import Prefill, ids, make_prefill, send_settings
+from tests.transfer.conftest import PROMPT_DIGEST, Prefill, ids, make_prefill, send_settings
 
 
 def _held(
@@ -22,6 +22,7 @@ def _held(
         prompt_len=40,
         block_ids=ids(list(blocks)),
         target_timeout_s=target_timeout_s,
+        prompt_digest=PROMPT_DIGEST,
     )
 
 

@@ -9,6 +9,7 @@ from app.transfer.wire.protocol import AddSend, Claim, ExpectRecv, Reply, Status
 from tests.transfer.conftest import (
     D_ENDPOINT,
     MINE,
+    PROMPT_DIGEST,
     Decode,
     Prefill,
     Stream,
@@ -26,6 +27,7 @@ def _send(rid: str = "r1", *, remote: bool = True) -> AddSend:
         prompt_len=40,
         block_ids=ids([7, 8, 9]),
         remote=target(rid, MINE) if remote else None,
+        prompt_digest=PROMPT_DIGEST,
     )
 
 

@@ -6,14 +6,19 @@ transfer the target was signed for still waits for it and takes it."""
 from __future__ import annotations
 
 from app.transfer.wire.protocol import AddSend, Reply, SetTarget, Status
-from tests.transfer.conftest import Prefill, ids, target
+from tests.transfer.conftest import PROMPT_DIGEST, Prefill, ids, target
 
 
 async def test_send_admitted_with_another_transfers_target_fails_unconnected(
     prefill: Prefill,
 ) -> None:
     msg = AddSend(
-        rank=0, request="r1", prompt_len=40, block_ids=ids([7, 8, 9]), remote=target("r2")
+        rank=0,
+        request="r1",
+        prompt_len=40,
+        block_ids=ids([7, 8, 9]),
+        remote=target("r2"),
+        prompt_digest=PROMPT_DIGEST,
     )
     reply = await prefill.side.add(msg)
     await prefill.tasks.settle()

@@ -9,7 +9,7 @@ import pytest
 
 from app.transfer.wire.protocol import AddSend, RemoteTarget, SetTarget, Status
 from app.transfer.wire.target_auth import TargetSigner
-from tests.transfer.conftest import Prefill, ids, target
+from tests.transfer.conftest import PROMPT_DIGEST, Prefill, ids, target
 
 
 def _forged(kind: str) -> RemoteTarget:
@@ -29,7 +29,12 @@ async def test_send_admitted_with_a_forged_target_fails_unconnected(
     prefill: Prefill, kind: str
 ) -> None:
     msg = AddSend(
-        rank=0, request="r1", prompt_len=40, block_ids=ids([7, 8, 9]), remote=_forged(kind)
+        rank=0,
+        request="r1",
+        prompt_len=40,
+        block_ids=ids([7, 8, 9]),
+        remote=_forged(kind),
+        prompt_digest=PROMPT_DIGEST,
     )
     reply = await prefill.side.add(msg)
     await prefill.tasks.settle()

@@ -65,6 +65,7 @@ def decode_target(e: Expect, info: dict[str, Any], tp_size: int) -> RemoteTarget
         tp_size=tp_size,
         block_ids=e.recv.block_ids,
         computed=e.computed,
+        prompt_digest=e.recv.prompt_digest,  # binds the target to the prompt decode holds
     )
 
 

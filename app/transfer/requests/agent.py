@@ -113,6 +113,7 @@ class SendRequest(Request):
     d_ranks: dict[int, frozenset[int]] = field(default_factory=dict)
     peer_lost: bool = False  # decode is gone or forgot us: no Done to send
     skip: int = 0  # prompt tokens decode already holds: never written
+    prompt_digest: str = ""  # the prompt the engine runs: a target must be signed for it
     d_bytes: dict[int, int] = field(default_factory=dict)  # bytes written per D rank
     # Admitted without a target (concurrent dispatch): until it is claimed at decode, nothing
     # is written and the signalled layers are kept in ``backlog``.

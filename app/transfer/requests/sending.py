@@ -20,7 +20,7 @@ import zmq
 
 from app.devices import CpuEvent, Event
 from app.devices.events import Gate, RefusedEvent, RingWait
-from app.errors import KVSidecarError, OutOfBoundsError
+from app.errors import AuthError, KVSidecarError, OutOfBoundsError
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.planning.planner import StepRequest, check_block_ids
 from app.transfer.requests.agent import (
@@ -84,6 +84,9 @@ class SendSide(SendEnding):
         self._verify_target = verify_target
         self._on_layer_latency = on_layer_latency
         self.admitting = True
+        # Targets refused before anything was connected to: unsigned, forged, of an older
+        # format, or signed for another transfer or another prompt (a captured target replayed).
+        self.counters = {"refused_targets": 0}
 
     # ---- admission -------------------------------------------------------------------------
 
@@ -111,13 +114,13 @@ class SendSide(SendEnding):
             mamba_mode=msg.mamba_mode,
             num_spec=msg.num_spec,
             traceparent=msg.traceparent,
+            prompt_digest=msg.prompt_digest,
         )
         agent.sends[req.id] = req
         try:
             check_block_ids(agent.desc, req.blocks, "prefill")
             if msg.remote is not None:
-                self._verify_target(msg.remote)
-                check_bound(msg.remote, msg.request)
+                self._authorize(req, msg.remote)
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         if msg.remote is None:
@@ -180,10 +183,7 @@ class SendSide(SendEnding):
             return Reply(ok=False, error=f"send {msg.request} already has a target ({req.peer})")
         try:
             # From the engine (which fetched it from the router): no other target will come.
-            self._verify_target(msg.remote)
-            # Another transfer's target is not this send's, however well signed: taking it
-            # would end this send at decode's claim, and its own target would then find it ended.
-            check_bound(msg.remote, msg.request)
+            self._authorize(req, msg.remote)
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         # The target is the send's from here on, before anything awaits: of two posts racing,
@@ -194,11 +194,28 @@ class SendSide(SendEnding):
         self._spawn(self._claim_and_replay(agent, req, msg.remote))
         return Reply()
 
+    def _authorize(self, req: SendRequest, target: RemoteTarget) -> None:
+        """Raise AuthError (counted) unless decode's sidecar signed ``target`` for ``req``'s
+        transfer and for the prompt ``req``'s engine runs.
+
+        The transfer: another transfer's target, however well signed, would end this send at
+        decode's claim, and its own target would then find it ended. The prompt: a target seen
+        once and posted again, with another prompt under the same transfer id, would have that
+        prompt's KV written into decode's blocks of the first."""
+        try:
+            self._verify_target(target)
+            check_bound(target, req.id, req.prompt_digest)
+        except AuthError:
+            self.counters["refused_targets"] += 1
+            raise
+
     def check_target(self, rank: int, rid: str, target: RemoteTarget) -> None:
         """Raise ProtocolError unless ``target`` fits send ``rid`` on ``rank`` (one block id
-        list per group, none longer than the prompt could need); a send not held passes."""
+        list per group, none longer than the prompt could need), AuthError (counted) unless it
+        was signed for its transfer and prompt; a send not held passes."""
         req = self._agent(rank).sends.get(rid)
         if req is not None:
+            self._authorize(req, target)
             check_target(target, len(req.blocks), req.prompt_len + req.num_spec + 1)
 
     async def _claim_and_replay(self, agent: Agent, req: SendRequest, t: RemoteTarget) -> None:

@@ -32,7 +32,7 @@ from app.transfer.requests.sending import SendSide
 from app.transfer.requests.traces import TransferTraces
 from app.transfer.wire.auth import load_auth
 from app.transfer.wire.protocol import Hello, RemoteTarget, Role, SetTarget
-from app.transfer.wire.target_auth import TargetSigner, check_bound
+from app.transfer.wire.target_auth import TargetSigner
 
 Observer = Callable[[float], None]
 ObserverKind = Literal["layer", "handshake"]
@@ -180,6 +180,7 @@ class SidecarCore:
             **self._counters,
             **self._peers.counters,
             **self.recv.counters,
+            **self.send.counters,
             "generations": self.registry.generation,
             "unconfirmed_sends": self.send.unconfirmed,
         }
@@ -250,12 +251,12 @@ class SidecarCore:
         """Decode's target for a send admitted without one, on every rank that holds it (the
         prefill-first flow, where decode posts it here). Rank -> None if taken, else why not;
         raises AuthError for a target decode's sidecar did not sign or signed for another
-        transfer (the send keeps waiting for the real one), ProtocolError when the target does
-        not fit the send."""
-        self._targets.verify(remote)
-        check_bound(remote, rid)
+        transfer or another prompt (the send keeps waiting for the real one), ProtocolError when
+        the target does not fit the send."""
         holding = [rank for rank, agent in sorted(self.agents.items()) if rid in agent.sends]
-        for rank in holding:  # all checked before any takes it: a bad target is nobody's
+        # All checked before any takes it: a bad target is nobody's. Each rank's send checks the
+        # signature and that the target is bound to its transfer id and its prompt.
+        for rank in holding:
             self.send.check_target(rank, rid, remote)
         out: dict[int, str | None] = {}
         for rank in holding:

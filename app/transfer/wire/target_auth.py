@@ -1,4 +1,4 @@
-"""Signed targets: decode's sidecar vouches for where prefill may write.
+"""Signed targets: decode's sidecar vouches for where prefill may write, and for which prompt.
 
 A target (:class:`~app.transfer.wire.protocol.RemoteTarget`) names a host and port that prefill's
 sidecar connects to, and blocks it then writes. It travels through HTTP (the proxy, the prefill
@@ -10,28 +10,51 @@ whose signature does not check, before it connects anywhere::
 
 The domain keeps a target's signature from ever reading as a control frame's tag (same key).
 Decode signs only targets that name itself (its engine id, epoch and control port), so a signed
-target cannot point prefill at a third host. A replayed target cannot do harm: decode accepts a
-write only for a request it expects, in the epoch it runs, and a send takes one target only.
-That last rule would let a target signed for one transfer, posted for another, take that
-other's place and end it (its claim at decode fails, and its own target then finds it ended):
-so a send takes only a target whose signed ``request_id`` is its own (:func:`check_bound`).
+target cannot point prefill at a third host.
+
+A signature alone vouches for decode's blocks, not for what is written into them: a target seen
+once (on the proxy -> prefill leg, say) could be posted to a prefill engine with another prompt,
+and that prompt's KV would land in the victim's blocks. So a target binds both the transfer
+(``request_id``, the proxy's transfer id) and the prompt decode holds (``prompt_digest``, see
+:func:`prompt_digest`), and a send takes only a target whose two equal its own: the transfer id
+prefill's engine runs the request under and the digest of the prompt it computes
+(:func:`check_bound`). Targets of format 1 (before the digest) are refused by name
+(:meth:`TargetSigner.verify`): none of them binds a prompt.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import msgspec
 
 from app.errors import AuthError
 from app.transfer.wire.auth import FrameAuth
-from app.transfer.wire.protocol import RemoteTarget
+from app.transfer.wire.protocol import TARGET_FORMAT, RemoteTarget
 
-__all__ = ["DOMAIN", "TargetSigner", "check_bound"]
+__all__ = ["DOMAIN", "TARGET_FORMAT", "TargetSigner", "check_bound", "prompt_digest"]
 
-DOMAIN = b"kv-sidecar target v1\x00"
+DOMAIN = b"kv-sidecar target v2\x00"
+_PROMPT_DOMAIN = b"kv-sidecar prompt v1\x00"
+
+
+def prompt_digest(token_ids: Sequence[int]) -> str:
+    """The prompt a target binds: hex SHA-256 over its length and its token ids, each a
+    little-endian int64. Decode takes it over the prompt it holds; prefill over the whole prompt
+    its engine runs (before it drops the last token, which decode computes)."""
+    ids = array("q", token_ids)  # raises OverflowError for an id past int64: none is
+    if sys.byteorder != "little":
+        ids.byteswap()
+    h = hashlib.sha256(_PROMPT_DOMAIN)
+    h.update(struct.pack("<q", len(ids)))
+    h.update(ids.tobytes())
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -50,11 +73,22 @@ class TargetSigner:
         return hmac.new(self.key, body, hashlib.sha256).hexdigest()
 
     def sign(self, target: RemoteTarget) -> RemoteTarget:
-        """``target`` with its signature."""
-        return msgspec.structs.replace(target, signature=self._mac(target))
+        """``target`` in this release's format, with its signature."""
+        current = msgspec.structs.replace(target, format=TARGET_FORMAT, signature="")
+        return msgspec.structs.replace(current, signature=self._mac(current))
 
     def verify(self, target: RemoteTarget) -> None:
-        """Raise :class:`AuthError` unless ``target`` was signed with this key, unchanged."""
+        """Raise :class:`AuthError` unless ``target`` is of this format and was signed with this
+        key, unchanged."""
+        if target.format != TARGET_FORMAT:
+            # Said first: an older decode's target fails the signature too, but "bad signature"
+            # would send an operator looking for a key mismatch.
+            raise AuthError(
+                f"target for {target.request_id} is of format {target.format}: expected format "
+                f"{TARGET_FORMAT}, which binds the target to decode's prompt (format 1 targets "
+                "come from decode sidecars of an older release and bind none); upgrade decode's "
+                "sidecar and connector"
+            )
         if not target.signature:
             raise AuthError(
                 f"target for {target.request_id} is not signed: expected one signed by decode's "
@@ -68,14 +102,28 @@ class TargetSigner:
             )
 
 
-def check_bound(target: RemoteTarget, transfer_id: str) -> None:
-    """Raise :class:`AuthError` unless ``target`` is decode's target for ``transfer_id``.
+def check_bound(target: RemoteTarget, transfer_id: str, digest: str) -> None:
+    """Raise :class:`AuthError` unless ``target`` is decode's target for ``transfer_id`` and the
+    prompt whose digest is ``digest`` (the send's, as prefill's engine runs it).
 
-    Checked after the signature (which covers ``request_id``): a good signature vouches for
-    decode's blocks of that one transfer, not for a send of another."""
+    Checked after the signature (which covers both): a good signature vouches for decode's
+    blocks of one transfer and one prompt, not for a send of another."""
     if target.request_id != transfer_id:
         raise AuthError(
             f"target signed for transfer {target.request_id!r} was posted for {transfer_id!r}: "
             f"expected decode's target for {transfer_id!r} (request_id {transfer_id!r}); a "
             "signature vouches only for the transfer it names"
+        )
+    if not target.prompt_digest:
+        raise AuthError(
+            f"target for {transfer_id!r} binds no prompt (its prompt_digest is empty): expected "
+            "the digest of the prompt decode holds; nothing is written to a target that any "
+            "prompt could fill"
+        )
+    if not digest or not hmac.compare_digest(target.prompt_digest, digest):
+        raise AuthError(
+            f"target for {transfer_id!r} was signed for another prompt: decode holds the prompt "
+            f"with digest {target.prompt_digest[:16]}..., prefill's engine runs "
+            f"{digest[:16] + '...' if digest else 'one without a digest'}; nothing is written "
+            "to decode's blocks"
         )

@@ -19,9 +19,20 @@ from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
 from app.connectors.vllm.worker import decode_target
 from app.transfer.wire.protocol import RemoteTarget
+from app.transfer.wire.target_auth import prompt_digest
 
 CONFIG = ConnectorConfig("ipc:///nowhere", "e", 1, 1, None, 1.0)
-TARGET = RemoteTarget("t", "10.0.0.2", 5600, "d", "ep", 1, [[3, 4]], computed=1)
+TARGET = RemoteTarget(
+    "t",
+    "10.0.0.2",
+    5600,
+    "d",
+    "ep",
+    1,
+    [[3, 4]],
+    computed=1,
+    prompt_digest=prompt_digest([1, 2, 3]),
+)
 INFO = {"host": "10.0.0.2", "port": 5600, "engine_id": "d", "epoch": "ep", "ready": True}
 ROUTER = "http://r/v1/kv_targets"
 
@@ -55,10 +66,14 @@ def test_decode_builds_the_target_prefill_reads() -> None:
     prefill = SchedulerSide(CONFIG)
     remote = over_http(msgspec.to_builtins(posted))
     prefill.update_state_after_alloc(
-        request("p-req", {"do_remote_decode": True, "remote": remote}), Blocks(), 0
+        request("p-req", {"do_remote_decode": True, "transfer_id": "t", "remote": remote}),
+        Blocks(),
+        0,
     )
     send = prefill.state.sends["p-req"]
     assert send.sid == "t" and send.remote == TARGET
+    # Prefill's engine runs the prompt decode holds: the target's digest is the send's.
+    assert send.prompt_digest == TARGET.prompt_digest
 
 
 def test_concurrent_prefill_admits_without_a_target_by_transfer_id() -> None:
@@ -92,7 +107,11 @@ def test_bad_target_is_not_sent_and_the_log_says_why(
     prefill = SchedulerSide(CONFIG)
     with caplog.at_level(logging.ERROR):
         prefill.update_state_after_alloc(
-            request("p-req", {"do_remote_decode": True, "remote": over_http(raw)}), Blocks(), 0
+            request(
+                "p-req", {"do_remote_decode": True, "transfer_id": "t", "remote": over_http(raw)}
+            ),
+            Blocks(),
+            0,
         )
     assert prefill.state.sends == {}
     assert "p-req" in caplog.text and "invalid remote target" in caplog.text

@@ -178,7 +178,12 @@ def _decode_first_admit(config: ConnectorConfig, stages: int) -> list[Any]:
     targets = [
         msgspec.to_builtins(msgspec.structs.replace(TARGET, port=5600 + s)) for s in range(stages)
     ]
-    params = {"do_remote_decode": True, "remote": targets[0], "remote_stages": targets}
+    params = {
+        "do_remote_decode": True,
+        "transfer_id": "t",
+        "remote": targets[0],
+        "remote_stages": targets,
+    }
     prefill.update_state_after_alloc(request("p", params), Blocks(), 0)
     return list(prefill.build_connector_meta(first_step("p")).admits)
 
