@@ -235,7 +235,19 @@ class SidecarSettings(BaseSettings):
         default=30.0,
         gt=0,
         le=_MAX_DEADLINE_S,
-        description="Prefill: deadline for all of a request's writes to land.",
+        description="Prefill: a send with a target ends EXPIRED after this long without "
+        "progress: no chunk of it scheduled, no layer of it signalled or written. A prefill that "
+        "still computes and writes chunk after chunk never expires, however long its prompt (up "
+        "to transfer_max_s). Also bounds each wait of a send: a layer's event, a full stream "
+        "queue, the drain of its writes, and decode's target when the engine named no "
+        "target_timeout_s.",
+    )
+    transfer_max_s: float = Field(
+        default=_MAX_DEADLINE_S,
+        gt=0,
+        le=_MAX_DEADLINE_S,
+        description="Both sides: the absolute cap of one transfer however it progresses. A send "
+        "ends EXPIRED this long after its admission, a receive this long after prefill's claim.",
     )
     max_target_timeout_s: float = Field(
         default=120.0,
@@ -261,8 +273,12 @@ class SidecarSettings(BaseSettings):
         default=60.0,
         gt=0,
         le=_MAX_DEADLINE_S,
-        description="Decode: deadline for every expected sender's Done before EXPIRED, counted "
-        "from the first prefill's claim (it claims when its engine schedules the request).",
+        description="Decode: once a prefill claimed a receive (it claims when its engine "
+        "schedules the request), the receive ends EXPIRED after this long without a sign that "
+        "prefill still sends it: a claim, a sender's Done, or a prefill heartbeat naming it "
+        "(each heartbeat names the sends prefill still has in flight, every "
+        "heartbeat_interval_s; keep this several heartbeats long). Also the per-request bound "
+        "the connector's recv_timeout_s sets.",
     )
     recv_queue_timeout_s: float | None = Field(
         default=None,

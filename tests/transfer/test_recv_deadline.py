@@ -1,5 +1,6 @@
 """Decode's receive deadline has two parts: the wait for a prefill to claim the request (it
-may sit in prefill's queue that long) and, from the claim on, the writes' own bound. A bound
+may sit in prefill's queue that long) and, from the claim on, the writes' own idle bound (how
+it follows prefill's progress: test_progress_deadlines.py). A bound
 counted from decode's admission would end a queued request EXPIRED while prefill still holds
 it, and both engines would then compute the prompt (what ``bench load`` showed past the knee)."""
 
@@ -45,13 +46,14 @@ def test_without_a_queue_bound_the_wait_is_the_writes_bound(decode: Decode) -> N
     assert decode.req().deadline == pytest.approx(start + 8)
 
 
-def test_a_second_sender_does_not_move_the_deadline(decode: Decode) -> None:
+def test_a_second_claim_is_progress_but_the_cap_counts_from_the_first(decode: Decode) -> None:
     decode.expect(timeout_s=5, queue_timeout_s=60)
     decode.claim()
-    first = decode.req().deadline
+    claimed_at, cap = decode.clock(), decode.req().cap
     decode.clock.advance(2)
-    decode.claim()  # the same rank again (a retried claim): the first claim started the clock
-    assert decode.req().deadline == first
+    decode.claim()  # the same rank again (a retried claim): prefill is alive and at work
+    assert decode.req().deadline == pytest.approx(decode.clock() + 5)
+    assert decode.req().claimed_at == claimed_at and decode.req().cap == cap
 
 
 def test_the_expiry_names_the_bound_that_passed(decode: Decode) -> None:
@@ -61,4 +63,4 @@ def test_the_expiry_names_the_bound_that_passed(decode: Decode) -> None:
     queued = expiry_reason(decode.req("queued"))
     assert "no prefill claimed it within 60 s" in queued and "recv_queue_timeout_s" in queued
     stalled = expiry_reason(decode.req("stalled"))
-    assert f"prefill {P_ENGINE} claimed it" in stalled and "within 5 s (recv_timeout_s)" in stalled
+    assert f"prefill {P_ENGINE} claimed it" in stalled and "for 5 s (recv_timeout_s)" in stalled

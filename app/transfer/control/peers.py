@@ -5,7 +5,9 @@ it; a decode sidecar meets a prefill peer through that peer's ``Hello`` (its ``c
 endpoint), so that it can ask the prefill side to drain before freeing blocks. Both ping every
 peer they share requests with. A peer that answers nothing for ``lease_s`` is declared lost: its
 requests end on this side at once (not at their deadlines), and its later messages are answered
-``Pong(known=False)`` so that, should it wake up, it stops too instead of writing late.
+``Pong(known=False)`` so that, should it wake up, it stops too instead of writing late. A
+prefill's ping names the requests it still sends to that decode (``Ping.sending``): decode's
+receives of them wait on as long as prefill's sends live, however long the prefill.
 """
 
 from __future__ import annotations
@@ -220,17 +222,25 @@ class Peers:
 
     # ---- heartbeats and leases -------------------------------------------------------------
 
-    async def heartbeat(self, in_use: Iterable[str], engine_id: str, epoch: str) -> None:
+    async def heartbeat(
+        self,
+        in_use: Iterable[str],
+        engine_id: str,
+        epoch: str,
+        sending: Callable[[str], list[str]] = lambda _endpoint: [],
+    ) -> None:
         """One round: ping the peers in use, declare lost those silent past the lease, and
-        drop idle peers that stopped answering."""
+        drop idle peers that stopped answering. ``sending(endpoint)``: the requests this
+        sidecar still sends to that peer, named in its ping."""
         wanted = set(in_use)
         now = self._clock()
         for peer in list(self.table.values()):
             if peer.endpoint in wanted and not peer.in_use:
                 peer.last_heard = max(peer.last_heard, now)  # the lease starts with the use
             peer.in_use = peer.endpoint in wanted
-        ping = Ping(engine_id=engine_id, epoch=epoch)
-        await asyncio.gather(*(self._ping(p, ping) for p in list(self.table.values())))
+        peers = list(self.table.values())
+        pings = [Ping(engine_id=engine_id, epoch=epoch, sending=sending(p.endpoint)) for p in peers]
+        await asyncio.gather(*(self._ping(p, ping) for p, ping in zip(peers, pings, strict=True)))
 
     async def _ping(self, peer: Peer, ping: Ping) -> None:
         s = self._settings

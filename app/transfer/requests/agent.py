@@ -6,11 +6,16 @@ stream thread as the engine signals layers, and ends DONE when every D rank it w
 Receive side (decode): a request is expected with its manifest (which P ranks deliver which
 groups), and ends DONE when every sender reported OK, FAILED when one reported a failure,
 ABORTED, or EXPIRED at its deadline. Either way the engine hears of it exactly once.
+
+A deadline follows progress (``Request.progressed``): a transfer whose prefill still computes
+and writes chunk after chunk never expires, however long its prompt; one that stops making
+progress expires after its idle bound, and every one at its absolute cap (``transfer_max_s``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -90,6 +95,24 @@ class Request:
     finished_at: float | None = None
     groups: dict[int, GroupProgress] = field(default_factory=dict)
     traceparent: str | None = None  # W3C trace context the engine passed (README "Tracing")
+    # Progress pushes ``deadline`` to ``idle_s`` past it, never beyond ``cap`` (absolute,
+    # ``transfer_max_s`` from the transfer's start). Until then ``deadline`` is the wait it
+    # was admitted with (decode's claim, prefill's target).
+    idle_s: float = 0.0
+    cap: float = math.inf
+    progressed_at: float | None = None
+
+    def progressed(self, now: float) -> None:
+        """Progress came (a chunk scheduled, a layer signalled or written, a claim, a Done, a
+        heartbeat naming it): the idle bound runs from ``now``."""
+        if self.state.terminal or self.idle_s <= 0:
+            return
+        self.progressed_at = now
+        self.deadline = min(now + self.idle_s, self.cap)
+
+    def at_cap(self) -> bool:
+        """Whether the deadline is the absolute cap (the expiry then names transfer_max_s)."""
+        return self.deadline >= self.cap
 
     def finish(self, state: Status, error: str = "") -> bool:
         """Move to a terminal state once; later calls are ignored (first cause wins)."""
@@ -150,8 +173,8 @@ class RecvRequest(Request):
     manifest: dict[int, frozenset[int]] = field(default_factory=dict)
     delivered: dict[int, Status] = field(default_factory=dict)
     senders: dict[int, str] = field(default_factory=dict)  # P rank -> engine id that claimed it
-    # The writes' bound, counted from the first claim; until then the deadline is the wait for
-    # a prefill to start the request (``claimed_at`` None).
+    # The writes' idle bound (``idle_s``) runs from the first claim; until then the deadline is
+    # the wait for a prefill to start the request (``claimed_at`` None).
     timeout_s: float = 0.0
     queue_timeout_s: float = 0.0
     claimed_at: float | None = None

@@ -2,7 +2,10 @@
 
 A receive is expected with its manifest (which P ranks deliver which groups). A P rank claims
 it before writing, naming decode's block ids, which must be the request's own. It ends DONE when
-every sender reported OK, FAILED when one reported a failure or was lost, ABORTED, or EXPIRED.
+every sender reported OK, FAILED when one reported a failure or was lost, ABORTED, or EXPIRED:
+no claim within ``recv_queue_timeout_s``, then, once claimed, nothing heard of prefill's
+progress for ``recv_timeout_s`` (a claim, a ``Done``, a heartbeat naming it as still sent), or
+``transfer_max_s`` from the claim, however it progressed.
 When it ends any other way than DONE while a claimed sender may still be writing, it stays in
 *quarantine* (ended, not reported to the engine, whose blocks stay allocated) until every such
 sender answered the ``Abort`` that it has nothing on the wire, or its sidecar is gone, or
@@ -24,6 +27,7 @@ from app.transfer.planning.planner import check_block_ids
 from app.transfer.requests.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
 from app.transfer.requests.send_ending import Spawn
 from app.transfer.wire.protocol import (
+    MAX_DEADLINE_S,
     Abort,
     Ack,
     AnyMsg,
@@ -43,6 +47,8 @@ class RecvSettings:
     """What the receive side reads of the sidecar's settings."""
 
     engine_id: str
+    # Once claimed, a receive ends EXPIRED when nothing said prefill still sends it for this
+    # long (the idle bound; each heartbeat of a prefill that still sends it says so).
     recv_timeout_s: float
     # The wait for a prefill's claim (None: recv_timeout_s). Under load a request waits in
     # prefill's queue before prefill claims it; a bound counted from decode's admission would
@@ -51,6 +57,8 @@ class RecvSettings:
     quarantine_max_s: float
     # how often a quarantine looks again for an overdue request or a vanished sender
     heartbeat_interval_s: float
+    # A claimed receive ends EXPIRED this long after the claim, however prefill progresses.
+    transfer_max_s: float = MAX_DEADLINE_S
 
 
 class RecvSide:
@@ -120,11 +128,15 @@ class RecvSide:
             return Ack(request=msg.request, ok=False, error=err)
         req = self._agents[msg.target_rank].recvs[msg.request]
         req.senders[msg.sender_rank] = msg.sender_engine
+        now = self._clock()
         if req.claimed_at is None:
-            # Prefill scheduled the request: its writes get recv_timeout_s from now, however
-            # long it queued (and no longer than that, however long the queue bound).
-            req.claimed_at = self._clock()
-            req.deadline = req.claimed_at + req.timeout_s
+            # Prefill scheduled the request: from now on its progress keeps the receive, and
+            # recv_timeout_s without any ends it, however long it queued (and no later than
+            # that, however long the queue bound).
+            req.claimed_at = now
+            req.idle_s = req.timeout_s
+            req.cap = now + self._settings.transfer_max_s
+        req.progressed(now)
         return Ack(request=msg.request)
 
     def _check_claim(self, msg: Claim) -> str:
@@ -211,10 +223,22 @@ class RecvSide:
             return Ack(request=msg.request)
         req.delivered[msg.sender_rank] = Status.DONE
         req.state = Status.TRANSFERRING
+        req.progressed(self._clock())  # one sender is through; the others may still write
         if set(req.delivered) >= set(req.manifest) and req.finish(Status.DONE):
             for g in {g for groups in req.manifest.values() for g in groups}:
                 agent.groups[g].done += 1
         return Ack(request=msg.request)
+
+    def still_sending(self, engine_id: str, rids: list[str]) -> None:
+        """A heartbeat of prefill ``engine_id`` named ``rids`` as sends it still has in flight
+        here: each receive it claimed waits its idle bound anew. One it did not claim is not
+        its to keep."""
+        now = self._clock()
+        for agent in self._agents.values():
+            for rid in rids:
+                req = agent.recvs.get(rid)
+                if req is not None and engine_id in req.senders.values():
+                    req.progressed(now)
 
     def refused(self, rid: str, engine_id: str, reason: str) -> None:
         """This sidecar refused the handshake prefill ``engine_id`` made for ``rid``: nothing of
@@ -353,6 +377,15 @@ class RecvSide:
             )
             req.quarantined_at = None
 
+    def expire(self, now: float) -> int:
+        """End EXPIRED every receive past its deadline at ``now``; how many it ended."""
+        ended = 0
+        for agent in list(self._agents.values()):
+            for req in list(agent.recvs.values()):
+                if not req.state.terminal and now > req.deadline:
+                    ended += self.end(req, Status.EXPIRED, expiry_reason(req))
+        return ended
+
     def peer_lost(self, peer: Peer, reason: str, *, stopped: bool = False) -> None:
         """A prefill peer is gone: its requests end. Unless it ``stopped`` writing (it said
         so), their blocks stay quarantined until it confirms or is known to be gone."""
@@ -400,7 +433,13 @@ def expiry_reason(req: RecvRequest) -> str:
             "its prefill never scheduled it, or never got decode's target"
         )
     senders = ", ".join(sorted(set(req.senders.values())))
+    if req.at_cap():
+        since = req.cap - (req.claimed_at or req.cap)
+        return (
+            f"prefill {senders} claimed it but did not finish within {since:g} s of the claim "
+            "(transfer_max_s), however it progressed"
+        )
     return (
-        f"prefill {senders} claimed it but did not finish within {req.timeout_s:g} s "
-        "(recv_timeout_s)"
+        f"prefill {senders} claimed it but nothing said it still sends it for {req.idle_s:g} s "
+        "(recv_timeout_s): no claim, no Done, no heartbeat naming it"
     )

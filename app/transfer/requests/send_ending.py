@@ -17,7 +17,7 @@ from typing import Any
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
-from app.transfer.wire.protocol import Abort, Ack, Done, Msg, Status
+from app.transfer.wire.protocol import MAX_DEADLINE_S, Abort, Ack, Done, Msg, Status
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +29,12 @@ class SendSettings:
     """What the send side reads of the sidecar's settings."""
 
     engine_id: str
+    # No progress for this long (no chunk scheduled, no layer signalled or written) ends a send
+    # EXPIRED; so does ``transfer_max_s`` from its admission, however it progresses.
     send_timeout_s: float
     ack_timeout_s: float
     max_target_timeout_s: float = 120.0
+    transfer_max_s: float = MAX_DEADLINE_S
     max_held_sends: int = 256
     max_held_blocks: int | None = None
 
@@ -208,6 +211,30 @@ class SendEnding:
 
     def live_peers(self) -> set[str]:
         return {r.peer for a in self._agents.values() for r in a.sends.values() if r.peer}
+
+    def expire(self, now: float) -> int:
+        """End EXPIRED every send past its deadline at ``now``; how many it ended."""
+        ended = 0
+        for agent in list(self._agents.values()):
+            for req in list(agent.sends.values()):
+                if not req.state.terminal and now > req.deadline:
+                    ended += self.fail(req, self.expiry_reason(req), Status.EXPIRED)
+        return ended
+
+    def expiry_reason(self, req: SendRequest) -> str:
+        """Why ``req`` ended EXPIRED, in the terms of the setting that bounded it."""
+        s = self._settings
+        if req.at_cap():
+            return (
+                f"still sending {s.transfer_max_s:g} s after admission (transfer_max_s), "
+                "however it progressed"
+            )
+        if req.held:
+            return "decode's target did not come in time (target_timeout_s, max_target_timeout_s)"
+        return (
+            f"no progress for {req.idle_s or s.send_timeout_s:g} s (send_timeout_s): no chunk "
+            "scheduled, no layer signalled or written"
+        )
 
 
 def why_refused(reply: Msg) -> str:

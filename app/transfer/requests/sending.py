@@ -7,6 +7,11 @@ engine signals layers, and ends DONE when every decode rank it wrote to acknowle
 deadline, a lost lease, a new decode epoch), ``Done`` and the answer to decode's ``Abort`` wait
 until none of its writes is on the wire. Admission and writes are here; the ending (``Done``,
 aborts, lost peers, the drains they wait for) is ``send_ending``'s, the base of ``SendSide``.
+
+Its deadline follows progress: a chunk scheduled, a layer signalled or written pushes it to
+``send_timeout_s`` from then, up to ``transfer_max_s`` from admission. This sidecar's
+heartbeats name to each decode peer the sends it still has in flight there (``sending_to``),
+so decode's receive waits as long as prefill's send lives.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from app.transfer.requests.agent import (
 )
 from app.transfer.requests.send_ending import SendEnding, SendSettings, Spawn, why_refused
 from app.transfer.wire.protocol import (
+    MAX_SENDING,
     Ack,
     AddSend,
     BeginStep,
@@ -104,12 +110,14 @@ class SendSide(SendEnding):
         )
         if error:
             return Reply(ok=False, error=error)
+        now, s = self._clock(), self._settings
         req = SendRequest(
             id=msg.request,
             rank=msg.rank,
             prompt_len=msg.prompt_len,
             blocks=blocks(msg.block_ids),
-            deadline=self._clock() + self._settings.send_timeout_s,
+            deadline=now + min(s.send_timeout_s, s.transfer_max_s),
+            cap=now + s.transfer_max_s,
             peer="",
             mamba_mode=msg.mamba_mode,
             num_spec=msg.num_spec,
@@ -124,10 +132,14 @@ class SendSide(SendEnding):
         except KVSidecarError as e:
             return self._refuse(req, str(e))
         if msg.remote is None:
-            req.waiting = True  # the target comes with SetTarget
+            # The target comes with SetTarget. Until then prefill's progress does not extend the
+            # wait: the send waits on decode, not on its own engine.
+            req.waiting = True
             if msg.target_timeout_s is not None:
-                wait = min(msg.target_timeout_s, self._settings.max_target_timeout_s)
-                req.deadline = self._clock() + wait
+                wait = min(msg.target_timeout_s, s.max_target_timeout_s)
+                req.deadline = min(now + wait, req.cap)
+        else:
+            req.idle_s = s.send_timeout_s
         return req
 
     def _over_hold_limit(self, agent: Agent, msg: AddSend) -> str:
@@ -189,8 +201,9 @@ class SendSide(SendEnding):
         # The target is the send's from here on, before anything awaits: of two posts racing,
         # the second finds it taken.
         req.peer = tcp_endpoint(msg.remote.host, msg.remote.port)
-        # The wait for a target had a deadline of its own; the writes get the whole send's.
-        req.deadline = max(req.deadline, self._clock() + self._settings.send_timeout_s)
+        # The wait for a target had a deadline of its own; from here on progress extends it.
+        req.idle_s = self._settings.send_timeout_s
+        req.deadline = max(req.deadline, min(self._clock() + req.idle_s, req.cap))
         self._spawn(self._claim_and_replay(agent, req, msg.remote))
         return Reply()
 
@@ -208,6 +221,18 @@ class SendSide(SendEnding):
         except AuthError:
             self.counters["refused_targets"] += 1
             raise
+
+    def sending_to(self, endpoint: str) -> list[str]:
+        """The sends claimed at ``endpoint`` still in flight here, for the next heartbeat to it:
+        each made progress within ``send_timeout_s`` (else it would have ended), so decode's
+        receive of it waits on (``RecvSide.still_sending``)."""
+        live = [
+            r.id
+            for a in self._agents.values()
+            for r in a.sends.values()
+            if r.peer == endpoint and r.d_ranks and not r.state.terminal
+        ]
+        return live[:MAX_SENDING]
 
     def check_target(self, rank: int, rid: str, target: RemoteTarget) -> None:
         """Raise ProtocolError unless ``target`` fits send ``rid`` on ``rank`` (one block id
@@ -306,6 +331,7 @@ class SendSide(SendEnding):
             if req is None or req.state.terminal:
                 continue
             req.timeline.steps[msg.step] = record
+            req.progressed(self._clock())  # a chunk of it is scheduled
             if s.block_ids is None:
                 continue
             ids = blocks(s.block_ids)
@@ -332,6 +358,7 @@ class SendSide(SendEnding):
             if req is None or req.state.terminal:
                 continue
             req.timeline.signalled(msg.step, msg.layer, msg.at_step_end, now)
+            req.progressed(self._clock())
             if end >= req.prompt_len and req.final_layers_left < 0:
                 req.final_layers_left = len(agent.desc.placements)
                 req.final_step = msg.step
@@ -475,6 +502,7 @@ class SendSide(SendEnding):
             prog.layers_sent += 1
             nbytes = sum(written.values())
             prog.bytes += nbytes
+            req.progressed(self._clock())
             if nbytes:  # a layer with nothing of it: no write
                 end = res.started + res.latency_s
                 req.timeline.written(res.step, res.layer, res.group, res.started, end, nbytes)
