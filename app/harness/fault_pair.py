@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-# Every fault ends requests within seconds: prefill's sends expire 6 s after admission once its
-# engine stops signalling layers; a silent peer is lost after 2 s.
+# Every fault ends requests within seconds: once its engine stops signalling layers, prefill's
+# sends expire 6 s after their last progress; a silent peer is lost after 2 s.
 SIDECAR_ENV = {
     "KVSIDECAR_SEND_TIMEOUT_S": "6",
     "KVSIDECAR_ACK_TIMEOUT_S": "2",

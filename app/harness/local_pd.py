@@ -39,8 +39,13 @@ class LocalPD:
 
     model: Path
     work: Path
+    # Decode's idle bound once prefill claimed a receive (no sign that prefill still sends it
+    # for this long ends it), passed with each receive by the connector.
     recv_timeout_s: float = 30.0
     recv_queue_timeout_s: float | None = None  # None: recv_timeout_s
+    # The sidecars' send idle bound and heartbeat interval (None: the sidecar's defaults).
+    send_timeout_s: float | None = None
+    heartbeat_interval_s: float | None = None
     extra_vllm_args: Sequence[str] = ()
     decode_vllm_args: Sequence[str] = ()  # decode instances only, after extra_vllm_args
     kind: str = ""  # which tiny model, for callers that treat kinds differently
@@ -166,6 +171,10 @@ class LocalPD:
 
     def _sidecar_env(self, inst: Instance) -> dict[str, str]:
         env = {"KVSIDECAR_ADVERTISE_HOST": "127.0.0.1", "MC_FORCE_TCP": "1"}
+        if self.send_timeout_s is not None:
+            env["KVSIDECAR_SEND_TIMEOUT_S"] = str(self.send_timeout_s)
+        if self.heartbeat_interval_s is not None:
+            env["KVSIDECAR_HEARTBEAT_INTERVAL_S"] = str(self.heartbeat_interval_s)
         if self.auth_key is not None:
             env["KVSIDECAR_AUTH_KEY"] = self.auth_key
         if self.admin_token is not None:
