@@ -95,6 +95,11 @@ class SidecarCollector(Collector):
                 "Claims refused: prefill named blocks, an epoch or a request that "
                 "decode does not hold for it.",
             ),
+            (
+                "refused_targets",
+                "Decode targets prefill refused before connecting anywhere: unsigned, forged, "
+                "of an older format, or signed for another transfer or another prompt.",
+            ),
             ("leases_lost", "Peers declared lost because they were silent past the lease."),
             ("generations", "Engine re-registrations that started a new generation (epoch)."),
             (

@@ -12,6 +12,7 @@ admission; and the held ones show in /metrics.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import socket
 import time
 from collections.abc import Iterator
@@ -27,7 +28,7 @@ from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import Command, SimRequest
 from app.sim.side import target_signer
 from app.transfer.wire.protocol import RemoteTarget, remote_target
-from app.transfer.wire.target_auth import TargetSigner
+from app.transfer.wire.target_auth import TargetSigner, prompt_digest
 from tests.api.conftest import AUTH, TOKEN, wait_ready
 from tests.conftest import wait_for
 
@@ -259,6 +260,50 @@ def test_signed_target_of_another_transfer_is_401_and_neither_send_is_touched(
             assert ok.status_code == 200, ok.text
     finally:
         abort(pair, [x, y])
+
+
+def test_target_signed_for_another_prompt_is_401_counted_and_the_send_still_waits(
+    pair: Cluster,
+) -> None:
+    """Decode's signed target for X's transfer but another prompt (issue 50, item 9: what a
+    stranger replaying a captured target with another prompt holds): refused by each rank's
+    send before anything is connected to, counted in /metrics, and X still takes its own."""
+    (x,) = hold(pair, "prompt")
+    metrics = f"{pair.sides['prefill'].admin_url}/metrics"
+    before = _counter(httpx.get(metrics, timeout=10).text, "kvsidecar_refused_targets_total")
+    try:
+        r = post(pair, x.id, target_of(x, prompt_digest=prompt_digest([7] * 200)))
+        assert r.status_code == 401, r.text
+        assert "signed for another prompt" in r.json()["detail"], r.text
+        assert entry(pair, x.id)["state"] == "PENDING"
+        after = _counter(httpx.get(metrics, timeout=10).text, "kvsidecar_refused_targets_total")
+        assert after == before + 1
+        ok = post(pair, x.id, target_of(x))
+        assert ok.status_code == 200, ok.text
+    finally:
+        abort(pair, [x])
+
+
+def test_target_of_the_format_before_prompt_digests_is_401_by_name(pair: Cluster) -> None:
+    """A target as a decode sidecar of the previous release posts it: no ``format`` and no
+    ``prompt_digest``, signed as that release signed. Refused naming the format."""
+    (x,) = hold(pair, "format-1")
+    old = {k: v for k, v in target_of(x).items() if k not in ("format", "prompt_digest")}
+    unsigned = msgspec.msgpack.encode({**old, "signature": ""})
+    old["signature"] = hmac.new(SIGNER.key, b"kv-sidecar target v1\x00" + unsigned, "sha256")
+    old["signature"] = old["signature"].hexdigest()
+    try:
+        r = post(pair, x.id, old)
+        assert r.status_code == 401, r.text
+        assert "of format 1: expected format 2" in r.json()["detail"], r.text
+        assert entry(pair, x.id)["state"] == "PENDING"
+    finally:
+        abort(pair, [x])
+
+
+def _counter(text: str, name: str) -> float:
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[1])
 
 
 def test_engine_link_takes_no_target_of_another_transfer(pair: Cluster) -> None:

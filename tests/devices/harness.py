@@ -23,6 +23,7 @@ from app.kvcache.layout import RankLayout
 from app.ports import clear_port_file, wait_port_file
 from app.sim.ranks import CacheParams, SimKV, register_rank
 from app.transfer.wire.protocol import FailedRequest, RemoteTarget
+from app.transfer.wire.target_auth import prompt_digest
 
 # Two layers of Llama 3.1 8B: 64 KiB per 16-token block and layer, one full-attention group.
 PARAMS = CacheParams("llama-3.1-8b", 1, 16, 32, layers=2, events=True)
@@ -112,8 +113,22 @@ class Pair:
         assert self.decode.kv is not None
         return self.decode.kv.layout
 
-    def target(self, d_blocks: Sequence[np.ndarray], rid: str) -> RemoteTarget:
-        """Decode's target for ``rid``, signed by decode's sidecar as its connector has it."""
+    def send(
+        self,
+        rid: str,
+        prompt_len: int,
+        p_blocks: Sequence[np.ndarray] | Sequence[Sequence[int]],
+        d_blocks: Sequence[np.ndarray],
+    ) -> None:
+        """Admit ``rid`` at prefill with decode's target, both for a prompt of ``prompt_len``
+        tokens (``0..prompt_len-1``: the digest the target binds)."""
+        digest = prompt_digest(range(prompt_len))
+        target = self.target(d_blocks, rid, digest)
+        self.p.add_send_request(rid, prompt_len, p_blocks, target, prompt_digest=digest)
+
+    def target(self, d_blocks: Sequence[np.ndarray], rid: str, digest: str = "") -> RemoteTarget:
+        """Decode's target for ``rid`` and the prompt whose digest is ``digest``, signed by
+        decode's sidecar as its connector has it."""
         (signed,) = self.d.sign_targets(
             [
                 RemoteTarget(
@@ -124,6 +139,7 @@ class Pair:
                     epoch=self.d.epoch,
                     tp_size=1,
                     block_ids=[b.tolist() for b in d_blocks],
+                    prompt_digest=digest,
                 )
             ]
         )

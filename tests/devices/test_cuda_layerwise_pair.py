@@ -48,7 +48,7 @@ def test_layers_are_pushed_between_gpu_pairs_only_after_their_events(
         p_ids = torch.arange(1, 5)
         d_ids = torch.arange(9, 13)
         pair.d.expect_receive(rid, PROMPT, [d_ids.numpy()], prefill_tp=1)
-        pair.p.add_send_request(rid, PROMPT, [p_ids.numpy()], pair.target([d_ids.numpy()], rid))
+        pair.send(rid, PROMPT, [p_ids.numpy()], [d_ids.numpy()])
         pair.p.begin_step(1, [StepSlice(rid, 0, PROMPT)])
         layers = sorted(p.placements)
         compute = torch.cuda.Stream()  # non-blocking: reading decode here does not wait on it

@@ -34,7 +34,7 @@ def test_a_stuck_event_fails_the_request_within_the_deadline(pair: Pair) -> None
     fine.complete()
     t0 = time.monotonic()
     pair.d.expect_receive(rid, PROMPT, d_ids, prefill_tp=1)
-    pair.p.add_send_request(rid, PROMPT, p_ids, pair.target(d_ids, rid))
+    pair.send(rid, PROMPT, p_ids, d_ids)
     pair.p.begin_step(2, [StepSlice(rid, 0, PROMPT)])
     try:
         pair.p.layer_ready(2, 0, stuck)

@@ -45,7 +45,7 @@ def test_each_layer_is_written_only_after_its_event_completed(pair: Pair) -> Non
     sent_before = pair.poll(pair.p).bytes
 
     pair.d.expect_receive(rid, PROMPT, d_ids, prefill_tp=1)
-    pair.p.add_send_request(rid, PROMPT, p_ids, pair.target(d_ids, rid))
+    pair.send(rid, PROMPT, p_ids, d_ids)
     pair.p.begin_step(1, [StepSlice(rid, 0, PROMPT)])
     events = {layer: LateEvent() for layer in layers}
     t0 = time.monotonic()

@@ -61,7 +61,7 @@ def test_a_restarted_sidecar_gets_the_same_memory_and_transfers_resume(pair: Pai
     for layer in layers:
         write_tokens(pair.p_layout, layer, p_ids[0], 0, PROMPT, salt)
     pair.d.expect_receive(rid, PROMPT, d_ids, prefill_tp=1)
-    pair.p.add_send_request(rid, PROMPT, p_ids, pair.target(d_ids, rid))
+    pair.send(rid, PROMPT, p_ids, d_ids)
     pair.p.begin_step(1, [StepSlice(rid, 0, PROMPT)])
     for layer in layers:
         pair.p.layer_ready(1, layer)

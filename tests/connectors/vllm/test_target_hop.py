@@ -116,3 +116,77 @@ def test_bad_target_is_not_sent_and_the_log_says_why(
     assert prefill.state.sends == {}
     assert "p-req" in caplog.text and "invalid remote target" in caplog.text
     assert where in caplog.text and "not sent" in caplog.text
+
+
+def _prefill_request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
+    """A prefill request as vLLM's scheduler holds it: the prompt twice (``_truncate`` cuts
+    both)."""
+    ids = [1, 2, 3]
+    return SimpleNamespace(
+        request_id=rid,
+        kv_transfer_params=params,
+        prompt_token_ids=ids,
+        _all_token_ids=list(ids),
+        num_prompt_tokens=3,
+    )
+
+
+def test_prefill_binds_the_whole_prompt_and_the_transfer_id_it_runs_under() -> None:
+    """Prefill drops the prompt's last token before it computes (decode computes it), yet the
+    send names the whole prompt as decode holds it, and the proxy's transfer id, not the
+    target's own: the sidecar compares both with what decode signed."""
+    prefill = SchedulerSide(CONFIG)
+    remote = over_http(msgspec.to_builtins(msgspec.structs.replace(TARGET, request_id="other")))
+    params = {"do_remote_decode": True, "transfer_id": "t", "remote": remote}
+    req = _prefill_request("p-req", params)
+    prefill.get_num_new_matched_tokens(req, 0)
+    prefill.get_num_new_matched_tokens(req, 0)  # vLLM asks again until it schedules it
+    assert req.prompt_token_ids == [1, 2] and req.num_prompt_tokens == 2
+    prefill.update_state_after_alloc(req, Blocks(), 0)
+    send = prefill.state.sends["p-req"]
+    assert send.sid == "t" and send.prompt_len == 3
+    assert send.prompt_digest == prompt_digest([1, 2, 3])
+    step = SimpleNamespace(
+        scheduled_new_reqs=[
+            SimpleNamespace(req_id="p-req", num_computed_tokens=0, block_ids=([3, 4],))
+        ],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[], new_block_ids=[]),
+        num_scheduled_tokens={"p-req": 2},
+        total_num_scheduled_tokens=2,
+        preempted_req_ids=None,
+    )
+    (admit,) = prefill.build_connector_meta(step).admits
+    assert admit.send.request == "t" and admit.send.prompt_digest == prompt_digest([1, 2, 3])
+
+
+def test_a_client_marker_does_not_skip_the_cut() -> None:
+    """``kv_transfer_params`` are the client's: a marker there must not keep the last token
+    (nor change the digest the send names)."""
+    prefill = SchedulerSide(CONFIG)
+    params = {"do_remote_decode": True, "transfer_id": "t", "_kvs_truncated": True}
+    req = _prefill_request("p-req", {**params, "remote": over_http(msgspec.to_builtins(TARGET))})
+    prefill.get_num_new_matched_tokens(req, 0)
+    assert req.prompt_token_ids == [1, 2]
+
+
+def test_decode_first_without_the_transfer_id_is_not_sent(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    prefill = SchedulerSide(CONFIG)
+    remote = over_http(msgspec.to_builtins(TARGET))
+    with caplog.at_level(logging.ERROR):
+        prefill.update_state_after_alloc(
+            request("p-req", {"do_remote_decode": True, "remote": remote}), Blocks(), 0
+        )
+    assert prefill.state.sends == {} and "without the transfer_id" in caplog.text
+
+
+def test_decode_signs_the_prompt_it_holds() -> None:
+    decode = SchedulerSide(CONFIG)
+    params = {"do_remote_prefill": True, "router_url": ROUTER, "transfer_id": "t"}
+    req = request("d-req", params)
+    decode.get_num_new_matched_tokens(req, 0)
+    decode.update_state_after_alloc(req, Blocks(), 2)
+    (expect,) = decode.state.expects
+    assert expect.recv.prompt_digest == prompt_digest([1, 2, 3])
+    assert decode_target(expect, INFO, 1).prompt_digest == prompt_digest([1, 2, 3])
