@@ -110,7 +110,8 @@ async def test_send_without_a_digest_takes_no_target(prefill: Prefill) -> None:
     target, whatever its digest, is taken for it."""
     msg = AddSend(rank=0, request="r1", prompt_len=40, block_ids=ids([7, 8, 9]), remote=target())
     reply = await prefill.side.add(msg)
-    assert not reply.ok and "one without a digest" in (reply.error or "")
+    assert isinstance(reply, Reply) and not reply.ok
+    assert "one without a digest" in (reply.error or "")
     assert prefill.net.links == []
 
 
@@ -130,7 +131,8 @@ async def test_format_1_target_is_refused_by_name(prefill: Prefill) -> None:
         prompt_digest=PROMPT_DIGEST,
     )
     reply = await prefill.side.add(msg)
-    assert not reply.ok and "of format 1: expected format 2" in (reply.error or ""), reply
+    assert isinstance(reply, Reply) and not reply.ok
+    assert "of format 1: expected format 2" in (reply.error or ""), reply
     assert prefill.net.links == []
     assert prefill.side.counters["refused_targets"] == 1
 
