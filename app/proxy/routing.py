@@ -11,8 +11,12 @@ counts ``len(text) // 4``, a rough English average.
 set of hash chains of the prompts the proxy routed there: one hash per full block of
 ``block_size`` token ids, each hash covering its block and every block before it (as vLLM's
 prefix cache keys its blocks). Text prompts are hashed in blocks of ``4 * block_size``
-characters, so a block still stands for about ``block_size`` tokens. Hit tokens = leading
-blocks present × ``block_size``. It is what the proxy sent, not what the engine holds: an
+characters, so a block still stands for about ``block_size`` tokens. A chain starts from a
+root naming the request's ``model`` (a LoRA adapter's name, or the base model's) and its
+``cache_salt``, as vLLM keys both into every block hash: two tenants, or two adapters, never
+share a chain, so a salted request is never scored on another tenant's prompts (a routing and
+latency side channel the salt exists to close). Hit tokens = leading blocks present ×
+``block_size``. It is what the proxy sent, not what the engine holds: an
 engine that evicted, or restarted, is found out only by slower prefills. Decode instances
 keep one too when the disaggregation hit rule is on (disagg.py): there it decides whether a
 prompt needs a prefill at all, not where it goes.
@@ -110,17 +114,22 @@ def _chat_text(messages: Any) -> str:
     return "".join(parts)
 
 
-def _token_chain(ids: list[int], block_size: int) -> tuple[int, ...]:
-    chain, h = [], _TOKEN_SEED
+def _root(seed: int, model: str | None, salt: str | None) -> int:
+    """The hash a chain starts from: the kind of prompt, its adapter (``model``) and tenant."""
+    return hash((seed, model, salt))
+
+
+def _token_chain(ids: list[int], block_size: int, root: int) -> tuple[int, ...]:
+    chain, h = [], root
     for i in range(0, len(ids) - block_size + 1, block_size):
         h = hash((h, tuple(ids[i : i + block_size])))
         chain.append(h)
     return tuple(chain)
 
 
-def _text_chain(text: str, block_size: int) -> tuple[int, ...]:
+def _text_chain(text: str, block_size: int, root: int) -> tuple[int, ...]:
     n = block_size * CHARS_PER_TOKEN
-    chain, h = [], _TEXT_SEED
+    chain, h = [], root
     for i in range(0, len(text) - n + 1, n):
         h = hash((h, text[i : i + n]))
         chain.append(h)
@@ -152,7 +161,7 @@ def shape_of(
         return RequestShape(
             tokens,
             fitting(_max_tokens(body, path), tokens),
-            _text_chain(text, block_size),
+            _text_chain(text, block_size, _root(_TEXT_SEED, model, salt)),
             block_size,
             model=model,
             cache_salt=salt,
@@ -173,9 +182,10 @@ def shape_of(
     if prompts:
         first = prompts[0]
         if isinstance(first, str):
-            chain = _text_chain(first, block_size)
+            chain = _text_chain(first, block_size, _root(_TEXT_SEED, model, salt))
         else:
-            chain, ids = _token_chain(first, block_size), tuple(first)
+            chain = _token_chain(first, block_size, _root(_TOKEN_SEED, model, salt))
+            ids = tuple(first)
     # Every prompt of a batch generates its own answer.
     answers = fitting(_max_tokens(body, path), max(sizes, default=0)) * max(1, len(prompts))
     return RequestShape(tokens, answers, chain, block_size, ids, model, salt)
