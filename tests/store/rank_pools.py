@@ -11,7 +11,7 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import KVLayout, LayoutMode, RankLayout, allocate
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
-from app.store.service import RankPool
+from app.store.rank_pool import RankPool
 
 # (model, layout, stacked): vLLM CPU's own is HNC stacked; MLA is one latent row per token.
 GEOMETRIES = [

@@ -17,7 +17,8 @@ from app.kvcache.layout import KVLayout
 from app.kvcache.preset_registration import preset_registration
 from app.store.master import MasterProcess
 from app.store.pool_api import PoolConfig
-from app.store.service import PoolService, RankPool
+from app.store.rank_pool import RankPool
+from app.store.service import PoolService
 
 from .conftest import MiB
 from .rank_pools import PresetRank, preset_rank

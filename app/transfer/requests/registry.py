@@ -25,7 +25,8 @@ from app.devices.spec import EventRingSpec, FdSource
 from app.errors import ConfigError, KVSidecarError
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.engine_spec import EngineRegistration, MemorySpan
-from app.store.service import PoolService, RankPool
+from app.store.rank_pool import RankPool
+from app.store.service import PoolService
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.lanes.mooncake import MooncakeEngine
 from app.transfer.requests.agent import Agent, SendRequest, StreamThread
