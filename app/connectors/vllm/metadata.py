@@ -79,3 +79,6 @@ class KVSidecarMetadata(KVConnectorMetadata):
     pool_saves: list[PoolJob] = field(default_factory=list)
     # The step runs a forward pass (vLLM's no-forward steps only exchange transfer results).
     forward: bool = True
+    # Why requests first seen this step go without the KV pool or a transfer, one entry each
+    # (pool_keys.SKIP_*): rank 0 counts them in vLLM's stats.
+    skipped: list[str] = field(default_factory=list)

@@ -118,6 +118,7 @@ class _State:
     # and fail the same way, once a step, for as long as that takes.
     pool_failed: set[str] = field(default_factory=set)
     skipped: set[str] = field(default_factory=set)  # counted in ``skips`` already
+    new_skips: list[str] = field(default_factory=list)  # their reasons, for the next step
 
 
 def _params(request: Any) -> dict[str, Any]:
@@ -367,6 +368,7 @@ class SchedulerSide:
             forward=out.total_num_scheduled_tokens > 0,  # else vLLM runs no forward pass
         )
         st.expects, st.pool_loads, st.pool_saves = [], [], []
+        meta.skipped, st.new_skips = st.new_skips, []
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -544,6 +546,7 @@ class SchedulerSide:
         if rid in self.state.skipped:
             return
         self.state.skipped.add(rid)
+        self.state.new_skips.append(reason)
         self.skips[reason] = self.skips.get(reason, 0) + 1
         log.info("request %s: %s (%s)", rid, what, reason)
 

@@ -116,7 +116,13 @@ class KVSidecarStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"transfers": []}
+        self.data = {"transfers": [], "skipped": {}}
+
+    def skipped(self, reasons: Iterable[str]) -> None:
+        """Requests that went without the KV pool or a transfer (rank 0 records them)."""
+        counts = self.data.setdefault("skipped", {})
+        for reason in reasons:
+            counts[reason] = counts.get(reason, 0) + 1
 
     def transfers(self) -> list[Transfer]:
         return [Transfer(**row) for row in self.data.get("transfers", [])]
@@ -144,16 +150,21 @@ class KVSidecarStats(KVConnectorStats):
         return snapshot
 
     def is_empty(self) -> bool:
-        return not self.data.get("transfers")
+        return not self.data.get("transfers") and not self.data.get("skipped")
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         assert isinstance(other, KVSidecarStats), type(other)
         rows = merged([*self.transfers(), *other.transfers()])
-        self.data = {"transfers": [asdict(t) for t in rows]}
+        skipped = dict(self.data.get("skipped") or {})
+        for reason, n in (other.data.get("skipped") or {}).items():
+            skipped[reason] = skipped.get(reason, 0) + n
+        self.data = {"transfers": [asdict(t) for t in rows], "skipped": skipped}
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {}
+        out: dict[str, int | float] = {
+            f"skipped ({reason})": n for reason, n in (self.data.get("skipped") or {}).items()
+        }
         rows = self.transfers()
         for side in SIDES:
             mine = [t for t in rows if t.side == side]
@@ -214,6 +225,13 @@ class KVSidecarPromMetrics(KVConnectorPromMetrics):
             )
         )
         self._partial: dict[tuple[int, str, str], Transfer] = {}
+        self._skipped: Any = self._counter_cls(
+            name="vllm:kv_sidecar_skipped_requests",
+            documentation="Requests that went without the KV pool or a KV transfer, by reason "
+            "(prompt_embeds: nothing to key or move; unkeyable_extra_key: a key vLLM added that "
+            "the pool cannot name).",
+            labelnames=[*labelnames, "reason"],
+        )
 
     def _children(self, metric: Any) -> dict[tuple[int, str], Any]:
         return {
@@ -223,6 +241,9 @@ class KVSidecarPromMetrics(KVConnectorPromMetrics):
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues[engine_idx]
+        for reason, n in (transfer_stats_data.get("skipped") or {}).items():
+            self._skipped.labels(*values, reason).inc(n)
         for row in transfer_stats_data.get("transfers", []):
             t = Transfer(**row)
             self.bytes[engine_idx, t.side].inc(t.bytes)

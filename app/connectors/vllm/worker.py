@@ -283,6 +283,8 @@ class WorkerSide:
                 log.warning("end of step %d not told to the sidecar: %s", self._step, e)
         if meta is None:
             return
+        if self.rank == 0 and self.stage == 0:  # one count an engine
+            self.stats.skipped(meta.skipped)
         if self._to_post:
             self._post_targets()
         if self.pool is not None:

@@ -136,3 +136,32 @@ def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
     assert sample(text, NAMES["expired"], "recv") == 1
     assert sample(text, NAMES["transfers"], "recv") == 0
     assert sample(text, NAMES["failed"], "send") == sample(text, NAMES["failed"], "recv") == 0
+
+
+def test_requests_without_the_pool_are_counted_by_reason() -> None:
+    """The scheduler's skips (rank 0 records them) add up across aggregation and reach
+    Prometheus as ``vllm:kv_sidecar_skipped_requests_total{reason}``."""
+    a, b = KVSidecarStats(ranks=1), KVSidecarStats(ranks=1)
+    a.skipped(["prompt_embeds", "prompt_embeds"])
+    b.skipped(["unkeyable_extra_key"])
+    assert not a.is_empty()
+    merged_stats = a.aggregate(b)
+    assert merged_stats.reduce() == {
+        "skipped (prompt_embeds)": 2,
+        "skipped (unkeyable_extra_key)": 1,
+    }
+    reg = CollectorRegistry()
+    types: dict[Any, Any] = {
+        Gauge: partial(Gauge, registry=reg),
+        Counter: partial(Counter, registry=reg),
+        Histogram: partial(Histogram, registry=reg),
+    }
+    vllm_config: Any = SimpleNamespace(kv_transfer_config=None)
+    prom = KVSidecarConnector.build_prom_metrics(
+        vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]}
+    )
+    prom.observe(merged_stats.data)
+    prom.observe(merged_stats.data)
+    text = generate_latest(reg).decode()
+    labels = 'engine="0",model_name="tiny",reason="prompt_embeds"'
+    assert f"vllm:kv_sidecar_skipped_requests_total{{{labels}}} 4.0" in text, text

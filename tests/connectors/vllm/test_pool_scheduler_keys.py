@@ -7,6 +7,7 @@ is a real ZMQ socket that records what the hooks send."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -87,8 +88,22 @@ def test_prompt_embeds_go_without_the_pool_and_without_a_transfer(silent: Silent
             assert r.request_id not in s.state.sends and r.request_id not in s.state.recvs
         assert s.skips == {SKIP_EMBEDS: 4}
         assert lookups(silent) == []
+        # The next step's metadata carries them once (rank 0 counts them in vLLM's stats).
+        assert s.build_connector_meta(_empty_step()).skipped == [SKIP_EMBEDS] * 4
+        assert s.build_connector_meta(_empty_step()).skipped == []
     finally:
         s.close()
+
+
+def _empty_step() -> SimpleNamespace:
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    return SimpleNamespace(
+        total_num_scheduled_tokens=0,
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens={},
+        preempted_req_ids=None,
+    )
 
 
 class _Blocks:
