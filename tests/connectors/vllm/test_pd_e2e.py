@@ -161,12 +161,20 @@ def test_decode_blocks_equal_prefill_blocks(pd: LocalPD) -> None:
 
 
 @pytest.mark.parametrize("pd", ["llama"], indirect=True)
-def test_wrong_kv_changes_output(pd: LocalPD, router: TargetCatcher) -> None:
-    """The equality above can fail: decode expects prompt X, prefill pushes the KV of another
-    prompt Y of the same length into X's blocks, and decode's answer is no longer X's."""
+def test_captured_target_with_another_prompt_writes_nothing(
+    pd: LocalPD, router: TargetCatcher
+) -> None:
+    """A stranger who saw decode's signed target for prompt X (on the proxy -> prefill leg)
+    posts it to prefill with the transfer id it names and another prompt Y of the same length
+    (issue 50, item 9). Before, Y's KV landed in X's blocks and decode answered otherwise than
+    X's reference. Now prefill's sidecar refuses the target (signed for X's prompt), counts it
+    and connects nowhere: the send writes 0 bytes. The genuine prefill of X, sent after, still
+    goes through, and decode answers X's reference from prefill's KV."""
     x, y = prompt(300, 7), prompt(300, 8)
     reference = pd.complete(pd.prefill.url, x, MAX_TOKENS)
     body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "return_token_ids": True}
+    metrics_url = f"{pd.prefill.admin}/metrics"
+    before = refused_targets(metrics_url)
     with ThreadPoolExecutor(1) as pool:
         decode = pool.submit(
             httpx.post,
@@ -176,29 +184,42 @@ def test_wrong_kv_changes_output(pd: LocalPD, router: TargetCatcher) -> None:
                 "prompt": x,
                 "kv_transfer_params": {
                     "do_remote_prefill": True,
-                    "transfer_id": "wrong-kv",
+                    "transfer_id": "captured",
                     "router_url": router.url,
                 },
             },
-            timeout=120,
+            timeout=180,
         )
-        target = router.wait("wrong-kv", 60)
-        r = httpx.post(
-            f"{pd.prefill.url}/v1/completions",
-            json={
-                **body,
-                "prompt": y,
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True, "remote": target},
-            },
-            timeout=120,
+        target = router.wait("captured", 60)
+        tid = str(target["request_id"])
+        captured = {"do_remote_decode": True, "transfer_id": tid, "remote": target}
+
+        def prefill_of(p: list[int]) -> None:
+            r = httpx.post(
+                f"{pd.prefill.url}/v1/completions",
+                json={**body, "prompt": p, "max_tokens": 1, "kv_transfer_params": captured},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+
+        prefill_of(y)
+        stranger = wait_for(
+            "the stranger's send reported", lambda: (e := send_entry(pd, tid))["reported"] and e
         )
-        assert r.status_code == 200, r.text
-        got = decode.result().json()["choices"][0]["token_ids"]
-    rid = target["request_id"]
-    (entry,) = httpx.get(f"{pd.decode.admin}/v1/requests/{rid}", timeout=10).json()["entries"]
-    assert entry["state"] == "DONE", entry  # the wrong bytes did land, as far as anyone knows
-    assert got != reference
+        assert stranger["state"] == "FAILED", stranger
+        assert "signed for another prompt" in (stranger["error"] or ""), stranger
+        assert stranger["bytes"] == 0 and not stranger["targets"], stranger
+        assert refused_targets(metrics_url) == before + 1
+        prefill_of(x)  # the proxy's own prefill of X
+        answer = decode.result().json()
+    assert answer["choices"][0]["token_ids"] == reference
+    assert answer["kv_transfer_params"]["kv_load"] == "ok"  # prefill's KV, not recomputed
+
+
+def refused_targets(url: str) -> float:
+    text = httpx.get(url, timeout=10).text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("kvsidecar_refused_targets_total ")]
+    return float(line.split()[1])
 
 
 def num_layers(admin: str) -> int:
