@@ -102,8 +102,18 @@ def test_a_busy_holder_loses_to_an_idle_instance_the_pool_serves(
     assert pick["url"] != holder
     assert (pick["hit_tier"], pick["pool_hit_tokens"], pick["hit_tokens"]) == ("pool", 1024, 0)
     assert pick["score"] == pytest.approx(0.75 * 1024)
-    # The connector's question: the prompt less the last token (the engine computes that one).
+    # The connector's question: the whole prompt (the hit leaves its last token).
     assert pool.asked[-1] == A
+
+
+def test_the_lookup_names_the_tenant(make_cluster: Callable[..., Cluster], pool: FakePool) -> None:
+    """The pool is asked with the request's cache_salt and model (an adapter's name), so a
+    salted or adapter prompt is scored on its own tenant's entries only."""
+    c = make_cluster().start_proxy(prefill_policy="cache_aware", pool_lookup=pool.server.url)
+    assert c.post(prompt=A, max_tokens=1, cache_salt="tenant-1").status_code == 200
+    assert (pool.bodies[-1]["cache_salt"], pool.bodies[-1]["model"]) == ("tenant-1", "tiny")
+    assert c.post(prompt=A, max_tokens=1).status_code == 200
+    assert pool.bodies[-1]["cache_salt"] is None
 
 
 def test_without_the_pool_the_busy_holder_keeps_its_prompt(
