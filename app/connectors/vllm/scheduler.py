@@ -17,7 +17,7 @@ first: this engine's request id).
 
 With ``"pool": true`` any other request (and a prefill's before it computes) first asks the
 sidecar's KV pool for the longest prefix hit and loads it asynchronously; a finished request's
-prompt is stored into the pool before its blocks go back to vLLM.
+prompt is stored into the pool before its blocks go back to vLLM (``pool_requests``).
 """
 
 from __future__ import annotations
@@ -36,23 +36,16 @@ from app.connectors.params import (
     TRANSFER_TOKEN_PARAM,
 )
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.lookups import PoolLookups
 from app.connectors.vllm.metadata import (
     Admit,
     BlockIds,
     Expect,
     KVSidecarMetadata,
-    PoolJob,
 )
-from app.connectors.vllm.pool_keys import (
-    SKIP_UNKEYABLE,
-    hash_block_size,
-    key_runs,
-    without_keys,
-)
+from app.connectors.vllm.pool_keys import without_keys
+from app.connectors.vllm.pool_requests import PoolRequests
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
-from app.store.hashing import KeyRun
 from app.tracing.traceparent import parse as parse_traceparent
 from app.transfer.planning.planner import MambaMode
 from app.transfer.wire.protocol import (
@@ -107,16 +100,7 @@ class _State:
     recvs: dict[str, str] = field(default_factory=dict)  # decode requests expected -> sid
     expects: list[Expect] = field(default_factory=list)
     local_hits: dict[str, int] = field(default_factory=dict)  # decode's own prefix hit
-    # (pool hit, tokens the engine's own cache holds) by request: the load fetches between
-    pool_hits: dict[str, tuple[int, int]] = field(default_factory=dict)
-    pool_loads: list[PoolJob] = field(default_factory=list)
-    pool_saves: list[PoolJob] = field(default_factory=list)
-    unfinished_saves: set[str] = field(default_factory=set)  # kept blocks, being stored
     failed_loads: set[str] = field(default_factory=set)  # expected requests whose load failed
-    # Requests whose pool load failed: vLLM recomputes them, and asking the pool again would
-    # find the same keys (a dead sidecar's segment stays listed until the master drops it)
-    # and fail the same way, once a step, for as long as that takes.
-    pool_failed: set[str] = field(default_factory=set)
     skipped: set[str] = field(default_factory=set)  # counted in ``skips`` already
     new_skips: list[str] = field(default_factory=list)  # their reasons, for the next step
 
@@ -153,8 +137,7 @@ class SchedulerSide:
             log.error("mamba_cache_mode %r is not supported (expected none or align)", mode)
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
-        self.lookups = PoolLookups(config) if config.pool else None
-        self.hash_block_size = hash_block_size(kv_cache_config) if kv_cache_config else 1
+        self.pool = PoolRequests(config, kv_cache_config, self._skip)
         # Requests that went without the pool or a transfer, by reason (pool_keys.SKIP_*).
         self.skips: dict[str, int] = {}
         # One per rank of every pipeline stage, for one-way aborts (they never wait for the
@@ -182,7 +165,7 @@ class SchedulerSide:
         if p.get("do_remote_decode"):
             self._truncate(request)
         if not p.get("do_remote_prefill"):
-            return self._pool_hit(request, num_computed)
+            return self.pool.hit(request, num_computed)
         if rid in self.state.recvs:
             return 0, False
         # Decode recomputes the prompt's last token itself (for its logits): DESIGN §3.
@@ -191,31 +174,6 @@ class SchedulerSide:
             return 0, False
         self.state.local_hits[rid] = num_computed
         return count, True
-
-    def _pool_hit(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
-        """Tokens the KV pool serves beyond what vLLM has (None while the lookup runs: vLLM
-        asks again next step); at least the last prompt token is left to compute (vLLM needs
-        its logits)."""
-        rid = request.request_id
-        self.state.pool_hits.pop(rid, None)
-        if self.lookups is None or rid in self.state.pool_failed:
-            return 0, False
-        if request.skip_reading_prefix_cache:
-            # As vLLM's own cache: the client asked for every prompt token computed (e.g.
-            # prompt logprobs); the computed blocks are still stored at the end.
-            return 0, False
-        # The whole prompt: the sidecar caps the hit at one token short of it, as vLLM does.
-        tokens = request.prompt_token_ids
-        runs = self._key_runs(request, len(tokens))
-        if runs is None:
-            return 0, False
-        hit = self.lookups.hit(rid, tokens, runs)
-        if hit is None:
-            return None, False
-        if hit <= num_computed:
-            return 0, False
-        self.state.pool_hits[rid] = (hit, num_computed)
-        return hit - num_computed, True
 
     def _truncate(self, request: Any) -> None:
         """Prefill computes the N - 1 tokens decode loads, never the last one (decode computes
@@ -243,13 +201,7 @@ class SchedulerSide:
         p = _params(request)
         rid = request.request_id
         ids = [list(map(int, g)) for g in blocks.get_block_ids()]
-        pool_hit = self.state.pool_hits.pop(rid, None)
-        if pool_hit is not None and num_external > 0:
-            hit, held = pool_hit
-            tokens = list(request.prompt_token_ids[:hit])
-            runs = self._key_runs(request, hit)
-            assert runs is not None  # the lookup keyed the same request
-            self.state.pool_loads.append(PoolJob(rid, tokens, ids, hit, held=held, key_runs=runs))
+        self.pool.allocated(request, ids, num_external)
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             # The proxy's transfer id names the transfer on both sidecars; without a proxy,
             # this engine's request id.
@@ -361,13 +313,14 @@ class SchedulerSide:
 
     def build_connector_meta(self, out: Any) -> KVSidecarMetadata:
         st = self.state
+        loads, saves = self.pool.take()
         meta = KVSidecarMetadata(
             expects=st.expects,
-            pool_loads=st.pool_loads,
-            pool_saves=st.pool_saves,
+            pool_loads=loads,
+            pool_saves=saves,
             forward=out.total_num_scheduled_tokens > 0,  # else vLLM runs no forward pass
         )
-        st.expects, st.pool_loads, st.pool_saves = [], [], []
+        st.expects = []
         meta.skipped, st.new_skips = st.new_skips, []
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
@@ -434,12 +387,9 @@ class SchedulerSide:
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        self.state.pool_hits.pop(rid, None)
-        self.state.pool_failed.discard(rid)
+        self.pool.forget(rid)
         self.state.skipped.discard(rid)
         self.state.local_hits.pop(rid, None)
-        if self.lookups is not None:
-            self.lookups.forget(rid)
         sid = self.state.recvs.pop(rid, None)
         if sid is not None:
             if request.status == RequestStatus.FINISHED_ABORTED:
@@ -449,14 +399,14 @@ class SchedulerSide:
             # For the conversation's next turn: prompt and answer, whoever computed them. On a
             # hybrid model the store keeps the longest prefix whose every block a hit there reads
             # is still held (a window's tail, a state at an aligned end), as for a prompt.
-            keep = self.config.save_answers and self._pool_save(request, block_ids, answer=True)
+            keep = self.config.save_answers and self.pool.save(request, block_ids, answer=True)
             # The id both sidecars know the transfer by, for curl on their admin APIs, and
             # whether prefill's KV was used (the router's record tells "recomputed" apart).
             return keep, {
                 "kv_sidecar_request_id": sid,
                 KV_LOAD_PARAM: "failed" if failed else "ok",
             }
-        keep = self._pool_save(request, block_ids)
+        keep = self.pool.save(request, block_ids)
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
             return keep, None
@@ -496,50 +446,20 @@ class SchedulerSide:
             **({"traceparent": send.traceparent} if send.traceparent else {}),
         }
 
-    def _pool_save(
-        self, request: Any, block_ids: tuple[list[int], ...], *, answer: bool = False
-    ) -> bool:
-        """Queue the computed prompt (``answer``: and the generated tokens whose KV is
-        computed) for the pool; True when the blocks must stay until then."""
-        if not self.config.pool or request.status == RequestStatus.FINISHED_ABORTED:
-            return False
-        if without_keys(request) is not None:
-            return False  # counted when the request was first seen
-        known = request.all_token_ids if answer else request.prompt_token_ids
-        tokens = min(int(request.num_computed_tokens), len(known))
-        if tokens < 1 or not any(block_ids):
-            return False
-        runs = self._key_runs(request, tokens)
-        if runs is None:
-            return False
-        rid = request.request_id
-        ids = [list(map(int, g)) for g in block_ids]
-        self.state.pool_saves.append(PoolJob(rid, list(known[:tokens]), ids, tokens, key_runs=runs))
-        self.state.unfinished_saves.add(rid)
-        return True
-
     def update_connector_output(self, output: Any) -> None:
         for rid in getattr(output, "failed_recving", None) or ():
             if rid in self.state.recvs:
                 self.state.failed_loads.add(rid)
-            elif self.lookups is not None:
-                self.state.pool_failed.add(rid)
+            else:
+                self.pool.load_failed(rid)
         for rid in getattr(output, "finished_sending", None) or ():
             self.state.unfinished_sends.discard(rid)
-            self.state.unfinished_saves.discard(rid)
+            self.pool.saved(rid)
 
     def has_pending_push_work(self) -> bool:
-        return bool(self.state.unfinished_sends or self.state.unfinished_saves)
+        return bool(self.state.unfinished_sends or self.pool.saving)
 
     # ---- helpers ---------------------------------------------------------------------------
-
-    def _key_runs(self, request: Any, num_tokens: int) -> list[KeyRun] | None:
-        """vLLM's extra keys of the request's blocks for the pool (None: it cannot be keyed,
-        and goes without the pool)."""
-        runs = key_runs(request, num_tokens, self.hash_block_size)
-        if runs is None:
-            self._skip(request.request_id, SKIP_UNKEYABLE, "no KV pool")
-        return runs
 
     def _skip(self, rid: str, reason: str, what: str) -> None:
         """Count (once a request) a request that goes without the pool or a transfer."""
@@ -565,8 +485,7 @@ class SchedulerSide:
                 )
 
     def close(self) -> None:
-        if self.lookups is not None:
-            self.lookups.close()
+        self.pool.close()
         for link in self.links:
             link.close(unlink=False)
 

@@ -8,10 +8,10 @@ request's admission makes no sidecar call at all (its workers expect it).
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 from typing import Any
 
-from vllm.v1.request import RequestStatus
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
@@ -22,10 +22,10 @@ LINK_TIMEOUT_S = 1.0
 HOOK_BUDGET_S = 0.05  # far below one link timeout: the hook did not wait on the socket
 
 
-def request(rid: str, params: dict[str, Any] | None = None) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(1, 65))
-    )
+def request(rid: str, params: dict[str, Any] | None = None) -> Request:
+    """vLLM's own request, as its scheduler hands it to the hooks."""
+    extra = None if params is None else {"kv_transfer_params": params}
+    return Request(rid, list(range(1, 65)), SamplingParams(max_tokens=1, extra_args=extra), None)
 
 
 class Blocks:
