@@ -86,6 +86,9 @@ class LocalPD:
     role_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # More of every connector's kv_connector_extra_config (e.g. transfer_draft_kv).
     connector_extra: Mapping[str, Any] = field(default_factory=dict)
+    # Decode's checkpoint instead of ``model`` (None: the same): two checkpoints of one
+    # architecture on one master, whose pool keys must never meet.
+    decode_model: Path | None = None
     master: MasterProcess | None = None
     # An engine forked by the zygote is a ZygoteChild (KVSIDECAR_HARNESS_ZYGOTE=1).
     procs: dict[str, ChildProcess] = field(default_factory=dict)
@@ -381,8 +384,9 @@ class LocalPD:
                 **self.connector_extra,
             },
         }
+        model = self.decode_model if inst.role == "decode" and self.decode_model else self.model
         command = vllm_command(
-            self.model,
+            model,
             inst.vllm_port,
             "--kv-transfer-config",
             json.dumps(ktc),

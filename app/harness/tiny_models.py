@@ -177,3 +177,62 @@ def write_tiny_eagle(
     save_file(weights, str(path / "model.safetensors.tmp"), metadata={"format": "pt"})
     os.replace(path / "model.safetensors.tmp", path / "model.safetensors")
     return path
+
+
+def write_tiny_lora(
+    path: Path,
+    base: Path,
+    seed: int = 0,
+    rank: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+) -> Path:
+    """A random LoRA adapter, in peft's layout, for the tiny model at ``base`` (idempotent).
+
+    Both A and B are random (peft starts B at zero, which would leave the model unchanged):
+    the adapter must change the attention's K and V, so that its KV differs from the base
+    model's and from another adapter's.
+    """
+    if (path / "adapter_model.safetensors").exists():
+        return path
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((base / "config.json").read_text())
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    out = {
+        "q_proj": heads * head_dim,
+        "k_proj": kv_heads * head_dim,
+        "v_proj": kv_heads * head_dim,
+        "o_proj": hidden,
+    }
+    unknown = sorted(set(targets) - set(out))
+    if unknown:
+        raise ConfigError(f"LoRA targets {unknown}: expected some of {sorted(out)}")
+    torch.manual_seed(seed)
+    weights: dict[str, torch.Tensor] = {}
+    for layer in range(int(config["num_hidden_layers"])):
+        for t in targets:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{t}"
+            in_features = heads * head_dim if t == "o_proj" else hidden
+            weights[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_features) * 0.2
+            weights[f"{prefix}.lora_B.weight"] = torch.randn(out[t], rank) * 0.2
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "bias": "none",
+                "target_modules": list(targets),
+                "base_model_name_or_path": str(base),
+            }
+        )
+    )
+    save_file(weights, str(path / "adapter_model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(path / "adapter_model.safetensors.tmp", path / "adapter_model.safetensors")
+    return path
