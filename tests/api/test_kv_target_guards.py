@@ -27,8 +27,8 @@ from app.errors import ProtocolError
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import Command, SimRequest
 from app.sim.side import target_signer
-from app.transfer.wire.protocol import RemoteTarget, remote_target
-from app.transfer.wire.target_auth import TargetSigner, prompt_digest
+from app.transfer.wire.protocol import RemoteTarget
+from app.transfer.wire.target_auth import TargetSigner, prompt_digest, remote_target
 from tests.api.conftest import AUTH, TOKEN, wait_ready
 from tests.conftest import wait_for
 

@@ -51,8 +51,8 @@ from app.transfer.wire.protocol import (
     StepSlice,
     decode,
     encode,
-    remote_target,
 )
+from app.transfer.wire.target_auth import remote_target
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,7 @@ from app.api.routes import error_doc
 from app.api.schemas import KVTargetBody, KVTargetResponse
 from app.errors import AuthError, KVSidecarError
 from app.transfer.sidecar.process import Sidecar
-from app.transfer.wire.protocol import remote_target
+from app.transfer.wire.target_auth import remote_target
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,8 @@ import msgspec
 from app.connectors.params import TRANSFER_TOKEN_HEADER
 from app.connectors.vllm.config import PP_PLACEHOLDER
 from app.errors import KVSidecarError
-from app.transfer.wire.protocol import RemoteTarget, remote_target
+from app.transfer.wire.protocol import RemoteTarget
+from app.transfer.wire.target_auth import remote_target
 
 log = logging.getLogger(__name__)
 

@@ -54,9 +54,8 @@ from app.transfer.wire.protocol import (
     ExpectRecv,
     RemoteTarget,
     StepSlice,
-    remote_target,
 )
-from app.transfer.wire.target_auth import prompt_digest
+from app.transfer.wire.target_auth import prompt_digest, remote_target
 
 log = logging.getLogger(__name__)
 

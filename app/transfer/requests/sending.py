@@ -53,10 +53,9 @@ from app.transfer.wire.protocol import (
     Reply,
     SetTarget,
     Status,
-    check_target,
     tcp_endpoint,
 )
-from app.transfer.wire.target_auth import check_bound
+from app.transfer.wire.target_auth import check_bound, check_target
 
 log = logging.getLogger(__name__)
 

@@ -539,31 +539,3 @@ def _unsupported(version: object) -> ProtocolError:
 def tcp_endpoint(host: str, port: int) -> str:
     """The ZMQ endpoint of a control port (an IPv6 literal in brackets)."""
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-
-
-def check_target(target: RemoteTarget, groups: int, most_blocks: int) -> None:
-    """A target's block ids against the send it is for: one list per KV cache group, none
-    longer than ``most_blocks`` (a block holds at least one token). Raises ProtocolError."""
-    if len(target.block_ids) != groups:
-        raise ProtocolError(
-            f"target for {target.request_id}: expected block ids for {groups} KV cache "
-            f"groups (the send's), got {len(target.block_ids)}"
-        )
-    longest = max((len(ids) for ids in target.block_ids), default=0)
-    if longest > most_blocks:
-        raise ProtocolError(
-            f"target for {target.request_id}: expected at most {most_blocks} block ids per "
-            f"group for this prompt, got {longest}"
-        )
-
-
-def remote_target(obj: object) -> RemoteTarget:
-    """A target as it came over JSON (``kv_transfer_params["remote"]``), checked field by field.
-
-    Strict: a port sent as a string is refused, not coerced, so a target from something other
-    than our connector fails here rather than somewhere in the sidecar.
-    """
-    try:
-        return msgspec.convert(obj, RemoteTarget)
-    except msgspec.ValidationError as e:
-        raise ProtocolError(f"invalid remote target: {e}") from None
