@@ -45,6 +45,19 @@ def without_keys(request: Any) -> str | None:
     return None
 
 
+def kv_inputs(request: Any) -> list[tuple[str | int, ...]]:
+    """What decides a request's KV besides its token ids, whatever the block size: the LoRA
+    adapter (name and path) and each multimodal input (its hash, offset and length). A P/D
+    target binds these with the prompt (``target_auth.prompt_digest``)."""
+    out: list[tuple[str | int, ...]] = []
+    lora = request.lora_request
+    if lora is not None:
+        out.append(("lora", str(lora.lora_name), str(lora.lora_path)))
+    for f in request.mm_features or ():
+        out.append(("mm", str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length)))
+    return out
+
+
 def key_runs(request: Any, num_tokens: int, block_size: int) -> list[KeyRun] | None:
     """vLLM's extra keys of every hash block of the request's first ``num_tokens`` tokens (a
     partial last block included: a tail is named with its block's keys), as runs; None when

@@ -42,7 +42,7 @@ from app.connectors.vllm.metadata import (
     Expect,
     KVSidecarMetadata,
 )
-from app.connectors.vllm.pool_keys import without_keys
+from app.connectors.vllm.pool_keys import kv_inputs, without_keys
 from app.connectors.vllm.pool_requests import PoolRequests
 from app.engine_link.client import EngineLink
 from app.errors import KVSidecarError, ProtocolError
@@ -189,7 +189,7 @@ class SchedulerSide:
             return  # vLLM asks again each step until the request is scheduled
         ids = request.prompt_token_ids
         cut = ids is not None and request.num_prompt_tokens >= 2
-        setattr(request, _WHOLE, _Whole(_digest(ids), cut))
+        setattr(request, _WHOLE, _Whole(_digest(request), cut))
         if not cut:
             return
         del request.prompt_token_ids[-1]
@@ -215,7 +215,7 @@ class SchedulerSide:
                 timeout_s=self.config.recv_timeout_s,
                 queue_timeout_s=self.config.recv_queue_timeout_s,
                 traceparent=_traceparent(p),
-                prompt_digest=_digest(request.prompt_token_ids),
+                prompt_digest=_digest(request),
             )
             computed = self.state.local_hits.pop(rid, 0)
             self.state.expects.append(Expect(rid, recv, computed, p.get("router_url"), _token(p)))
@@ -281,7 +281,7 @@ class SchedulerSide:
         # a truncated prefill computes exactly those, and its last slice ends the prompt.
         taken = getattr(request, _WHOLE, None)
         if not isinstance(taken, _Whole):  # not truncated: the prompt is whole as it is
-            taken = _Whole(_digest(request.prompt_token_ids), False)
+            taken = _Whole(_digest(request), False)
         computes = len(request.prompt_token_ids)
         whole = computes + 1 if taken.truncated else computes
         timeout = float(p.get("target_timeout_s") or self.config.target_timeout_s)
@@ -489,10 +489,13 @@ class SchedulerSide:
             link.close(unlink=False)
 
 
-def _digest(token_ids: Any) -> str:
-    """``prompt_digest`` of a request's prompt; "" without token ids (prompt embeddings),
-    which binds no target: none is taken for such a send."""
-    return "" if token_ids is None else prompt_digest(token_ids)
+def _digest(request: Any) -> str:
+    """``prompt_digest`` of a request's prompt and of what else decides its KV (its adapter,
+    its multimodal inputs: the same ids under another adapter or with another image behind the
+    placeholders are other KV); "" without token ids (prompt embeddings), which binds no target:
+    none is taken for such a send."""
+    ids = request.prompt_token_ids
+    return "" if ids is None else prompt_digest(ids, kv_inputs(request))
 
 
 def _copy(ids: BlockIds) -> BlockIds:

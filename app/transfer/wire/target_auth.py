@@ -44,16 +44,19 @@ DOMAIN = b"kv-sidecar target v2\x00"
 _PROMPT_DOMAIN = b"kv-sidecar prompt v1\x00"
 
 
-def prompt_digest(token_ids: Sequence[int]) -> str:
+def prompt_digest(token_ids: Sequence[int], inputs: Sequence[tuple[str | int, ...]] = ()) -> str:
     """The prompt a target binds: hex SHA-256 over its length and its token ids, each a
-    little-endian int64. Decode takes it over the prompt it holds; prefill over the whole prompt
-    its engine runs (before it drops the last token, which decode computes)."""
+    little-endian int64, then ``inputs`` (what else decides its KV: an adapter, images) as
+    msgpack. Decode takes it over the prompt it holds; prefill over the whole prompt its engine
+    runs (before it drops the last token, which decode computes)."""
     ids = array("q", token_ids)  # raises OverflowError for an id past int64: none is
     if sys.byteorder != "little":
         ids.byteswap()
     h = hashlib.sha256(_PROMPT_DOMAIN)
     h.update(struct.pack("<q", len(ids)))
     h.update(ids.tobytes())
+    if inputs:
+        h.update(msgspec.msgpack.encode(list(inputs)))
     return h.hexdigest()
 
 

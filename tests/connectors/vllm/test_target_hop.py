@@ -14,6 +14,10 @@ from typing import Any
 
 import msgspec
 import pytest
+from vllm.lora.request import LoRARequest
+from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
@@ -42,8 +46,10 @@ class Blocks:
         return ([3, 4],)
 
 
-def request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
-    return SimpleNamespace(request_id=rid, kv_transfer_params=params, prompt_token_ids=[1, 2, 3])
+def request(rid: str, params: dict[str, Any], **kwargs: Any) -> Request:
+    """vLLM's own request, as its scheduler hands it to the hooks."""
+    sampling = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": params})
+    return Request(rid, [1, 2, 3], sampling, None, **kwargs)
 
 
 def over_http(obj: Any) -> Any:
@@ -118,17 +124,10 @@ def test_bad_target_is_not_sent_and_the_log_says_why(
     assert where in caplog.text and "not sent" in caplog.text
 
 
-def _prefill_request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
+def _prefill_request(rid: str, params: dict[str, Any]) -> Request:
     """A prefill request as vLLM's scheduler holds it: the prompt twice (``_truncate`` cuts
     both)."""
-    ids = [1, 2, 3]
-    return SimpleNamespace(
-        request_id=rid,
-        kv_transfer_params=params,
-        prompt_token_ids=ids,
-        _all_token_ids=list(ids),
-        num_prompt_tokens=3,
-    )
+    return request(rid, params)
 
 
 def test_prefill_binds_the_whole_prompt_and_the_transfer_id_it_runs_under() -> None:
@@ -179,6 +178,29 @@ def test_decode_first_without_the_transfer_id_is_not_sent(
             request("p-req", {"do_remote_decode": True, "remote": remote}), Blocks(), 0
         )
     assert prefill.state.sends == {} and "without the transfer_id" in caplog.text
+
+
+def test_the_digest_binds_the_adapter_and_the_images_too() -> None:
+    """The same ids under another adapter, or with another image behind the placeholders, are
+    other KV: a target signed for one is not the other's."""
+    decode = SchedulerSide(CONFIG)
+    params = {"do_remote_prefill": True, "router_url": ROUTER, "transfer_id": "t"}
+    image = MultiModalFeatureSpec(None, "image", "img-1", PlaceholderRange(0, 2))
+    other = MultiModalFeatureSpec(None, "image", "img-2", PlaceholderRange(0, 2))
+    digests = []
+    for kwargs in (
+        {},
+        {"lora_request": LoRARequest("a", 1, "/adapters/a")},
+        {"lora_request": LoRARequest("a", 1, "/adapters/a-v2")},
+        {"mm_features": [image]},
+        {"mm_features": [other]},
+    ):
+        req = request(f"d-{len(digests)}", params, **kwargs)
+        decode.get_num_new_matched_tokens(req, 0)
+        decode.update_state_after_alloc(req, Blocks(), 2)
+        digests.append(decode.state.expects[-1].recv.prompt_digest)
+    assert digests[0] == prompt_digest([1, 2, 3])
+    assert len(set(digests)) == len(digests), digests
 
 
 def test_decode_signs_the_prompt_it_holds() -> None:
