@@ -29,7 +29,7 @@ from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_lora, write_tiny_model
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, last_transfer, prompt
-from tests.connectors.vllm.test_pool_e2e import block_size, pool_stats, wait_stored
+from tests.connectors.vllm.test_pool_e2e import block_size, pool_keys, pool_stats
 
 pytestmark = pytest.mark.slow_engines
 
@@ -144,10 +144,17 @@ def served(pd: LocalPD, role: str, tokens: list[int], model: str = "tiny") -> Se
 
 
 def served_and_stored(pd: LocalPD, role: str, tokens: list[int], model: str = "tiny") -> Served:
+    """``served``, then waited for until the engine's save ran (keys put, or found there
+    already: the caller tells which it expects)."""
     admin = (pd.prefill if role == "prefill" else pd.decode).admin
-    keys = pool_stats(admin)["keys_put"]
+    keys = pool_keys(admin)
     out = served(pd, role, tokens, model)
-    wait_stored(admin, keys)
+    wait_for(
+        f"{role} to store the prompt",
+        lambda: pool_keys(admin) > keys,
+        timeout_s=30.0,
+        interval_s=0.2,
+    )
     return out
 
 
