@@ -355,8 +355,10 @@ class EngineLink:
         block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]],
         num_computed: int,
         extra_keys: Sequence[KeyRun] = (),
+        stored_tokens: int = 0,
     ) -> dict[str, int]:
-        """Store fully computed blocks after prefill; the blocks may be freed on return, unless
+        """Store fully computed blocks (none ending at or before ``stored_tokens``, which this
+        request's earlier saves stored); the blocks may be freed on return, unless
         the reply says ``pending`` (the put still reads them: ``pool_poll`` until it returned).
         A ``DeadlineExceeded`` says as little: the sidecar may have begun the put."""
         reply = self._call(
@@ -367,6 +369,7 @@ class EngineLink:
                 block_ids=_wire_ids(block_ids),
                 num_computed=num_computed,
                 extra_keys=_wire_runs(extra_keys),
+                stored_tokens=stored_tokens,
             ),
             self.timeout_s * 3,
         )

@@ -234,9 +234,13 @@ class PoolService:
         num_computed: int,
         extra_keys: Sequence[KeyRun] = (),
         request: str = "",
+        stored_tokens: int = 0,
     ) -> SaveOutcome:
         """Store the fully computed blocks the coordinator's store masks name (the caller
-        keeps them pinned until this returns)."""
+        keeps them pinned until this returns), less those ending at or before
+        ``stored_tokens``: a running request's earlier saves stored them (every group's needs
+        at that boundary, and a later boundary needs no block of a group before it that the
+        earlier one did not)."""
         started = time.time()
         rp = self._rank(rank)
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
@@ -249,8 +253,11 @@ class PoolService:
             self.calls.saves_cut += 1
         chosen: list[list[int]] = []
         for g, mask in enumerate(c.store_masks(num_computed, held)):
+            first = stored_tokens // c.groups[g].block_size
             blocks = [
-                i for i, m in enumerate(mask) if m and i < len(hashes[g]) and i < len(block_ids[g])
+                i
+                for i, m in enumerate(mask)
+                if m and first <= i < len(hashes[g]) and i < len(block_ids[g])
             ]
             chosen.append(blocks)
             for layer, b, key in rp.keys(hashes, g, blocks):

@@ -4,6 +4,7 @@ can still touch its blocks: a pending reply or a link that gave up keeps the req
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -46,6 +47,7 @@ def _jobs() -> tuple[PoolJobs, FakeLink]:
     jobs._lock = threading.Lock()
     jobs._loaded, jobs._saved, jobs._failed = set(), set(), set()
     jobs._late_loads, jobs._late_saves = set(), set()
+    jobs._running, jobs._running_done = set(), set()
     jobs._polling, jobs._polled_at = False, 0.0
     return jobs, link
 
@@ -96,3 +98,21 @@ def test_a_pending_save_keeps_its_blocks_until_settled() -> None:
     link.running_saves = set()
     _, saved, _ = _drain_until(jobs, "late-save")
     assert "late-save" in saved
+
+
+def test_a_running_requests_late_store_ends_through_take_running() -> None:
+    """A store while its request runs never reaches ``finished_sending`` (vLLM would free the
+    running request's blocks): it ends, once settled, through ``take_running``."""
+    jobs, link = _jobs()
+    link.running_saves = {"late-save"}
+    jobs.save(dataclasses.replace(_job("late-save"), running=True))
+    time.sleep(0.3)
+    assert jobs.take_running() == set()
+    link.running_saves = set()
+    done: set[str] = set()
+    deadline = time.monotonic() + 5
+    while "late-save" not in done and time.monotonic() < deadline:
+        assert "late-save" not in jobs.drain()[1]
+        done |= jobs.take_running()
+        time.sleep(0.06)
+    assert done == {"late-save"}

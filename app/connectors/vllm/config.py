@@ -81,6 +81,9 @@ class ConnectorConfig:
     # Decode also stores what a request computed, its answer included, for the conversation's
     # next turn (``pool_save_answers``).
     save_answers: bool = False
+    # While a request runs, store every k-th lcm block boundary it crosses (0: only when it
+    # finishes, which a window or a Mamba state has mostly given back by then): ``pool_save_every``.
+    save_every: int = 1
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"
     role: Role = "both"  # the sidecar role of this instance (from vLLM's kv_role)
@@ -158,6 +161,13 @@ class ConnectorConfig:
                 '"pool_save_answers" stores decode\'s answers in the KV pool; set "pool": true '
                 "as well (a Mooncake master and the pool on the sidecars)"
             )
+        save_every = extra.get("pool_save_every", 1)
+        if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
+            raise ConfigError(
+                f'"pool_save_every" is how many block boundaries a running request crosses '
+                f"between its pool stores (0: only when it finishes); expected an integer >= 0, "
+                f"got {save_every!r}"
+            )
         target_url = str(extra["target_url"]) if extra.get("target_url") else None
         if target_url is not None:
             target_url = _per_stage(
@@ -174,6 +184,7 @@ class ConnectorConfig:
             link_timeout_s=float(extra.get("link_timeout_s", 10.0)),
             pool=pool,
             save_answers=save_answers,
+            save_every=save_every,
             agent=agent,
             role=_ROLES.get(str(ktc.kv_role), "both"),
             target_url=target_url,

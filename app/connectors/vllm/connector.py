@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -100,6 +101,9 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker.pool_saves_done() if self.worker is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         # Workers only: the scheduler side moves no bytes (its refused loads reach the workers
         # as failed_recvs and are counted there).
@@ -134,6 +138,10 @@ class KVSidecarConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         return self._s().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._s().pool.bind(kv_cache_manager)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self._s().update_state_after_alloc(request, blocks, num_external_tokens)

@@ -9,7 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import msgspec
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
 from app.store.hashing import KeyRun
@@ -60,7 +63,12 @@ class PoolJob:
     """Load ``tokens`` pool-hit tokens into, or store the first ``tokens`` tokens from, a
     request's blocks (per group). ``held``: tokens of a load the engine's own prefix cache
     already put in place (never fetched again); ``key_runs``: what besides the tokens names
-    each block (vLLM's own extra keys, ``pool_keys.key_runs``), as in its block hashes."""
+    each block (vLLM's own extra keys, ``pool_keys.key_runs``), as in its block hashes.
+
+    A store while the request runs (``running``) goes by ``req_id`` = its own save id: it ends
+    through ``PoolSavesDone``, not ``finished_sending`` (which frees a request's blocks);
+    ``stored``: tokens the request's earlier stores stored (no block ending at or before them
+    is sent again)."""
 
     req_id: str
     token_ids: list[int]
@@ -68,6 +76,23 @@ class PoolJob:
     tokens: int
     held: int = 0
     key_runs: list[KeyRun] = field(default_factory=list)
+    stored: int = 0
+    running: bool = False
+
+
+@dataclass(frozen=True)
+class PoolSavesDone(KVConnectorWorkerMetadata):
+    """The running requests' stores a worker saw end this step (save id -> workers): the
+    scheduler releases a store's blocks once every worker has reported it."""
+
+    saves: dict[str, int]
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, PoolSavesDone)
+        merged = dict(self.saves)
+        for sid, n in other.saves.items():
+            merged[sid] = merged.get(sid, 0) + n
+        return PoolSavesDone(merged)
 
 
 @dataclass

@@ -42,6 +42,9 @@ class PoolJobs:
         # Calls whose store call may still run: reported once a poll finds them settled.
         self._late_loads: set[str] = set()
         self._late_saves: set[str] = set()
+        # Stores of running requests (by save id): they end through ``take_running``.
+        self._running: set[str] = set()
+        self._running_done: set[str] = set()
         self._polling = False
         self._polled_at = 0.0
 
@@ -49,7 +52,24 @@ class PoolJobs:
         self._thread.submit(self._load, job)
 
     def save(self, job: PoolJob) -> None:
+        if job.running:
+            with self._lock:
+                self._running.add(job.req_id)
         self._thread.submit(self._save, job)
+
+    def take_running(self) -> set[str]:
+        """Running requests' stores (save ids) that ended since the last call."""
+        with self._lock:
+            out, self._running_done = self._running_done, set()
+            return out
+
+    def _ended(self, sid: str) -> None:
+        """A store ended (under the lock)."""
+        if sid in self._running:
+            self._running.discard(sid)
+            self._running_done.add(sid)
+        else:
+            self._saved.add(sid)
 
     def drain(self) -> tuple[set[str], set[str], set[str]]:
         """Requests loaded, stored, and failed to load (whole or in part) since the last call;
@@ -93,7 +113,7 @@ class PoolJobs:
                 self._failed.add(req)  # nothing checked what the late get wrote
             for req in saves - running_saves:
                 self._late_saves.discard(req)
-                self._saved.add(req)
+                self._ended(req)
             self._polling = False
             self._polled_at = time.monotonic()
 
@@ -131,7 +151,12 @@ class PoolJobs:
         late = False
         try:
             reply = self.link.pool_save(
-                job.req_id, job.token_ids, job.block_ids, job.tokens, job.key_runs
+                job.req_id,
+                job.token_ids,
+                job.block_ids,
+                job.tokens,
+                job.key_runs,
+                stored_tokens=job.stored,
             )
             late = bool(reply.get("pending"))
         except DeadlineExceeded as e:
@@ -142,7 +167,10 @@ class PoolJobs:
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
         with self._lock:
-            (self._late_saves if late else self._saved).add(job.req_id)
+            if late:
+                self._late_saves.add(job.req_id)
+            else:
+                self._ended(job.req_id)
 
     def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

@@ -201,6 +201,7 @@ class SchedulerSide:
         rid = request.request_id
         ids = [list(map(int, g)) for g in blocks.get_block_ids()]
         self.pool.allocated(request, ids, num_external)
+        self.pool.track(request, p)
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             # The proxy's transfer id names the transfer on both sidecars; without a proxy,
             # this engine's request id.
@@ -352,6 +353,7 @@ class SchedulerSide:
             grown = _copy(send.block_ids) if send.grown else None
             meta.slices.append(StepSlice(send.sid, start, end, grown))
             send.grown, send.sliced = False, True
+        meta.pool_saves.extend(self.pool.step(out.num_scheduled_tokens, computed))
         for rid in out.preempted_req_ids or ():
             # A preempted prefill lost its blocks: the send cannot finish; decode recomputes.
             self._abort_send(rid, "prefill request preempted")
@@ -405,7 +407,7 @@ class SchedulerSide:
                 "kv_sidecar_request_id": sid,
                 KV_LOAD_PARAM: "failed" if failed else "ok",
             }
-        keep = self.pool.save(request, block_ids)
+        keep = self.pool.save(request, block_ids, answer=self.pool.answers(_params(request)))
         send = self.state.sends.pop(rid, None)
         if send is None or not send.admitted:
             return keep, None
@@ -454,6 +456,7 @@ class SchedulerSide:
         for rid in getattr(output, "finished_sending", None) or ():
             self.state.unfinished_sends.discard(rid)
             self.pool.saved(rid)
+        self.pool.saves_done(getattr(output, "kv_connector_worker_meta", None))
 
     def has_pending_push_work(self) -> bool:
         return bool(self.state.unfinished_sends or self.pool.saving)

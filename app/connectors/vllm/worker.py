@@ -23,7 +23,7 @@ import msgspec
 
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
-from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata
+from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata, PoolSavesDone
 from app.connectors.vllm.pacing import IdlePollPacer
 from app.connectors.vllm.pool import PoolJobs
 from app.connectors.vllm.registration import build_registration, kv_device, unlink_spans
@@ -292,7 +292,8 @@ class WorkerSide:
             for job in meta.pool_loads:
                 self.pool.load(job)
             for job in meta.pool_saves:
-                self._saving.add(job.req_id)
+                if not job.running:  # a running request's store ends in pool_saves_done
+                    self._saving.add(job.req_id)
                 self.pool.save(job)
 
     def _post_targets(self) -> None:
@@ -372,6 +373,11 @@ class WorkerSide:
                 self._vllm_finished.discard(rid)
                 self._vllm_ids.pop(sid, None)
         return sending, recving | failed, failed
+
+    def pool_saves_done(self) -> PoolSavesDone | None:
+        """Running requests' stores that ended on this rank since the last step."""
+        done = self.pool.take_running() if self.pool is not None else set()
+        return PoolSavesDone(dict.fromkeys(done, 1)) if done else None
 
     def _register_again(self) -> None:
         """A sidecar came back after this rank's closed the link: register the same memory

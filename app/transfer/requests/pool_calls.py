@@ -45,6 +45,7 @@ async def pool_call(
             msg.num_computed,
             msg.extra_keys,
             request=msg.request,
+            stored_tokens=msg.stored_tokens,
         )
         return Reply(
             data={

@@ -395,6 +395,8 @@ class PoolSave(Msg, tag="pool_save"):
     block_ids: BlockIds
     num_computed: NonNegInt
     extra_keys: KeyRuns = []
+    # Tokens this request's earlier saves stored: blocks ending at or before them are skipped.
+    stored_tokens: NonNegInt = 0
 
 
 class PoolLoad(Msg, tag="pool_load"):
