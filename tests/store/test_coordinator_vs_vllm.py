@@ -250,3 +250,65 @@ def test_equal_block_sizes_use_whole_block_hits_by_default() -> None:
         hash_block_size=16,
     )
     assert coordinator.enable_partial_hash_hits is False
+
+
+def running_stores(
+    c: PoolCoordinator, rng: random.Random, prompt: int, answer: int
+) -> tuple[list[list[bool]], int]:
+    """The pooled blocks a request leaves when stored as it runs (issue 54): the prompt in
+    random chunks, then one token a step; each step stores the longest prefix whose needs
+    are held (a window's blocks wholly before ``computed - window + 1`` freed, as vLLM does
+    at the step's allocation; a Mamba state only at a chunk's end, until two steps later),
+    skipping blocks ending at or before what the request stored. Returns the masks and the
+    last boundary stored."""
+    pooled = [[False] * ((prompt + answer) // g.block_size) for g in c.groups]
+    ends, done = [], 0
+    while done < prompt:
+        done = min(prompt, done + rng.choice([c.lcm_block_size, 2 * c.lcm_block_size, 37]))
+        ends.append(done)
+    ends += range(prompt + 1, prompt + answer + 1)
+    stored, before = 0, 0
+    for i, end in enumerate(ends):
+        held = []
+        for g in c.groups:
+            n = -(-end // g.block_size)
+            if g.kind == "sliding_window":
+                assert g.sliding_window is not None
+                gone = max(0, before - g.sliding_window + 1) // g.block_size
+                held.append([b >= gone for b in range(n)])
+            elif g.kind == "mamba":
+                recent = ends[max(0, i - 1) : i + 1]
+                states = {e // g.block_size - 1 for e in recent if e % g.block_size == 0}
+                held.append([b in states for b in range(n)])
+            else:
+                held.append([True] * n)
+        upto = c.storable_tokens(end, held)
+        if upto > stored:
+            for gid, mask in enumerate(c.store_masks(upto, held)):
+                first = stored // c.groups[gid].block_size
+                for b, m in enumerate(mask):
+                    if m and b >= first:
+                        pooled[gid][b] = True
+            stored = upto
+        before = end
+    return pooled, stored
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["full+sliding", "qwen3-next-like (3 mamba + full)", "full 16 + sliding 32 + mamba 64"],
+)
+def test_running_stores_hit_as_vllm_at_the_last_boundary_stored(name: str) -> None:
+    """The next turn (the request's tokens and a new message) hits, in vLLM's coordinator as
+    in the pool's, exactly at the last boundary the running stores reached."""
+    config = CONFIGS[name]
+    oracle = VllmOracle(config, False)
+    ours = PoolCoordinator(config.groups)
+    rng = random.Random(name)
+    for case in range(20):
+        prompt, answer = rng.randint(1, 200), rng.randint(1, 120)
+        masks, stored = running_stores(ours, rng, prompt, answer)
+        n = prompt + answer + rng.randint(1, 40)
+        want = oracle.hit(masks, n)
+        assert ours.find_longest_cache_hit(masks, n).hit_tokens == want, f"case {case}"
+        assert want == stored, f"case {case}: prompt {prompt} answer {answer}"
