@@ -12,6 +12,10 @@ sidecar pool on its connector loads pool hits by itself) when
   ``decode_hit_fraction`` of the prompt (above 1 turns the rule off), since decode then
   computes only the rest, and a transfer would move little.
 
+A prompt sent as embeddings (``prompt_embeds``) is always served by decode alone: the connectors
+move no KV for it (there are no token ids to bind a target to or to key a pool block by), so a
+prefill would compute it for nothing.
+
 Otherwise prefill computes the prompt and pushes its KV to decode (README "Request flows").
 
 A request that needs a prefill when no prefill instance can take one (all unhealthy, or
@@ -35,7 +39,8 @@ class Decision:
 
     disaggregated: bool
     reason: str
-    # "short", "cached", "no_prefill" (all local) or "disaggregated": the /health counter.
+    # "short", "cached", "embeds", "no_prefill" (all local) or "disaggregated": the /health
+    # counter.
     kind: str
 
 
@@ -54,6 +59,9 @@ class DisaggRules:
     def decide(self, shape: RequestShape, decode_pick: Pick | None) -> Decision:
         """The decision for a request whose decode is already picked (``decode_pick``)."""
         m = shape.prompt_tokens
+        if shape.embeds:
+            # The connectors move no KV for embeddings: a prefill would compute them for nothing.
+            return Decision(False, "prompt embeddings: no KV to move", "embeds")
         if m < self.min_prefill_tokens:
             return Decision(False, f"short prompt: {m} < {self.min_prefill_tokens} tokens", "short")
         # The pick's hit was looked up before this prompt joined the decode's index.
@@ -81,6 +89,7 @@ class DisaggCounts:
         self.by_kind: dict[str, int] = {
             "short": 0,
             "cached": 0,
+            "embeds": 0,
             "no_prefill": 0,
             "disaggregated": 0,
         }
@@ -93,9 +102,10 @@ class DisaggCounts:
         return {
             "min_prefill_tokens": rules.min_prefill_tokens,
             "decode_hit_fraction": rules.decode_hit_fraction,
-            "local": k["short"] + k["cached"] + k["no_prefill"],
+            "local": k["short"] + k["cached"] + k["embeds"] + k["no_prefill"],
             "local_short": k["short"],
             "local_cached": k["cached"],
+            "local_embeds": k["embeds"],
             # Needed a prefill, found none available: decode computed the prompt alone.
             "local_no_prefill": k["no_prefill"],
             "disaggregated": k["disaggregated"],

@@ -58,6 +58,8 @@ class RequestShape:
     token_ids: tuple[int, ...] | None = None
     model: str | None = None
     cache_salt: str | None = None
+    # The prompt comes as embeddings (``prompt_embeds``): no token ids, no KV the sidecar moves.
+    embeds: bool = False
 
     def cost(self, role: str) -> int:
         """Tokens in flight the request adds on an instance of ``role``."""
@@ -188,7 +190,8 @@ def shape_of(
             ids = tuple(first)
     # Every prompt of a batch generates its own answer.
     answers = fitting(_max_tokens(body, path), max(sizes, default=0)) * max(1, len(prompts))
-    return RequestShape(tokens, answers, chain, block_size, ids, model, salt)
+    embeds = body.get("prompt_embeds") is not None
+    return RequestShape(tokens, answers, chain, block_size, ids, model, salt, embeds)
 
 
 class PrefixIndex:

@@ -32,7 +32,8 @@ def served(c: Cluster, **body: Any) -> dict[str, Any]:
 
 def counts(c: Cluster) -> tuple[int, int, int]:
     d = c.get("/health").json()["disaggregation"]
-    assert d["local"] == d["local_short"] + d["local_cached"] + d["local_no_prefill"]
+    local = d["local_short"] + d["local_cached"] + d["local_embeds"] + d["local_no_prefill"]
+    assert d["local"] == local
     return d["local_short"], d["local_cached"], d["disaggregated"]
 
 
@@ -49,6 +50,20 @@ def test_decide_reads_the_prompt_size_and_the_decode_hit() -> None:
     short = rules.decide(shape_of({"prompt": ids(40)}, "/v1/completions", 16), pick)
     assert (short.disaggregated, short.kind) == (False, "short")
     assert short.reason == "short prompt: 40 < 256 tokens"
+
+
+def test_prompt_embeddings_go_to_decode_alone(make_cluster: Callable[..., Cluster]) -> None:
+    """No KV moves for embeddings (the connectors skip them): a prefill would compute the
+    prompt for nothing, so decode computes it alone, however long."""
+    rules = DisaggRules(min_prefill_tokens=0, decode_hit_fraction=2)
+    embeds = rules.decide(shape_of({"prompt_embeds": "AAAA"}, "/v1/completions", 16), None)
+    assert (embeds.disaggregated, embeds.kind) == (False, "embeds")
+    c = make_cluster().start_proxy(flow="concurrent", min_prefill_tokens=0)
+    (d,), (p,) = c.decode, c.prefill
+    r = c.post(prompt_embeds="AAAA", max_tokens=4)
+    assert r.status_code == 200 and r.content == d.answers[-1]
+    assert p.requests == []
+    assert c.get("/health").json()["disaggregation"]["local_embeds"] == 1
 
 
 def test_a_short_prompt_goes_to_decode_alone(make_cluster: Callable[..., Cluster]) -> None:

@@ -228,10 +228,12 @@ def skips(url: str) -> float:
 
 
 def test_prompt_embeds_through_the_pair_are_computed_by_decode(tenants: Tenants) -> None:
-    """A client's ``prompt_embeds`` through the proxy: no KV moves and the pool is not asked
-    (the connector has no token ids to key), decode computes the embeddings itself, and its
-    answer is B's answer to the tokens those rows embed (A's weights never touched them). A
-    malformed tensor is refused by vLLM with a 400, and both engines keep serving."""
+    """A client's ``prompt_embeds`` through the proxy go to decode alone (no KV would move:
+    the connectors have no token ids to key or bind), the pool is not asked, decode computes the
+    embeddings itself, and its answer is B's answer to the tokens those rows embed (A's weights
+    never touched them). The same request sent straight to prefill as a remote-decode prefill is
+    answered there without a send. A malformed tensor is refused by vLLM with a 400, and both
+    engines keep serving."""
     pd, p = tenants.pd, prompt(200, 73)
     engines = (pd.prefill, pd.decode)
     lookups = [pool_stats(i.admin)["lookups"] for i in engines]
@@ -249,8 +251,19 @@ def test_prompt_embeds_through_the_pair_are_computed_by_decode(tenants: Tenants)
     after = prompt_tokens_by_source(pd.decode.url)
     assert after.get("external_kv_transfer", 0) == before.get("external_kv_transfer", 0)
     assert after.get("local_compute", 0) - before.get("local_compute", 0) == len(p)
-    assert last_transfer(pd.proxy)["status"] == "no_target", "no KV should have moved"
+    record = last_transfer(pd.proxy)
+    assert (record["status"], record["prefill"]) == ("local", None), record
     assert [pool_stats(i.admin)["lookups"] for i in engines] == lookups
+
+    # Straight to prefill, as a router of vLLM's standard flow would send it: answered, and the
+    # connector neither truncates nor sends (it used to raise inside vLLM's scheduler).
+    params = {"do_remote_decode": True, "transfer_id": "embeds-direct"}
+    direct = httpx.post(
+        f"{pd.prefill.url}/v1/completions",
+        json={**body, "prompt_embeds": embeds(tenants.b, p), "kv_transfer_params": params},
+        timeout=120,
+    )
+    assert direct.status_code == 200, direct.text
 
     bad = httpx.post(
         f"{pd.proxy}/v1/completions",
