@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import socket
 from pathlib import Path
 from typing import Annotated, Literal
@@ -28,7 +27,6 @@ from app.config.values import (
     _ENGINE_ID_RE,
     _MAX_DEADLINE_S,
     _PRESET_RE,
-    CONFIG_ENV_VAR,
     DEFAULT_DESCRIPTORS_PER_SUBMIT,
     ENV_NESTED_DELIMITER,
     ENV_PREFIX,
@@ -39,6 +37,7 @@ from app.config.values import (
     _is_wildcard,
     available_presets,
     env_var_for,
+    unknown_env_vars,
 )
 
 
@@ -531,13 +530,7 @@ class SidecarSettings(BaseSettings):
                 f"The admin API binds {self.admin_host} without a token: set "
                 f"{env_var_for('admin_token')} so that mutating calls need it."
             )
-        known = {env_var_for(name) for name in _known_settings()} | {CONFIG_ENV_VAR}
-        # pydantic-settings ignores unknown variables; a typo there would otherwise go unseen.
-        for var in sorted(os.environ):
-            if var.upper().startswith(ENV_PREFIX) and var.upper() not in known:
-                close = difflib.get_close_matches(var.upper(), sorted(known), n=1)
-                hint = f" (did you mean {close[0]}?)" if close else ""
-                notes.append(f"{var} is not a kv-sidecar setting and is ignored{hint}.")
+        notes += unknown_env_vars({env_var_for(name) for name in _known_settings()})
         if self.transport == "rdma" and not self.device_name:
             notes.append(
                 f"transport is rdma but {env_var_for('device_name')} is empty: Mooncake will pick "

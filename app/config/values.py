@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
+import os
 import re
 import socket
 from importlib import resources
@@ -93,3 +95,16 @@ def available_presets() -> list[str]:
         )
     except (ModuleNotFoundError, OSError):
         return []
+
+
+def unknown_env_vars(known: set[str]) -> list[str]:
+    """A note for each ``KVSIDECAR_`` variable that names no setting: pydantic-settings ignores
+    unknown variables, so a typo there would otherwise go unseen."""
+    known = known | {CONFIG_ENV_VAR}
+    notes = []
+    for var in sorted(os.environ):
+        if var.upper().startswith(ENV_PREFIX) and var.upper() not in known:
+            close = difflib.get_close_matches(var.upper(), sorted(known), n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            notes.append(f"{var} is not a kv-sidecar setting and is ignored{hint}.")
+    return notes

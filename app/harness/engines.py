@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,3 +145,44 @@ def prompt_tokens_by_source(base: str) -> dict[str, float]:
         if source:
             out[source.group(1)] = out.get(source.group(1), 0.0) + float(m.group(2))
     return out
+
+
+def connector_config(
+    sidecar: str, engine_id: str, other_tp: int, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM's ``--kv-transfer-config`` for ``KVSidecarConnector`` (by name alone: the package's
+    vLLM plugin registers it). ``other_tp``: the TP of the role this instance receives from
+    (both roles are kv_both, so a test may also run a pair the other way round)."""
+    return {
+        "kv_connector": "KVSidecarConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "sidecar": sidecar,
+            "engine_id": engine_id,
+            "prefill_tp": other_tp,
+            "link_timeout_s": 3.0,
+            **extra,
+        },
+    }
+
+
+def completion(
+    base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0, **extra: Any
+) -> dict[str, Any]:
+    """The whole greedy completion response of the tiny model through ``base`` (a proxy or an
+    engine), token ids included; ``extra`` joins the body."""
+    r = httpx.post(
+        f"{base}/v1/completions",
+        json={
+            "model": "tiny",
+            "prompt": list(prompt),
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "return_token_ids": True,
+            **extra,
+        },
+        timeout=timeout_s,
+    )
+    r.raise_for_status()
+    return dict(r.json())

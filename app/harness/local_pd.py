@@ -23,7 +23,15 @@ from typing import Any
 import httpx
 
 from app.errors import ConfigError, DeadlineExceeded, PoolError
-from app.harness.engines import Instance, thread_binding, unit_name, vllm_command, vllm_env
+from app.harness.engines import (
+    Instance,
+    completion,
+    connector_config,
+    thread_binding,
+    unit_name,
+    vllm_command,
+    vllm_env,
+)
 from app.harness.proc_tree import kill_trees
 from app.harness.zygote import ChildProcess, start_process
 from app.ports import clear_port_file, wait_port_file
@@ -363,27 +371,21 @@ class LocalPD:
             if self.in_process or max(dp, pp) > 1
             else {"target_url": f"{inst.admin}/v1/kv_targets"}
         )
-        ktc = {
-            # By name alone: the package's vLLM plugin registers it (plugin.py).
-            "kv_connector": "KVSidecarConnector",
-            "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute",
-            "kv_connector_extra_config": {
-                "sidecar": ipc,
-                "engine_id": inst.server,
-                # The other role's TP: an instance receives from that one (both are
-                # kv_both, so a test may also run the pair the other way round).
-                "prefill_tp": self.decode_tp if inst.role == "prefill" else self.prefill_tp,
+        other_tp = self.decode_tp if inst.role == "prefill" else self.prefill_tp
+        ktc = connector_config(
+            ipc,
+            inst.server,
+            other_tp,
+            {
                 "recv_timeout_s": self.recv_timeout_s,
                 "recv_queue_timeout_s": self.recv_queue_timeout_s,
-                "link_timeout_s": 3.0,
                 "pool": self.pool,
                 "agent": "in_process" if self.in_process else "sidecar",
                 **targets,
                 "target_timeout_s": self.target_timeout_s,
                 **self.connector_extra,
             },
-        }
+        )
         model = self.decode_model if inst.role == "decode" and self.decode_model else self.model
         command = vllm_command(
             model,
@@ -471,29 +473,8 @@ class LocalPD:
         """Greedy token ids of one completion through ``base`` (the proxy or an engine)."""
         return list(self.completion(base, prompt, max_tokens, timeout_s)["choices"][0]["token_ids"])
 
-    def completion(
-        self,
-        base: str,
-        prompt: Sequence[int],
-        max_tokens: int,
-        timeout_s: float = 120.0,
-        **extra: Any,
-    ) -> dict[str, Any]:
-        """The whole greedy completion response through ``base``; ``extra`` joins the body."""
-        r = httpx.post(
-            f"{base}/v1/completions",
-            json={
-                "model": "tiny",
-                "prompt": list(prompt),
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "return_token_ids": True,
-                **extra,
-            },
-            timeout=timeout_s,
-        )
-        r.raise_for_status()
-        return dict(r.json())
+    # The whole greedy completion response through ``base``; ``extra`` joins the body.
+    completion = staticmethod(completion)
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         """Stop ``name`` and every process it started (``kill_trees``: the /dev/shm segments

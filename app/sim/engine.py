@@ -40,7 +40,7 @@ from app.sim.kv_io import (
 )
 from app.sim.rank_engine import DEFAULT_SENTINEL, SimEngine
 from app.sim.ranks import CacheParams, SimKV, register_rank
-from app.transfer.requests.agent import ALL_LAYERS
+from app.transfer.requests.stream import ALL_LAYERS
 
 if TYPE_CHECKING:
     import httpx

@@ -20,7 +20,7 @@ from app.sim.kv_io import untouched, verify_request
 from app.sim.ranks import CacheParams
 from app.sim.reference import _prefill, blocks_needed, build_instance
 from app.transfer.planning.planner import Descriptors, MambaMode, PairPlanner, StepRequest
-from app.transfer.requests.agent import ALL_LAYERS, Batch, LayerResult, LayerTask, StreamThread
+from app.transfer.requests.stream import ALL_LAYERS, Batch, LayerResult, LayerTask, StreamThread
 
 CASES = [  # model, layers, P TP, D TP, block size
     ("llama-3.1-8b", 4, 1, 1, 16),

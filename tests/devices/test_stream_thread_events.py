@@ -17,7 +17,7 @@ from app.kvcache.layout import KVLayout, LayoutMode
 from app.kvcache.presets import load_preset
 from app.sim.reference import build_instance
 from app.transfer.planning.planner import PairPlanner, StepRequest
-from app.transfer.requests.agent import Batch, LayerResult, LayerTask, StreamThread
+from app.transfer.requests.stream import Batch, LayerResult, LayerTask, StreamThread
 from tests.devices.harness import LateEvent
 
 

@@ -27,10 +27,11 @@ from app.kvcache.presets import load_preset
 from app.transfer.control.links import PeerLink
 from app.transfer.control.peers import Peer, Peers, PeerSettings
 from app.transfer.planning.planner import PairPlanner
-from app.transfer.requests.agent import Agent, LayerTask, RecvRequest, SendRequest
+from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 from app.transfer.requests.receiving import RecvSettings, RecvSide
 from app.transfer.requests.send_ending import SendSettings
 from app.transfer.requests.sending import SendSide
+from app.transfer.requests.stream import LayerTask
 from app.transfer.wire.protocol import (
     Abort,
     Ack,

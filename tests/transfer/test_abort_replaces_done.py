@@ -14,7 +14,7 @@ import asyncio
 import queue
 from typing import cast
 
-from app.transfer.requests.agent import LayerResult, LayerTask, StreamThread
+from app.transfer.requests.stream import LayerResult, LayerTask, StreamThread
 from app.transfer.wire.protocol import Abort, BeginStep, Done, LayerReady, Reply, Status, StepSlice
 from tests.transfer.conftest import D_ENDPOINT, Prefill, until
 

@@ -19,8 +19,9 @@ from app.errors import ConfigError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import Axis, EngineGroup, EngineLayer, EngineRegistration, MemorySpan
 from app.transfer.control.peers import Peer, Peers
-from app.transfer.requests.agent import Agent, RecvRequest, SendRequest, StreamThread
+from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 from app.transfer.requests.registry import Registry, RegistrySettings
+from app.transfer.requests.stream import StreamThread
 from app.transfer.wire.protocol import Ack, Hello, NewEpoch, Role, Status
 from tests.transfer.conftest import D_ENDPOINT, Clock, Net, make_peers
 

@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.kvcache.desc import LayoutDesc
-from app.transfer.requests.agent import LayerResult
 from app.transfer.requests.receiving import RecvSettings, RecvSide
 from app.transfer.requests.send_ending import SendSettings
+from app.transfer.requests.stream import LayerResult
 from app.transfer.wire.protocol import Done, Hello, Msg, Ping, Reply, Role, Status
 from tests.transfer.conftest import (
     D_ENDPOINT,

@@ -12,7 +12,7 @@ import pytest
 
 from app.devices import CpuEvent
 from app.devices.events import Gate
-from app.transfer.requests.agent import LayerTask, StreamThread
+from app.transfer.requests.stream import LayerTask, StreamThread
 from app.transfer.wire.protocol import (
     Abort,
     Ack,

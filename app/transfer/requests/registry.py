@@ -29,7 +29,8 @@ from app.store.rank_pool import RankPool
 from app.store.service import PoolService
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.lanes.mooncake import MooncakeEngine
-from app.transfer.requests.agent import Agent, SendRequest, StreamThread
+from app.transfer.requests.agent import Agent, SendRequest
+from app.transfer.requests.stream import StreamThread
 from app.transfer.wire.protocol import Msg, NewEpoch, Reply, Status
 
 if TYPE_CHECKING:

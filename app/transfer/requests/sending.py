@@ -28,19 +28,9 @@ from app.devices.events import Gate, RefusedEvent, RingWait
 from app.errors import AuthError, KVSidecarError, OutOfBoundsError
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.planning.planner import StepRequest, check_block_ids
-from app.transfer.requests.agent import (
-    ALL_LAYERS,
-    Agent,
-    Batch,
-    GroupProgress,
-    Held,
-    LayerResult,
-    LayerTask,
-    SendRequest,
-    StepState,
-    blocks,
-)
+from app.transfer.requests.agent import Agent, GroupProgress, Held, SendRequest, StepState, blocks
 from app.transfer.requests.send_ending import SendEnding, SendSettings, Spawn, why_refused
+from app.transfer.requests.stream import ALL_LAYERS, Batch, LayerResult, LayerTask
 from app.transfer.wire.protocol import (
     MAX_SENDING,
     Ack,

@@ -24,11 +24,12 @@ from app.transfer.control.peers import Peer, Peers, PeerSettings
 from app.transfer.control.server import ControlServer
 from app.transfer.lanes.mooncake import MooncakeEngine
 from app.transfer.planning.planner import PairPlanner
-from app.transfer.requests.agent import Agent, StreamThread, agent_of
+from app.transfer.requests.agent import Agent, agent_of
 from app.transfer.requests.receiving import RecvSettings, RecvSide
 from app.transfer.requests.registry import Registry, RegistrySettings
 from app.transfer.requests.send_ending import SendSettings
 from app.transfer.requests.sending import SendSide
+from app.transfer.requests.stream import StreamThread
 from app.transfer.requests.traces import TransferTraces
 from app.transfer.wire.auth import load_auth
 from app.transfer.wire.protocol import Hello, RemoteTarget, Role, SetTarget
