@@ -1,0 +1,88 @@
+"""A KV digest over exactly the bytes a plan moves (issue 51), numpy over the mapped memory.
+
+Each descriptor ``(address, length)`` gets two 64-bit words: the wrapped sum of its 64-bit
+lanes and the wrapped sum of each lane times its index + 1 (a tail shorter than a lane is
+zero-padded into one more lane). Prefill computes them over a plan's source descriptors, decode
+over the same plan's destination descriptors, in the same order with the same lengths, so the
+two agree exactly when the bytes do. Any change confined to one lane changes the plain sum
+(the difference is a nonzero residue mod 2**64), so a flipped byte is always caught; the
+weighted sum catches lanes swapped or moved inside a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.errors import OutOfBoundsError
+
+_LANE = 8
+# Lane weights reused across calls (1, 2, 3, ...): grown on demand, never per call.
+_weights = np.arange(1, 1 + (1 << 16), dtype=np.uint64)
+
+
+def _lane_weights(n: int) -> np.ndarray:
+    global _weights
+    if n > _weights.size:
+        _weights = np.arange(1, 1 + max(n, 2 * _weights.size), dtype=np.uint64)
+    return _weights[:n]
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Spans ``(address, size)`` of this process's mappings of an engine's KV (CPU: the shared
+    memory the sidecar mapped), read as numpy without a copy; an address outside them is an
+    error, never a read."""
+
+    spans: tuple[tuple[int, int], ...]
+
+    def read(self, addr: int, length: int) -> np.ndarray:
+        for base, size in self.spans:
+            if base <= addr and addr + length <= base + size:
+                buf = (ctypes.c_uint8 * length).from_address(addr)
+                return np.frombuffer(memoryview(buf).cast("B"), np.uint8)
+        raise OutOfBoundsError(
+            f"digest of 0x{addr:x}+{length}: outside the {len(self.spans)} mapped KV spans"
+        )
+
+
+def digest_runs(memory: HostMemory, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Two 64-bit words per descriptor (shape ``(n, 2)``, uint64): wrapped lane sum and wrapped
+    index-weighted lane sum over ``length`` bytes at ``addr``."""
+    out = np.zeros((int(addrs.size), 2), np.uint64)
+    for i, (addr, length) in enumerate(zip(addrs.tolist(), lengths.tolist(), strict=True)):
+        data = memory.read(int(addr), int(length))
+        full = length - length % _LANE
+        lanes = data[:full].view(np.uint64)
+        if full != length:
+            tail = np.zeros(_LANE, np.uint8)
+            tail[: length - full] = data[full:]
+            lanes = np.concatenate([lanes, tail.view(np.uint64)])
+        with np.errstate(over="ignore"):
+            out[i, 0] = lanes.sum(dtype=np.uint64)
+            out[i, 1] = np.dot(lanes, _lane_weights(lanes.size))
+    return out
+
+
+def sampled(transfer_id: str, share: float) -> bool:
+    """Whether ``transfer_id``'s KV is digested at ``share`` (0: never, 1: always): a hash of the
+    id, so the choice is the same wherever it is made, and a retry under a new id is drawn anew."""
+    if share <= 0.0:
+        return False
+    if share >= 1.0:
+        return True
+    h = int.from_bytes(hashlib.blake2b(transfer_id.encode(), digest_size=8).digest(), "little")
+    return h < share * 2.0**64
+
+
+def first_mismatch(got: np.ndarray, want: Sequence[Sequence[int]] | np.ndarray) -> int | None:
+    """The index of the first descriptor whose digest differs, or None."""
+    expected = np.asarray(want, np.uint64).reshape(-1, 2)
+    if expected.shape != got.shape:
+        return 0
+    bad = np.flatnonzero((got != expected).any(axis=1))
+    return int(bad[0]) if bad.size else None
