@@ -21,6 +21,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from app.config.digest import DigestSettings
 from app.config.pool import PoolSettings
 from app.config.sources import _ConfigFileSource
 from app.config.values import (
@@ -330,6 +331,8 @@ class SidecarSettings(BaseSettings):
     pool: PoolSettings = Field(
         default_factory=PoolSettings, description="Shared KV pool (Mooncake Store)."
     )
+
+    kv_digest: DigestSettings = Field(default_factory=DigestSettings, description="KV digest.")
 
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         default="info", description="Log level of the sidecar's loggers."

@@ -1,30 +1,57 @@
 """A sidecar process with faults hooked in, for the e2e tests: ``python -m
 tests.e2e.fault_sidecar --fail-writes N`` serves like ``kv-sidecar serve`` (settings from the
-environment) but its Mooncake engine fails its first N write calls."""
+environment) but its Mooncake engine fails its first N write calls; ``--flip-writes`` makes
+every write carry a flipped bit in the first byte of each run (flipped in prefill's memory for
+the write only, then restored: a fault on the wire, which decode's digest check must catch)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import sys
+from typing import Any
+
+import numpy as np
 
 from app.config import load_settings
 from app.service import serve
 from app.transfer.lanes.mooncake import MooncakeEngine
 
 
-def command(*, fail_writes: int) -> list[str]:
+def command(*, fail_writes: int = 0, flip_writes: bool = False) -> list[str]:
     """The argv that starts this launcher (for ``ClusterSpec.sidecar_cmd``)."""
-    return [sys.executable, "-m", __name__, "--fail-writes", str(fail_writes)]
+    flip = ["--flip-writes"] if flip_writes else []
+    return [sys.executable, "-m", __name__, "--fail-writes", str(fail_writes), *flip]
+
+
+def flip_in_flight(engine: MooncakeEngine) -> None:
+    """Every write of ``engine`` lands with the first byte of each run's bit 0 flipped."""
+    write = engine.write_sync
+
+    def flipped(peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Any:
+        cells = [ctypes.c_uint8.from_address(int(a)) for a in np.unique(src).tolist()]
+        for c in cells:
+            c.value ^= 1
+        try:
+            return write(peer, src, dst, length)
+        finally:
+            for c in cells:
+                c.value ^= 1
+
+    engine.write_sync = flipped  # type: ignore[method-assign]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-writes", type=int, default=0)
+    parser.add_argument("--flip-writes", action="store_true")
     args = parser.parse_args()
 
     def hook(engine: MooncakeEngine) -> None:
         engine.inject_failures(args.fail_writes)
+        if args.flip_writes:
+            flip_in_flight(engine)
 
     return asyncio.run(serve(load_settings({}, None), engine_hook=hook))
 

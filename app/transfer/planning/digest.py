@@ -16,6 +16,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from app.errors import OutOfBoundsError
@@ -30,6 +31,46 @@ def _lane_weights(n: int) -> np.ndarray:
     if n > _weights.size:
         _weights = np.arange(1, 1 + max(n, 2 * _weights.size), dtype=np.uint64)
     return _weights[:n]
+
+
+class DigestRuns(msgspec.Struct, frozen=True, array_like=True):
+    """What one prefill rank wrote to one decode rank, run by run, with each run's digest (in
+    ``Done``): little-endian int64 ``layer``, ``group``, decode address and length per run, and
+    two uint64 words per run. Decode digests its own bytes at those addresses, inside its own
+    registered memory only."""
+
+    layer: bytes
+    group: bytes
+    dst: bytes
+    length: bytes
+    sums: bytes
+
+    @classmethod
+    def of(
+        cls,
+        layer: np.ndarray,
+        group: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        sums: np.ndarray,
+    ) -> DigestRuns:
+        def b(a: np.ndarray, dt: str) -> bytes:
+            return np.ascontiguousarray(a, dt).tobytes()
+
+        return cls(
+            b(layer, "<i8"), b(group, "<i8"), b(dst, "<i8"), b(length, "<i8"), b(sums, "<u8")
+        )
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The five arrays, or ValueError when their sizes disagree (a malformed Done)."""
+        out = [np.frombuffer(getattr(self, f), "<i8") for f in ("layer", "group", "dst", "length")]
+        sums = np.frombuffer(self.sums, "<u8").astype(np.uint64)
+        n = out[0].size
+        if any(a.size != n for a in out) or sums.size != 2 * n or (out[3] < 0).any():
+            raise ValueError(
+                f"digest runs of inconsistent sizes: {[a.size for a in out]}, {sums.size} sums"
+            )
+        return out[0], out[1], out[2], out[3], sums.reshape(n, 2)
 
 
 @dataclass(frozen=True)

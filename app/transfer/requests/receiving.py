@@ -25,6 +25,7 @@ from app.errors import OutOfBoundsError
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.planning.planner import check_block_ids
 from app.transfer.requests.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
+from app.transfer.requests.integrity import DigestStats, check_digests
 from app.transfer.requests.send_ending import Spawn
 from app.transfer.wire.protocol import (
     MAX_DEADLINE_S,
@@ -79,6 +80,7 @@ class RecvSide:
         self._spawn, self._epoch, self._clock = spawn, epoch, clock
         self.admitting = True
         self.counters = {"duplicate_dones": 0, "quarantined": 0, "refused_claims": 0}
+        self.digests = DigestStats()
         # prefill engine id -> wakes its fence (``_hold``) when another request joins it
         self._fences: dict[str, asyncio.Event] = {}
 
@@ -221,6 +223,12 @@ class RecvSide:
                 f"{sorted(msg.groups)}, expected {sorted(want)}",
             )
             return Ack(request=msg.request)
+        if msg.digests is not None:
+            why = check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
+            if why:
+                req.delivered[msg.sender_rank] = Status.FAILED
+                self.end(req, Status.FAILED, why)
+                return Ack(request=msg.request)
         req.delivered[msg.sender_rank] = Status.DONE
         req.state = Status.TRANSFERRING
         req.progressed(self._clock())  # one sender is through; the others may still write

@@ -16,7 +16,9 @@ from typing import Any
 
 from app.errors import DeadlineExceeded, KVSidecarError
 from app.transfer.control.peers import Peer, Peers
+from app.transfer.planning.digest import sampled
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
+from app.transfer.requests.integrity import DigestStats, sender_digests
 from app.transfer.wire.protocol import MAX_DEADLINE_S, Abort, Ack, Done, Msg, Status
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,7 @@ class SendSettings:
     transfer_max_s: float = MAX_DEADLINE_S
     max_held_sends: int = 256
     max_held_blocks: int | None = None
+    digest_share: float = 0.0  # of requests whose KV is digested (issue 51); 1.0: every one
 
 
 class SendEnding:
@@ -47,6 +50,7 @@ class SendEnding:
     ) -> None:
         self._settings, self._agents, self._peers = settings, agents, peers
         self._spawn = spawn
+        self.digests = DigestStats()
         self.unconfirmed = 0  # sends whose writes outlived their deadline (each told late)
         # Set (and replaced) each time writes leave the wire; drains wait on it.
         self._unpinned: asyncio.Event | None = None
@@ -118,6 +122,15 @@ class SendEnding:
             return  # ended during the drain by an abort, whose Abort replaces this Done
         status = Status.DONE if not req.state.terminal else req.state
         errors = []
+        digests = {}
+        if status is Status.DONE and sampled(req.id, self._settings.digest_share):
+            planner = peer.planners[req.rank]
+            try:
+                digests = await asyncio.to_thread(
+                    sender_digests, self._agents[req.rank], planner, req, self.digests
+                )
+            except (KVSidecarError, ValueError) as e:  # unchecked, not failed: the KV is sent
+                log.warning("send %s: no KV digest: %s", req.id, e)
         for d_rank, groups in req.d_ranks.items():
             done = Done(
                 request=req.id,
@@ -129,6 +142,7 @@ class SendEnding:
                 groups=sorted(groups),
                 bytes=req.d_bytes.get(d_rank, 0),  # what this D rank received
                 error=req.error or None,
+                digests=digests.get(d_rank),
             )
             try:
                 ack = await self._request_with_retries(peer, done)

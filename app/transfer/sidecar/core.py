@@ -90,6 +90,7 @@ class SidecarCore:
                 transfer_max_s=settings.transfer_max_s,
                 max_held_sends=settings.max_held_sends,
                 max_held_blocks=settings.max_held_blocks,
+                digest_share=settings.kv_digest.share,
             ),
             self.agents,
             self._peers,

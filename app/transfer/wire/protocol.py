@@ -21,6 +21,7 @@ from app.kvcache.bounds import Index, NonNegInt, TpSize
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.tracing.traceparent import PATTERN as TRACEPARENT_PATTERN
+from app.transfer.planning.digest import DigestRuns
 from app.transfer.planning.planner import MambaMode
 
 PROTOCOL_VERSION = 2
@@ -135,6 +136,7 @@ class Done(Msg, tag="done"):
     groups: list[Index]
     bytes: NonNegInt = 0
     error: str | None = None
+    digests: DigestRuns | None = None  # sampled (issue 51); an older prefill sends none
 
 
 class Ack(Msg, tag="ack"):

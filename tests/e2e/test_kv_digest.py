@@ -1,0 +1,66 @@
+"""The KV digest of each push (issue 51) over real sidecars, real Mooncake and simulated engines:
+a bit flipped on the wire in every run prefill writes is caught at decode, every request of it
+fails (its engine recomputes it) and none reads DONE; with the digest off the same flips reach
+decode unchecked (the simulated engine's own byte check is the only one to see them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from app.sim.cluster import Cluster
+from app.sim.rounds import summarize
+from tests.e2e import fault_sidecar
+
+# One preset per group kind the check must cover: full attention, a sliding window (+ full),
+# MLA (+ its indexer), a GDN state (+ full). Requests per preset: 100 in all.
+MODELS = {
+    "llama-3.1-8b": "full",
+    "gpt-oss-20b": "sliding_window",
+    "deepseek-v3.2-exp": "mla",
+    "qwen3-next-80b-a3b": "mamba",
+}
+TRIALS = 25
+FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "3", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
+
+
+def _flipped_cluster(make_cluster: Callable[..., Cluster], model: str, share: str) -> Cluster:
+    return make_cluster(
+        model=model,
+        layers=2,
+        prefill_tp=1,
+        decode_tp=1,
+        max_requests=TRIALS,
+        max_prompt=160,
+        sidecar_cmd={"prefill": fault_sidecar.command(flip_writes=True)},
+        sidecar_env={**FAST, "KVSIDECAR_KV_DIGEST__SHARE": share},
+    )
+
+
+def _decode_errors(result: dict[str, Any]) -> dict[str, str]:
+    return {rid: f["error"] for r in result["decode"]["ranks"] for rid, f in r["failed"].items()}
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_a_bit_flipped_on_the_wire_fails_every_request(
+    make_cluster: Callable[..., Cluster], model: str
+) -> None:
+    c = _flipped_cluster(make_cluster, model, "1.0")
+    pairs = c.make_requests([160 - 7 * i % 90 for i in range(TRIALS)])
+    result = c.run(pairs, timeout_s=60)
+    s = summarize(result, pairs)
+    assert s["verified"] == 0
+    errors = _decode_errors(result)
+    assert sorted(errors) == sorted(pr.id for pr, _ in pairs)
+    assert all("KV digest mismatch" in e and "block" in e for e in errors.values()), errors
+
+
+def test_with_the_digest_off_nothing_is_checked(make_cluster: Callable[..., Cluster]) -> None:
+    c = _flipped_cluster(make_cluster, "llama-3.1-8b", "0")
+    pairs = c.make_requests([160, 100])
+    s = summarize(c.run(pairs, timeout_s=60), pairs)
+    # Decode declared them DONE: only the simulated engine's byte check sees the flips.
+    assert {f["status"] for f in s["failures"].values()} == {"CORRUPT"}
+    assert not any("digest" in f["error"] for f in s["failures"].values())
