@@ -1,8 +1,8 @@
 """A sidecar process with faults hooked in, for the e2e tests: ``python -m
 tests.e2e.fault_sidecar --fail-writes N`` serves like ``kv-sidecar serve`` (settings from the
 environment) but its Mooncake engine fails its first N write calls; ``--flip-writes`` makes
-every write carry a flipped bit in the first byte of each run (flipped in prefill's memory for
-the write only, then restored: a fault on the wire, which decode's digest check must catch)."""
+every write carry a flipped bit every 256 bytes of each run (flipped in prefill's memory for the
+write only, then restored: a fault on the wire, which decode's digest check must catch)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,16 @@ def command(*, fail_writes: int = 0, flip_writes: bool = False) -> list[str]:
 
 
 def flip_in_flight(engine: MooncakeEngine) -> None:
-    """Every write of ``engine`` lands with the first byte of each run's bit 0 flipped."""
+    """Every write of ``engine`` lands with bit 0 of every 256th byte of each run flipped."""
     write = engine.write_sync
 
     def flipped(peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Any:
-        cells = [ctypes.c_uint8.from_address(int(a)) for a in np.unique(src).tolist()]
+        # Runs may span several requests' blocks (coalesced): a flip every 256 bytes reaches each.
+        starts = [
+            np.arange(a, a + n, 256) for a, n in zip(src.tolist(), length.tolist(), strict=True)
+        ]
+        addrs = np.unique(np.concatenate(starts)) if starts else []
+        cells = [ctypes.c_uint8.from_address(int(a)) for a in addrs]
         for c in cells:
             c.value ^= 1
         try:
