@@ -84,6 +84,22 @@ class SidecarCollector(Collector):
             "Repeated Done messages (a prefill retried after a lost ack), acknowledged again.",
             value=sc.counters.get("duplicate_dones", 0),
         )
+        mismatches = CounterMetricFamily(
+            "kvsidecar_kv_digest_mismatches",
+            "KV digest mismatches (issue 51), by group kind and side: the request failed and "
+            "decode recomputes it.",
+            labels=["kind", "side"],
+        )
+        digested = CounterMetricFamily(
+            "kvsidecar_kv_digest_bytes", "Bytes of KV digested, by side.", labels=["side"]
+        )
+        for stats in (sc.send.digests, sc.recv.digests):
+            for (kind, side), n in stats.mismatches.items():
+                mismatches.add_metric([kind, side], n)
+            for side, n in stats.bytes.items():
+                digested.add_metric([side], n)
+        yield mismatches
+        yield digested
         for name, help_text in (
             (
                 "quarantined",
