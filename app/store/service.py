@@ -26,9 +26,7 @@ import numpy as np
 
 from app.errors import ConfigError
 from app.store.coordinator import CacheHit
-from app.store.hashing import (
-    KeyRun,
-)
+from app.store.hashing import KeyRun
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
 from app.store.rank_pool import RankPool
@@ -139,9 +137,8 @@ class PoolService:
         if self.tails and rank.coordinator.takes_tails and host_memory:
             staging = _tail_staging(rank)
             if staging is not None:
-                if old is not None and staging.adopt(old):
-                    pass  # the registered arena, with this registration's token maps
-                else:
+                # An old arena is adopted (it stays registered) with this registration's maps.
+                if old is None or not staging.adopt(old):
                     await self.client.register_async(*staging.span)
                 self.staging[rank.desc.rank] = staging
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,7 +15,8 @@ import zmq
 
 pytest.importorskip("vllm", reason="the scheduler side is vLLM's connector")
 
-from vllm.v1.request import RequestStatus
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from app.connectors.vllm.config import PP_PLACEHOLDER, ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
@@ -63,9 +63,8 @@ def test_an_aborted_request_is_aborted_on_every_rank_of_every_stage(
     config = ConnectorConfig(template, "d", TP, TP, None, 1.0, pp_size=PP)
     side = SchedulerSide(config)
     params = {"do_remote_prefill": True, "transfer_id": "t", "router_url": "http://r/x"}
-    req = SimpleNamespace(
-        request_id="d", kv_transfer_params=params, prompt_token_ids=list(range(1, 65))
-    )
+    sampling = SamplingParams(extra_args={"kv_transfer_params": params})
+    req = Request("d", list(range(1, 65)), sampling, None)
     try:
         count, _ = side.get_num_new_matched_tokens(req, 0)
         assert count is not None

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="the scheduler side is vLLM's connector")
 
-from vllm.v1.request import RequestStatus
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
@@ -32,13 +33,8 @@ class Blocks:
 def _admits(config: ConnectorConfig, params: dict[str, Any]) -> list[Any]:
     """What the scheduler admits in the first step of a 3-token prompt sent with ``params``."""
     side = SchedulerSide(config)
-    req = SimpleNamespace(
-        request_id="p",
-        kv_transfer_params=params,
-        prompt_token_ids=[1, 2, 3],
-        status=RequestStatus.RUNNING,
-        num_computed_tokens=0,
-    )
+    req = Request("p", [1, 2, 3], SamplingParams(extra_args={"kv_transfer_params": params}), None)
+    req.status = RequestStatus.RUNNING
     side.update_state_after_alloc(req, Blocks(), 0)
     step = SimpleNamespace(
         scheduled_new_reqs=[
