@@ -10,6 +10,7 @@ digested (the CPU path); a sidecar holding device memory sends no digests and ch
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,6 +30,13 @@ class DigestStats:
     runs: Counter[str] = field(default_factory=Counter)
     bytes: Counter[str] = field(default_factory=Counter)
     mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Digests run on worker threads, several at once.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, side: str, runs: int, nbytes: int) -> None:
+        with self.lock:
+            self.runs[side] += runs
+            self.bytes[side] += nbytes
 
 
 def host_memory(agent: Agent) -> HostMemory | None:
@@ -69,8 +77,7 @@ def sender_digests(
         for d_rank, descs in plan.per_peer.items():
             sums = digest_runs(memory, descs.src, descs.length)
             parts.setdefault(d_rank, []).append((pl.layer, pl.group, descs.dst, descs.length, sums))
-            stats.runs["prefill"] += descs.count
-            stats.bytes["prefill"] += descs.nbytes
+            stats.add("prefill", descs.count, descs.nbytes)
     out = {}
     for d_rank, ps in parts.items():
         out[d_rank] = DigestRuns.of(
@@ -112,14 +119,14 @@ def check_digests(
             )
         block_of[i] = block
     got = digest_runs(memory, dst, length)
-    stats.runs["decode"] += int(dst.size)
-    stats.bytes["decode"] += int(length.sum())
+    stats.add("decode", int(dst.size), int(length.sum()))
     bad = first_mismatch(got, want)
     if bad is None:
         return ""
     group = int(groups[bad])
     kind = str(desc.groups[group].kind)
-    stats.mismatches[(kind, "decode")] += 1
+    with stats.lock:
+        stats.mismatches[(kind, "decode")] += 1
     why = (
         f"KV digest mismatch from prefill rank {sender_rank}: layer {int(layers[bad])}, group "
         f"{group} ({kind}), block {int(block_of[bad])} ({int(length[bad])} B at "

@@ -164,7 +164,23 @@ class RecvSide:
             )
         return ""
 
-    def done(self, msg: Done) -> Ack:
+    async def done_checked(self, msg: Done) -> Ack:
+        """``done``, with the bytes a Done's digests cover read on a worker thread: a long
+        prompt's digest takes tens of milliseconds, which every other transfer's messages
+        would wait for on the loop. The request is looked at again after it (``done``)."""
+        agent = self._agents.get(msg.target_rank)
+        req = agent.recent(msg.request, RecvRequest) if agent else None
+        verdict = None
+        live = agent is not None and req is not None and not req.state.terminal
+        if msg.digests is not None and live:
+            assert agent is not None and req is not None
+            verdict = await asyncio.to_thread(
+                check_digests, agent, req, msg.sender_rank, msg.digests, self.digests
+            )
+        return self.done(msg, verdict)
+
+    def done(self, msg: Done, verdict: str | None = None) -> Ack:
+        """A sender's Done; ``verdict``: its digests' check, already made (``done_checked``)."""
         if msg.epoch != self._epoch():
             return Ack(
                 request=msg.request,
@@ -224,7 +240,11 @@ class RecvSide:
             )
             return Ack(request=msg.request)
         if msg.digests is not None:
-            why = check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
+            why = (
+                verdict
+                if verdict is not None
+                else check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
+            )
             if why:
                 req.delivered[msg.sender_rank] = Status.FAILED
                 self.end(req, Status.FAILED, why)

@@ -239,7 +239,7 @@ class Sidecar(SidecarCore):
         if isinstance(msg, Claim):
             return self.recv.claim(msg)
         if isinstance(msg, Done):
-            return self.recv.done(msg)
+            return await self.recv.done_checked(msg)
         if isinstance(msg, Abort):
             # From prefill (it ended a send; drained) or from decode (asks us to drain).
             self.recv.aborted_by_prefill(msg.request, msg.sender_engine, msg.reason)
