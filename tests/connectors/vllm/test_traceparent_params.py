@@ -7,6 +7,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
@@ -24,10 +26,10 @@ def _side() -> SchedulerSide:
     return SchedulerSide(ConnectorConfig("ipc:///nonexistent", "e", 1, 1, None, 1.0))
 
 
-def _request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid, kv_transfer_params=params, prompt_token_ids=list(range(1, 65))
-    )
+def _request(rid: str, params: dict[str, Any]) -> Request:
+    """vLLM's own request, as its scheduler hands it to the hooks."""
+    sampling = SamplingParams(extra_args={"kv_transfer_params": params})
+    return Request(rid, list(range(1, 65)), sampling, None)
 
 
 @pytest.mark.parametrize(("given", "passed"), [(TP, TP), ("00-not-a-traceparent", None)])

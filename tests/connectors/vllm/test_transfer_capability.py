@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import msgspec
 import pytest
-from vllm.v1.request import RequestStatus
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request, RequestStatus
 
 from app.connectors.params import KV_LOAD_PARAM, TRANSFER_TOKEN_HEADER, TRANSFER_TOKEN_PARAM
 from app.connectors.vllm.config import ConnectorConfig
@@ -34,14 +35,12 @@ class Blocks:
         return ([3, 4],)
 
 
-def request(rid: str, params: dict[str, Any]) -> SimpleNamespace:
-    return SimpleNamespace(
-        request_id=rid,
-        kv_transfer_params=params,
-        prompt_token_ids=[1, 2, 3],
-        status=RequestStatus.FINISHED_LENGTH_CAPPED,
-        num_computed_tokens=3,
-    )
+def request(rid: str, params: dict[str, Any]) -> Request:
+    """vLLM's own request, as its scheduler hands it to the hooks (finished, when asked)."""
+    req = Request(rid, [1, 2, 3], SamplingParams(extra_args={"kv_transfer_params": params}), None)
+    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    req.num_computed_tokens = 3
+    return req
 
 
 def first_step(rid: str) -> SimpleNamespace:
