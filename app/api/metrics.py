@@ -347,11 +347,6 @@ class SidecarCollector(Collector):
                 "Stores of a shorter prefix than computed: blocks a hit needs were given back.",
                 calls.saves_cut,
             ),
-            (
-                "tails_unstaged",
-                "Tails not stored: every staging slot was in use.",
-                calls.tails_unstaged,
-            ),
         ):
             yield CounterMetricFamily(f"kvsidecar_pool_{name}", doc, value=value)
         late = svc.running.counters

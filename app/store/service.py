@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -31,7 +30,6 @@ from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
 from app.store.rank_pool import RankPool
 from app.store.running import RunningCalls
-from app.store.tail_pages import TailStaging, staging_for
 from app.store.tenants import TenantKeys
 
 log = logging.getLogger(__name__)
@@ -83,7 +81,6 @@ class CallCounters:
     local_blocks: int = 0
     saves: int = 0
     saves_cut: int = 0
-    tails_unstaged: int = 0  # tails not stored: every staging slot was in use
 
 
 @dataclass(frozen=True)
@@ -112,8 +109,6 @@ class PoolService:
         self.calls = CallCounters()
         self.recent: deque[PoolCall] = deque(maxlen=RECENT_CALLS)
         self.running = RunningCalls(config.quarantine_max_s)
-        self.staging: dict[int, TailStaging] = {}  # per rank, where tails are put from
-        self._retired: list[TailStaging] = []
 
     async def start(self) -> None:
         await self.client.start_async()
@@ -121,26 +116,12 @@ class PoolService:
     async def stop(self) -> None:
         await self.client.close_async()
 
-    async def register(self, rank: RankPool, *, host_memory: bool = True) -> None:
-        """Register a rank's memory with the store client (again after a re-registration).
-        Tails are stored only from ``host_memory`` (``tail_pages``: they are staged by a CPU
-        copy)."""
+    async def register(self, rank: RankPool) -> None:
+        """Register a rank's memory with the store client (again after a re-registration)."""
         self.ranks[rank.desc.rank] = rank
         self.tenants.serve(rank.served_models)
         for ptr, length in rank.spans:
             await self.client.register_async(ptr, length)
-        old = self.staging.pop(rank.desc.rank, None)
-        if old is not None:
-            # Never freed: a late put may still read it, and Mooncake refuses to register a
-            # new buffer where a registered one was (-600).
-            self._retired.append(old)
-        if self.tails and rank.coordinator.takes_tails and host_memory:
-            staging = _tail_staging(rank)
-            if staging is not None:
-                # An old arena is adopted (it stays registered) with this registration's maps.
-                if old is None or not staging.adopt(old):
-                    await self.client.register_async(*staging.span)
-                self.staging[rank.desc.rank] = staging
 
     def _rank(self, rank: int) -> RankPool:
         rp = self.ranks.get(rank)
@@ -265,13 +246,7 @@ class PoolService:
         tail = num_computed % c.lcm_block_size if self._tails(rp) else 0
         at = num_computed // c.lcm_block_size
         # The tail follows the chain only when every full block before it is stored.
-        staging, slot = self.staging.get(rank), None
         if tail and storable == num_computed - tail and all(at < len(h) and h[at] for h in held):
-            slot = staging.take() if staging is not None else None
-            if slot is None:
-                self.calls.tails_unstaged += 1
-        if slot is not None:
-            assert staging is not None
             start = num_computed - tail
             name = rp.tail_names(hashes, token_ids, start, num_computed, extra_keys)[-1:]
             for g in range(len(block_ids)):
@@ -279,14 +254,12 @@ class PoolService:
                 for layer, key in rp.tail_keys(g, name):
                     ptr, size = rp.page(layer, int(block_ids[g][at]))
                     keys.append(key)
-                    # Only the tail's tokens: past them the page holds its last owner's KV.
-                    ptrs.append(staging.stage(slot, layer, ptr, tail))
+                    ptrs.append(ptr)
                     sizes.append(size)
             storable = num_computed
         call = self._begin("save", request, rank, storable, 0, chosen, block_ids, started)
         res = await self.client.put_from_async(keys, ptrs, sizes)
-        freed = None if slot is None else functools.partial(_release, staging, slot)
-        pending = self._end(call, res.late, freed)
+        pending = self._end(call, res.late)
         self.calls.saves += 1
         return SaveOutcome(
             len(res.stored),
@@ -392,7 +365,6 @@ class PoolService:
         self,
         begun: tuple[int, PoolCall],
         late: concurrent.futures.Future[Any] | None,
-        freed: Callable[[], None] | None = None,
     ) -> bool:
         """The store answered, or its call went late (True: the engine is answered pending);
         either way the call is in ``recent`` once the store returned."""
@@ -402,27 +374,9 @@ class PoolService:
         def returned() -> None:
             # On the store's thread for a late call: deque.append is atomic.
             self.recent.append(dataclasses.replace(call, ended_at=time.time(), state=state))
-            if freed is not None:
-                freed()
 
         return self.running.end(call_id, late, returned)
 
     def recent_calls(self) -> list[PoolCall]:
         """``recent``, then the calls whose store call has not returned yet."""
         return [*self.recent, *(c.detail for c in self.running.calls())]
-
-
-def _release(staging: TailStaging | None, slot: int) -> None:
-    assert staging is not None
-    staging.release(slot)
-
-
-def _tail_staging(rank: RankPool) -> TailStaging | None:
-    """Staging slots for ``rank``'s tails; None (no tails stored) for a page geometry whose
-    token bytes are not known."""
-    sizes = {layer: g.block_size for g in rank.desc.groups for layer in g.layers}
-    try:
-        return staging_for(rank.desc.placements, sizes, rank.page_bytes)
-    except ConfigError as e:
-        log.warning("rank %d: tails are not stored: %s", rank.desc.rank, e)
-        return None

@@ -120,7 +120,7 @@ class Registry:
         await asyncio.to_thread(self.engine.register_many, spans)
         if self.pool is not None:
             rank_pool = RankPool.from_engine(desc, reg, spans, self.pool.namespace)
-            await self.pool.register(rank_pool, host_memory=reg.device_memory is None)
+            await self.pool.register(rank_pool)
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
         agent.device_memory = imported
