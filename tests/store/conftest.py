@@ -13,6 +13,7 @@ import pytest
 from app.store.master import MasterProcess, start_master, stop_master
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
+from app.store.service import PoolService
 
 MiB = 1 << 20
 
@@ -69,3 +70,14 @@ def blocks() -> Callable[[int, int], np.ndarray]:
         return rng.integers(0, 256, size=(num_blocks, block_bytes), dtype=np.uint8)
 
     return make
+
+
+@pytest.fixture
+def service(master: MasterProcess) -> Iterator[PoolService]:
+    """A pool service (tails on) on the module's master: rank pools register with it."""
+    svc = PoolService(
+        PoolConfig(master_address=master.rpc_address, global_segment_size=64 * MiB), tails=True
+    )
+    asyncio.run(svc.start())
+    yield svc
+    asyncio.run(svc.stop())

@@ -6,35 +6,20 @@ of a router's lookup, and a prompt one token past a block boundary hitting every
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import msgspec
 import numpy as np
-import pytest
 
 from app.kvcache.engine_layout import describe_engine
 from app.kvcache.layout import KVLayout
 from app.kvcache.preset_registration import preset_registration
-from app.store.master import MasterProcess
-from app.store.pool_api import PoolConfig
 from app.store.rank_pool import RankPool
 from app.store.service import PoolService
 
-from .conftest import MiB
 from .rank_pools import PresetRank, preset_rank
 
 _ALIVE: list[PresetRank] = []
 SALTED = [(1, [("cache_salt", "tenant-1")]), (0, [])]
-
-
-@pytest.fixture
-def service(master: MasterProcess) -> Iterator[PoolService]:
-    svc = PoolService(
-        PoolConfig(master_address=master.rpc_address, global_segment_size=64 * MiB), tails=True
-    )
-    asyncio.run(svc.start())
-    yield svc
-    asyncio.run(svc.stop())
 
 
 def _rank(namespace: str = "", **fields: object) -> tuple[PresetRank, RankPool]:

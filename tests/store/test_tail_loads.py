@@ -4,29 +4,14 @@ held someone else's bytes. Real Mooncake Store on loopback."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import numpy as np
-import pytest
 import torch
 
 from app.kvcache.layout import KVLayout
-from app.store.master import MasterProcess
-from app.store.pool_api import PoolConfig
 from app.store.service import PoolService
 
-from .conftest import MiB
 from .rank_pools import PresetRank, preset_rank
-
-
-@pytest.fixture
-def service(master: MasterProcess) -> Iterator[PoolService]:
-    svc = PoolService(
-        PoolConfig(master_address=master.rpc_address, global_segment_size=64 * MiB), tails=True
-    )
-    asyncio.run(svc.start())
-    yield svc
-    asyncio.run(svc.stop())
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:

@@ -107,10 +107,8 @@ def test_sidecar_report_is_not_counted_twice_as_refused() -> None:
     assert (row.outcome, row.bytes) == ("expired", 64)
 
 
-def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
-    """Ranks of one request arriving in different engine steps: bytes counted at once, the
-    transfer and its time once the last rank reported."""
-    reg = CollectorRegistry()
+def _prom(reg: CollectorRegistry) -> KVSidecarPromMetrics:
+    """The connector's metrics as vLLM builds them, in ``reg``."""
     types: dict[Any, Any] = {
         Gauge: partial(Gauge, registry=reg),
         Counter: partial(Counter, registry=reg),
@@ -121,6 +119,14 @@ def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
         vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]}
     )
     assert isinstance(prom, KVSidecarPromMetrics)
+    return prom
+
+
+def test_prometheus_counts_a_request_once_all_ranks_reported() -> None:
+    """Ranks of one request arriving in different engine steps: bytes counted at once, the
+    transfer and its time once the last rank reported."""
+    reg = CollectorRegistry()
+    prom = _prom(reg)
     prom.observe(worker_stats(2, ("a", "send", Status.DONE, 100, 0.25)).to_dict())
     text = generate_latest(reg).decode()
     assert sample(text, NAMES["bytes"], "send") == 100
@@ -151,15 +157,7 @@ def test_requests_without_the_pool_are_counted_by_reason() -> None:
         "skipped (unkeyable_extra_key)": 1,
     }
     reg = CollectorRegistry()
-    types: dict[Any, Any] = {
-        Gauge: partial(Gauge, registry=reg),
-        Counter: partial(Counter, registry=reg),
-        Histogram: partial(Histogram, registry=reg),
-    }
-    vllm_config: Any = SimpleNamespace(kv_transfer_config=None)
-    prom = KVSidecarConnector.build_prom_metrics(
-        vllm_config, types, ["model_name", "engine"], {0: ["tiny", "0"]}
-    )
+    prom = _prom(reg)
     prom.observe(merged_stats.data)
     prom.observe(merged_stats.data)
     text = generate_latest(reg).decode()
