@@ -83,7 +83,7 @@ class _Send:
 class _Whole:
     """A prefill prompt as decode holds it, taken before ``_truncate`` dropped its last token."""
 
-    digest: str  # prompt_digest of the whole prompt ("" without token ids: binds nothing)
+    digest: str  # _digest of the whole prompt
     truncated: bool
 
 
@@ -187,8 +187,7 @@ class SchedulerSide:
         ``kv_transfer_params`` (a client could preset a marker there and skip the cut)."""
         if getattr(request, _WHOLE, None) is not None:
             return  # vLLM asks again each step until the request is scheduled
-        ids = request.prompt_token_ids
-        cut = ids is not None and request.num_prompt_tokens >= 2
+        cut = request.num_prompt_tokens >= 2
         setattr(request, _WHOLE, _Whole(_digest(request), cut))
         if not cut:
             return
@@ -495,10 +494,9 @@ class SchedulerSide:
 def _digest(request: Any) -> str:
     """``prompt_digest`` of a request's prompt and of what else decides its KV (its adapter,
     its multimodal inputs: the same ids under another adapter or with another image behind the
-    placeholders are other KV); "" without token ids (prompt embeddings), which binds no target:
-    none is taken for such a send."""
-    ids = request.prompt_token_ids
-    return "" if ids is None else prompt_digest(ids, kv_inputs(request))
+    placeholders are other KV). Only requests with token ids get here: ``without_keys`` turns
+    prompt embeddings away before any transfer is planned."""
+    return prompt_digest(request.prompt_token_ids, kv_inputs(request))
 
 
 def _copy(ids: BlockIds) -> BlockIds:
