@@ -282,6 +282,20 @@ def proxy_command(
     retry_budget_window: Annotated[
         float, typer.Option(help="The retry budget's sliding window, in seconds.")
     ] = _DEFAULTS.retry_budget_window_s,
+    chat_tokens: Annotated[
+        bool,
+        typer.Option(
+            help="Render chat requests to token ids through a decode instance's /tokenize and "
+            "route them as token prompts; both engines then compute on those ids "
+            "(docs/serving.md, Chat requests as token ids)."
+        ),
+    ] = _DEFAULTS.chat_tokens,
+    chat_tokens_timeout: Annotated[
+        float,
+        typer.Option(
+            help="Seconds a /tokenize call may take before the chat request is routed as text."
+        ),
+    ] = _DEFAULTS.chat_tokens_timeout_s,
     log_level: Annotated[str, typer.Option(help="debug, info, warning or error.")] = "info",
 ) -> None:
     """Serve /v1/completions and /v1/chat/completions over P and D instances."""
@@ -332,6 +346,8 @@ def proxy_command(
             retry_budget_window_s=retry_budget_window,
             decode_sidecars=tuple(parse_decode_sidecar(spec) for spec in decode_sidecar or ()),
             decode_sidecar_token=sidecar_token,
+            chat_tokens=chat_tokens,
+            chat_tokens_timeout_s=chat_tokens_timeout,
         )
     except ConfigError:
         sock.close()

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 
+from app.harness.tiny_tokenizer import has_tokenizer
+
 MAX_MODEL_LEN = 2048  # the engines' --max-model-len
 API_SERVER = "vllm.entrypoints.openai.api_server"  # what every local engine runs (python -m)
 
@@ -82,7 +84,9 @@ class Instance:
 def vllm_command(
     model: Path, port: int, *extra: str, prefix_caching: bool, max_num_seqs: int = 16
 ) -> list[str]:
-    """The OpenAI server of a tiny model on loopback, as every local engine here runs it."""
+    """The OpenAI server of a tiny model on loopback, as every local engine here runs it:
+    without a tokenizer (prompts as ids only) unless the model's folder holds one
+    (tiny_tokenizer.py: the chat tests')."""
     return [
         sys.executable,
         "-m",
@@ -95,7 +99,7 @@ def vllm_command(
         "127.0.0.1",
         "--port",
         str(port),
-        "--skip-tokenizer-init",
+        *(() if has_tokenizer(model) else ("--skip-tokenizer-init",)),
         "--max-model-len",
         str(MAX_MODEL_LEN),
         "--enforce-eager",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from typing import Any
 
 # The contract's names, defined once beside the connectors (which must not import the proxy):
@@ -31,9 +32,12 @@ __all__ = [
     "local_body",
     "new_transfer_token",
     "prefill_body",
+    "with_prompt_ids",
 ]
 
 KV_LOADS = ("ok", "failed")
+# vLLM's name (renderers/online_renderer.py) for a chat prompt rendered elsewhere.
+PROMPT_IDS_PARAM = "prompt_token_ids"
 
 
 def new_transfer_token() -> str:
@@ -47,12 +51,14 @@ def decode_body(
     router_url: str,
     token: str,
     traceparent: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The client's request, asking decode to take its prompt's KV from a remote prefill.
 
     Any ``kv_transfer_params`` the client sent are replaced: clients do not steer transfers.
     ``traceparent`` goes in them too: vLLM passes trace headers on only when its own
     OpenTelemetry is on, but always hands the connector its ``kv_transfer_params``.
+    ``prompt_ids``: a chat request's rendered ids (``with_prompt_ids``).
     """
     params: dict[str, Any] = {
         "do_remote_prefill": True,
@@ -62,13 +68,25 @@ def decode_body(
     }
     if traceparent is not None:
         params["traceparent"] = traceparent
-    return {**body, "kv_transfer_params": params}
+    return with_prompt_ids({**body, "kv_transfer_params": params}, prompt_ids)
 
 
-def local_body(body: dict[str, Any]) -> dict[str, Any]:
+def local_body(body: dict[str, Any], prompt_ids: Sequence[int] | None = None) -> dict[str, Any]:
     """The client's request for decode alone (no prefill): a plain request, so decode computes
     the prompt itself. Any ``kv_transfer_params`` the client sent are dropped, as above."""
-    return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    out = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    return with_prompt_ids(out, prompt_ids)
+
+
+def with_prompt_ids(out: dict[str, Any], prompt_ids: Sequence[int] | None) -> dict[str, Any]:
+    """``out`` with a chat request's rendered ids in its ``kv_transfer_params``, where vLLM
+    0.32's chat completions take them instead of rendering the messages (and pop them before
+    the connector sees the params): prefill and decode compute on the ids the proxy routed."""
+    if prompt_ids is None:
+        return out
+    params = dict(out.get("kv_transfer_params") or {})
+    params[PROMPT_IDS_PARAM] = list(prompt_ids)
+    return {**out, "kv_transfer_params": params}
 
 
 def prefill_body(
@@ -80,6 +98,7 @@ def prefill_body(
     router_url: str | None = None,
     target_timeout_s: float | None = None,
     traceparent: str | None = None,
+    prompt_ids: Sequence[int] | None = None,
 ) -> dict[str, Any]:
     """The client's prompt as a one-token, non-streamed prefill that pushes KV to ``targets``
     (decode first: one per decode pipeline stage), or to the target its connector fetches from
@@ -105,7 +124,7 @@ def prefill_body(
     if traceparent is not None:
         params["traceparent"] = traceparent  # as for decode
     out["kv_transfer_params"] = params
-    return out
+    return with_prompt_ids(out, prompt_ids)
 
 
 def is_streamed(body: dict[str, Any]) -> bool:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from app.errors import ConfigError
+from app.proxy.chat_tokens import ChatTokenSettings
 from app.proxy.disagg import DisaggRules
 from app.proxy.dp import upstream
 from app.proxy.kv_events.feed import EngineEvents
@@ -186,6 +187,14 @@ class ProxyConfig:
     # decode waits for its sidecar's deadline, as before.
     decode_sidecars: tuple[DecodeSidecar, ...] = ()
     decode_sidecar_token: str | None = field(default=None, repr=False)
+    # Chat requests rendered to token ids by a decode instance's /tokenize (chat_tokens.py):
+    # on or off, the longest the call may take before the request is routed as text, the
+    # largest messages (bytes of JSON) sent, and the cache of rendered ids (entries, ids).
+    chat_tokens: bool = True
+    chat_tokens_timeout_s: float = 2.0
+    chat_tokens_max_bytes: int = 1 << 20
+    chat_tokens_cache_entries: int = 4096
+    chat_tokens_cache_tokens: int = 8_000_000
 
     def __post_init__(self) -> None:
         # Normalized once (tuples, no trailing slash) so paths join the same way everywhere.
@@ -238,6 +247,7 @@ class ProxyConfig:
             "body_timeout_s",
             "pool_lookup_timeout_s",
             "retry_budget_window_s",
+            "chat_tokens_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -269,6 +279,9 @@ class ProxyConfig:
             "max_body_bytes",
             "max_inflight",
             "max_model_len",
+            "chat_tokens_max_bytes",
+            "chat_tokens_cache_entries",
+            "chat_tokens_cache_tokens",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
@@ -328,6 +341,15 @@ class ProxyConfig:
     @property
     def disagg_rules(self) -> DisaggRules:
         return DisaggRules(self.min_prefill_tokens, self.decode_hit_fraction)
+
+    @property
+    def chat_token_settings(self) -> ChatTokenSettings:
+        return ChatTokenSettings(
+            self.chat_tokens_timeout_s,
+            self.chat_tokens_max_bytes,
+            self.chat_tokens_cache_entries,
+            self.chat_tokens_cache_tokens,
+        )
 
     @property
     def retry_budget(self) -> BudgetSettings:

@@ -75,6 +75,7 @@ class PrefillJob:
     path: str
     headers: dict[str, str]  # forwarded from the client
     token: str  # the transfer's (bodies.TRANSFER_TOKEN_PARAM)
+    prompt_ids: tuple[int, ...] | None = None  # a chat request's rendered ids (chat_tokens.py)
 
 
 class Exchange:

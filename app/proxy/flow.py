@@ -56,6 +56,7 @@ from app.proxy.bodies import (
     local_body,
     new_transfer_token,
 )
+from app.proxy.chat_tokens import ChatPrompt, ChatTokens, Fallback
 from app.proxy.config import Flow, ProxyConfig, WithoutPrefill
 from app.proxy.decode_stop import DecodeStopper
 from app.proxy.disagg import Decision, DisaggCounts, without_prefill
@@ -91,6 +92,15 @@ CLIENT_GONE = 499
 NO_PREFILL_LOG_INTERVAL_S = 10.0
 
 
+def _chat_note(chat: ChatPrompt | Fallback | None) -> str | None:
+    """The record's ``chat_tokens``."""
+    if chat is None:
+        return None
+    if isinstance(chat, Fallback):
+        return f"text: {chat.reason}: {chat.detail}"
+    return f"ids from {chat.source}"
+
+
 class PDFlow:
     """Routes completions requests to decode and prefill; owns the prefill side tasks."""
 
@@ -121,6 +131,16 @@ class PDFlow:
             cfg, prefill, targets, client, metrics, self.budget, self._count_settled, stopper
         )
         self._tracing: Tracing | None = None  # the app's lifespan opens it when configured
+        # Chat messages rendered to ids by a decode instance (chat_tokens.py).
+        self.chat_tokens = (
+            ChatTokens(
+                client,
+                lambda: [i.url for i in decode.instances if i.available],
+                cfg.chat_token_settings,
+            )
+            if cfg.chat_tokens
+            else None
+        )
         # The KV pool as the prefill pick's second tier (pool_tier.py).
         self.pool_tier = (
             None
@@ -155,6 +175,21 @@ class PDFlow:
         if t is not None and t.target_s is None:
             t.target_s = t.since_start()
 
+    async def _chat_prompt(
+        self, body: dict[str, Any], path: str, headers: dict[str, str]
+    ) -> ChatPrompt | Fallback | None:
+        """A chat request's ids as vLLM renders them, or why it is routed as text; None: not
+        a chat request, or chat tokens are off."""
+        if self.chat_tokens is None or "chat" not in path:
+            return None
+        got = await self.chat_tokens.prompt(body, headers)
+        if isinstance(got, Fallback):
+            self.metrics.chat_prompt("text", got.reason, got.call_s)
+            log.debug("chat request routed as text (%s): %s", got.reason, got.detail)
+        else:
+            self.metrics.chat_prompt(got.source, None, got.call_s)
+        return got
+
     def _refuse(
         self, server: Span, path: str, decision: Decision | None, answer: Response
     ) -> Response:
@@ -171,16 +206,17 @@ class PDFlow:
             return self._refuse(server, path, None, body)
         self.budget.request()
         headers = forwarded_headers(request)
+        chat = await self._chat_prompt(body, path, headers)
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             retries: tuple[Retry, ...] = ()
             tid: str | None = None
             while True:  # at most twice: a decode retry is made once (_decode_retry)
-                x = await self._start(server, body, path, headers, retries, tid)
+                x = await self._start(server, body, path, headers, retries, tid, chat)
                 if isinstance(x, Response):
                     return x
                 try:
-                    answer = await self._answer(x, body, path, headers, disconnected)
+                    answer = await self._answer(x, body, path, headers, disconnected, chat)
                 except asyncio.CancelledError:
                     with anyio.CancelScope(shield=True):
                         await x.end("client_gone")
@@ -203,10 +239,12 @@ class PDFlow:
         headers: dict[str, str],
         retries: tuple[Retry, ...],
         tid: str | None,
+        chat: ChatPrompt | Fallback | None,
     ) -> Exchange | Response:
         """Pick decode (and prefill), open the transfer and start prefill's side; a decode
         retry (``retries`` ends with one) excludes the decode instances that failed."""
-        shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len)
+        ids = chat.ids if isinstance(chat, ChatPrompt) else None
+        shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len, ids)
         failed = frozenset(r.instance for r in retries if r.stage == "decode")
         try:
             d = self.decode.acquire(shape, exclude=failed)
@@ -241,6 +279,7 @@ class PDFlow:
         t.decode_pick, t.reason = d.pick, decision.reason
         t.trace = server.traceparent
         t.retries = retries
+        t.chat_tokens = _chat_note(chat)
         server.set("kv.transfer_id", tid)
         prefill: asyncio.Task[None] | None = None
         token: str | None = None
@@ -250,7 +289,7 @@ class PDFlow:
             # Open before decode hears of the id: its target may come back at once.
             self.targets.open(tid, token)
             self._live[tid] = t
-            prefill = self.prefills.spawn(PrefillJob(t, p, body, path, headers, token))
+            prefill = self.prefills.spawn(PrefillJob(t, p, body, path, headers, token, ids))
         else:
             log.debug("transfer %s: decode alone (%s)", tid, decision.reason)
         return Exchange(t, d, prefill, partial(self._decode_ended, t, decision), server, token)
@@ -262,10 +301,12 @@ class PDFlow:
         path: str,
         headers: dict[str, str],
         disconnected: asyncio.Task[None],
+        chat: ChatPrompt | Fallback | None,
     ) -> Response | None:
         """Decode's answer, relayed; None: decode failed before the client got a byte, and
         the request goes again as ``x.tracker.retried_as`` (``x.retry`` says why)."""
         t = x.tracker
+        ids = chat.ids if isinstance(chat, ChatPrompt) else None
         call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
         tp = call.traceparent.header
         base, rank = dp_upstream(x.decode.url)
@@ -273,9 +314,9 @@ class PDFlow:
             "POST",
             f"{base}{path}",
             json=(
-                local_body(body)
+                local_body(body, ids)
                 if x.token is None
-                else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp)
+                else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp, ids)
             ),
             headers={**headers, **rank, TRACEPARENT: tp},
         )

@@ -15,6 +15,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    Histogram,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -158,7 +159,38 @@ class ProxyMetrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._chat_prompts = Counter(
+            "kvproxy_chat_prompts",
+            "Chat requests by how they were routed: engine (rendered to ids by an engine's "
+            "/tokenize), cache (ids rendered before) or text (hashed as text, "
+            "kvproxy_chat_tokens_fallbacks_total says why).",
+            ["source"],
+            registry=self.registry,
+        )
+        self._chat_fallbacks = Counter(
+            "kvproxy_chat_tokens_fallbacks",
+            "Chat requests routed as text, by why they were not rendered to ids: field, "
+            "non_text, batch, invalid, too_large, no_instance, timeout, unreachable, "
+            "engine_refused, bad_answer (chat_tokens.py).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._tokenize_s = Histogram(
+            "kvproxy_chat_tokenize_seconds",
+            "Time of each /tokenize call the proxy made for a chat request (cache hits make none).",
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0),
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pools, feed))
+
+    def chat_prompt(self, source: str, fallback: str | None, call_s: float | None) -> None:
+        """A chat request was rendered to ids (``source``: engine or cache) or routed as text
+        (``fallback``: why); ``call_s``: its /tokenize call's time, if one was made."""
+        self._chat_prompts.labels("text" if fallback is not None else source).inc()
+        if fallback is not None:
+            self._chat_fallbacks.labels(fallback).inc()
+        if call_s is not None:
+            self._tokenize_s.observe(call_s)
 
     def pick(self, role: str, pick: Pick | None) -> None:
         """An instance of ``role`` was picked for a request."""

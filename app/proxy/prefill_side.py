@@ -117,7 +117,12 @@ class PrefillSide:
         await self._with_retry(
             job,
             lambda call: prefill_body(
-                job.body, tid, token=job.token, targets=stages, traceparent=call.traceparent.header
+                job.body,
+                tid,
+                token=job.token,
+                targets=stages,
+                traceparent=call.traceparent.header,
+                prompt_ids=job.prompt_ids,
             ),
         )
 
@@ -133,6 +138,7 @@ class PrefillSide:
                 router_url=self.cfg.router_url,
                 target_timeout_s=self.cfg.target_timeout_s,
                 traceparent=call.traceparent.header,
+                prompt_ids=job.prompt_ids,
             ),
         )
 
@@ -190,7 +196,13 @@ class PrefillSide:
             self.metrics.not_retried("prefill", "budget")
             log.warning("transfer %s: prefill %s failed; retry budget spent", t.transfer_id, failed)
             return None
-        shape = shape_of(job.body, job.path, self.cfg.prefix_block_size, self.cfg.max_model_len)
+        shape = shape_of(
+            job.body,
+            job.path,
+            self.cfg.prefix_block_size,
+            self.cfg.max_model_len,
+            job.prompt_ids,
+        )
         try:
             lease = self.pool.acquire(shape, exclude=others)
         except NoHealthyInstance:  # cannot happen in between (one event loop); said all the same

@@ -77,6 +77,9 @@ class TransferRecord:
     retried_as: str | None = None
     # Prefill failed for good: what decode's sidecar answered the proxy's abort (None: not told).
     decode_stop: str | None = None
+    # A chat request: how its prompt was routed, ``ids from engine`` / ``ids from cache``
+    # (both engines got the ids, chat_tokens.py) or ``text: <why>`` (None: not chat).
+    chat_tokens: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -110,6 +113,7 @@ class TransferTracker:
     retries: tuple[Retry, ...] = ()  # this request's, the earlier transfers' included
     retried_as: str | None = None  # decode failed and the request went on as this transfer
     decode_stop: str | None = None  # what decode's sidecar answered the abort (decode_stop.py)
+    chat_tokens: str | None = None  # a chat request's routing by ids or text (chat_tokens.py)
 
     @property
     def disaggregated(self) -> bool:
@@ -161,6 +165,7 @@ class TransferTracker:
             retries=self.retries,
             retried_as=self.retried_as,
             decode_stop=self.decode_stop,
+            chat_tokens=self.chat_tokens,
         )
 
 

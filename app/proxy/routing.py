@@ -4,8 +4,9 @@
 on decode ``prompt tokens + max_tokens`` (``max_completion_tokens``; absent: vLLM's default of
 16 for completions, and ``DEFAULT_CHAT_MAX_TOKENS`` for chat, whose real limit is the context),
 on prefill ``prompt tokens + 1`` (prefill generates one token). The proxy has no tokenizer:
-a prompt given as token ids counts its ids; text (a completion prompt, chat messages' text)
-counts ``len(text) // 4``, a rough English average.
+a prompt given as token ids counts its ids, and so do chat messages an engine rendered to ids
+for the proxy (chat_tokens.py); text (a completion prompt, chat messages that were not
+rendered) counts ``len(text) // 4``, a rough English average.
 
 **Prefix index (cache-aware prefill).** Per prefill instance an approximate, bounded (LRU)
 set of hash chains of the prompts the proxy routed there: one hash per full block of
@@ -147,16 +148,33 @@ def _max_tokens(body: dict[str, Any], path: str) -> int:
 
 
 def shape_of(
-    body: dict[str, Any], path: str, block_size: int, max_model_len: int = 1 << 62
+    body: dict[str, Any],
+    path: str,
+    block_size: int,
+    max_model_len: int = 1 << 62,
+    chat_ids: Sequence[int] | None = None,
 ) -> RequestShape:
     """A request's size and hash chain from its body; a batch of prompts is hashed by its first.
-    ``max_tokens`` counts up to what fits after the prompt in ``max_model_len``."""
+    ``max_tokens`` counts up to what fits after the prompt in ``max_model_len``. ``chat_ids``:
+    a chat request's messages as vLLM renders them (chat_tokens.py): the request is then
+    shaped as the same prompt sent as ids is."""
 
     def fitting(max_tokens: int, prompt_tokens: int) -> int:
         return min(max_tokens, max(max_model_len - prompt_tokens, 0))
 
     model = body.get("model") if isinstance(body.get("model"), str) else None
     salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+    if "chat" in path and chat_ids is not None:
+        rendered = list(chat_ids)
+        return RequestShape(
+            len(rendered),
+            fitting(_max_tokens(body, path), len(rendered)),
+            _token_chain(rendered, block_size, _root(_TOKEN_SEED, model, salt)),
+            block_size,
+            tuple(rendered),
+            model,
+            salt,
+        )
     if "chat" in path:
         text = _chat_text(body.get("messages"))
         tokens = len(text) // CHARS_PER_TOKEN
