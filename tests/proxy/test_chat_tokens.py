@@ -199,7 +199,7 @@ def test_both_engines_get_the_ids_the_request_was_routed_by(
     c = make_cluster()
     asked = serve_tokenize(c.decode[0], lambda body: {"tokens": IDS, "count": len(IDS)})
     c.start_proxy()
-    body = {"messages": MESSAGES, "max_tokens": 3, "reasoning_effort": "low"}
+    body: dict[str, Any] = {"messages": MESSAGES, "max_tokens": 3, "reasoning_effort": "low"}
     # The second hits the first's two whole blocks in the prefix index: 8 ids left.
     for hit in (0, 32):
         r = c.post("/v1/chat/completions", **body)
