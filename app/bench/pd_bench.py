@@ -14,10 +14,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from app.bench.engine_dtype import DtypeChoice, engine_dtype
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
@@ -30,11 +33,13 @@ from app.bench.pd_stats import (
     summarize,
     trial_order,
 )
-from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
+from app.bench.pd_systems import CPU_SCOPE, System, kv_cache_env, start_systems, stop_systems
 from app.bench.pd_trial import line, run_trial, seed
 from app.bench.stop_signals import exit_on_signal
+from app.errors import ConfigError, KVSidecarError
 from app.harness.local_pd import LocalPD
-from app.harness.tiny_models import write_tiny_model
+from app.harness.tiny_models import LONG_POSITIONS, write_tiny_model
+from app.harness.waits import probe_ladder
 
 FULL_MODEL = {  # random-weight Llama: hidden 1024, 16 layers, 4 KV heads of 128, bf16
     "hidden_size": 1024,
@@ -43,7 +48,7 @@ FULL_MODEL = {  # random-weight Llama: hidden 1024, 16 layers, 4 KV heads of 128
     "num_key_value_heads": 4,
     "head_dim": 128,
     "num_hidden_layers": 16,
-    "max_position_embeddings": 16384,
+    "max_position_embeddings": LONG_POSITIONS,  # 32k and 64k prompts (tiny_models: plain RoPE)
 }  # LocalPD's initializer range (0.5): with 0.1, near-tied logits flipped greedy tokens
 QUICK_MODEL = {  # --quick: the same shape, smaller (4 layers, hidden 512)
     "hidden_size": 512,
@@ -174,14 +179,39 @@ def references(
     """Prompts and, per prompt, both references (``pd_stats.match_reference``) from one engine
     alone, no transfer: ``n-1`` (LocalPD.reference: the prompt is the seed plus the engine's
     own first token, the answer the rest of its generation) and ``n`` (the engine's answer to
-    that whole prompt)."""
+    that whole prompt).
+
+    Shortest first, after the probes of ``waits.probe_ladder``: each is a prefill measured on
+    these engines, so every later wait (the next references', the trials') is bound from a
+    measured prefill of a length near its own."""
+    for n in probe_ladder(w.tokens for w in workloads):
+        t0 = time.monotonic()
+        pd.complete(pd.prefill.url, seed(n, PROBE_SEED), 1)
+        print(f"prefill probe: {n} tokens in {time.monotonic() - t0:.1f} s", flush=True)
     prompts: dict[Workload, list[list[int]]] = {}
     refs: dict[Workload, list[dict[str, list[int]]]] = {}
-    for w in workloads:
+    for w in sorted(workloads, key=lambda w: (w.tokens, w.concurrency)):
         pairs = [pd.reference(seed(w.tokens, k), max_tokens) for k in range(w.concurrency)]
         prompts[w] = [p for p, _ in pairs]
         refs[w] = [{"n-1": r, "n": pd.complete(pd.prefill.url, p, max_tokens)} for p, r in pairs]
     return prompts, refs
+
+
+PROBE_SEED = 997  # the probes' prompts differ from every workload's (k < 997)
+
+
+def check_fits(opts: PDOptions) -> int:
+    """The engines' max-model-len for ``opts``: the longest prompt, its decoded tokens and a
+    margin; a ``ConfigError`` (one line, before anything starts) past the model's positions."""
+    longest = max(w.tokens for w in opts.workloads) + opts.max_tokens + 64
+    positions = int(opts.model.get("max_position_embeddings", LONG_POSITIONS))
+    if longest > positions:
+        raise ConfigError(
+            f"the longest prompt ({longest - opts.max_tokens - 64} tokens) plus {opts.max_tokens} "
+            f"decoded and a 64-token margin needs {longest} positions; the bench model has "
+            f"{positions}"
+        )
+    return longest
 
 
 def run(opts: PDOptions) -> dict[str, Any]:
@@ -190,14 +220,18 @@ def run(opts: PDOptions) -> dict[str, Any]:
     b = binding(opts.regime, os.sched_getaffinity(0))
     os.environ.update(b.env())  # pd_netns sets it too; every process started here inherits it
     print(b.describe(), flush=True)
+    longest = check_fits(opts)
     model = write_tiny_model(work / "model", "llama", overrides=opts.model)
-    longest = max(w.tokens for w in opts.workloads) + opts.max_tokens + 64
     # The dedicated regime computes on one core: there bf16 emulation is chosen away (the
     # shared regime keeps the model's bf16, as its published figures were measured).
     dtype: DtypeChoice | None = engine_dtype() if opts.regime == "dedicated" else None
     if dtype is not None:
         print(dtype.describe(), flush=True)
-    systems = start_systems(model, work, longest, dtype.dtype if dtype else None)
+    # Each engine's KV cache holds the longest prompt, or a concurrent workload's together.
+    held = max(longest, *(w.concurrency * (w.tokens + opts.max_tokens) for w in opts.workloads))
+    kv_env = kv_cache_env(opts.model, held, dtype.dtype if dtype else None)
+    print(f"engines' KV cache: {kv_env['VLLM_CPU_KVCACHE_SPACE']} GiB each", flush=True)
+    systems = start_systems(model, work, longest, dtype.dtype if dtype else None, engine_env=kv_env)
     try:
         placement = place_threads(_groups(systems), b)
         print(placement_text(placement), flush=True)
@@ -269,11 +303,31 @@ def calibration_text(cal: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def one_line(e: BaseException, limit: int = 600) -> str:
+    """``e`` in one line: its first line, and its last where it has more (an engine's exit
+    carries its log's tail, whose last line is what killed it)."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [""]
+    head = lines[0] if isinstance(e, KVSidecarError) else f"{type(e).__name__}: {lines[0]}"
+    text = head if len(lines) == 1 else f"{head} ... {lines[-1]}"
+    return text[:limit]
+
+
+FAILURE = "failure.txt"  # why a run did not finish, one line (pd_netns.run_child reads it)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = PDOptions.from_json(Path(args[0]).read_text())
     exit_on_signal()
-    result = run(opts)
+    try:
+        result = run(opts)
+    except (KVSidecarError, httpx.HTTPError) as e:
+        # A run that cannot finish (a prompt too slow for its wait, an engine gone) says why in
+        # one line, for the command to print; the engines' logs have the rest.
+        why = one_line(e)
+        (Path(opts.out) / FAILURE).write_text(why + "\n")
+        print(f"bench pd did not finish: {why}", file=sys.stderr, flush=True)
+        sys.exit(2)
     (Path(opts.out) / "pd.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-from app.bench.pd_bench import PDOptions
+from app.bench.pd_bench import FAILURE, PDOptions
 from app.bench.pd_cores import binding
-from app.errors import ConfigError
+from app.errors import BenchError, ConfigError
 
 CHILD = ("-m", "app.bench.pd_bench")  # what runs in the namespace (tests swap it)
 
@@ -63,6 +63,7 @@ def run_child(
     path = out / "options.json"
     path.write_text(json.dumps(spec))
     (out / result).unlink(missing_ok=True)
+    (out / FAILURE).unlink(missing_ok=True)
     ns = f"kvsbench-{os.getpid()}"
     _ip("netns", "add", ns)
     child: subprocess.Popen[bytes] | None = None
@@ -88,9 +89,9 @@ def run_child(
         )
         rc = child.wait()
         if rc != 0:
-            raise ConfigError(
-                f"the run in namespace {ns} failed (exit {rc}); logs in {out / 'work'}"
-            )
+            failure = out / FAILURE
+            why = failure.read_text().strip() if failure.exists() else f"exit {rc}"
+            raise BenchError(f"the run did not finish: {why} (logs in {out / 'work'})")
         return dict(json.loads((out / result).read_text()))
     finally:
         if child is not None and child.poll() is None:

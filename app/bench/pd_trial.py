@@ -43,6 +43,7 @@ from app.bench.pd_stats import (
     parse_histograms,
 )
 from app.bench.pd_systems import System
+from app.errors import BenchError, DeadlineExceeded
 
 NAN = float("nan")
 
@@ -103,9 +104,27 @@ async def attempt(
     return out
 
 
-async def _fire(url: str, prompts: Sequence[list[int]], max_tokens: int) -> list[dict[str, Any]]:
-    async with httpx.AsyncClient(timeout=600) as client:
-        return list(await asyncio.gather(*(stream(client, url, p, max_tokens) for p in prompts)))
+async def _fire(
+    url: str, prompts: Sequence[list[int]], max_tokens: int, wait_s: float
+) -> list[dict[str, Any]]:
+    async with httpx.AsyncClient(timeout=wait_s) as client:
+        gather = asyncio.gather(*(stream(client, url, p, max_tokens) for p in prompts))
+        return list(await asyncio.wait_for(gather, wait_s))
+
+
+def trial_wait_s(system: System, tokens: int, prompts: int, max_tokens: int) -> float:
+    """How long a trial's answers may take: every prompt prefilled twice (at P, and at D again
+    where its load failed), from the prefills measured on these engines (``waits``)."""
+    return system.pd.clock.wait_s(tokens, max_tokens, prefills=2 * prompts)
+
+
+def unfinished(system: System, tokens: int, prompts: int, wait_s: float, why: str) -> str:
+    """One line for a trial that did not finish: which, how long it was given, on what basis."""
+    return (
+        f"{system.name}: {prompts} x {tokens}-token prompt(s) did not finish within "
+        f"{wait_s:.0f} s ({why}; the wait is bound from {system.pd.clock.basis(tokens)}); "
+        f"logs in {system.pd.work}"
+    )
 
 
 def _p_histograms(system: System) -> dict[str, tuple[float, float]]:
@@ -125,9 +144,20 @@ def run_trial(
     """One workload on one system; every observation of it (see the module docstring)."""
     before = _p_histograms(system)
     cpu0 = system.transfer_cpu_s()
+    tokens = len(prompts[0])
+    wait = trial_wait_s(system, tokens, len(prompts), max_tokens)
     t0 = time.time()
-    answers = asyncio.run(_fire(system.front, prompts, max_tokens))
-    deadline = time.monotonic() + 10
+    try:
+        answers = asyncio.run(_fire(system.front, prompts, max_tokens, wait))
+    except (TimeoutError, httpx.TimeoutException):
+        raise DeadlineExceeded(
+            unfinished(system, tokens, len(prompts), wait, "no answer")
+        ) from None
+    except httpx.HTTPError as e:
+        why = f"{type(e).__name__}: {e}".splitlines()[0][:200]
+        raise BenchError(unfinished(system, tokens, len(prompts), wait, why)) from None
+    # P's answer may come after D's last token, by at most P's own prefill.
+    deadline = time.monotonic() + system.pd.clock.wait_s(tokens, 1)
     while True:  # P's answer may be back after D's: wait for it (and P's stats) before reading
         taps = system.taps(t0, time.time())
         if len(taps) >= len(prompts) or time.monotonic() > deadline:

@@ -33,6 +33,7 @@ from app.harness.engines import (
     vllm_env,
 )
 from app.harness.proc_tree import kill_trees
+from app.harness.waits import PrefillClock
 from app.harness.zygote import ChildProcess, start_process
 from app.ports import clear_port_file, wait_port_file
 from app.proxy.config import DECODE_SIDECAR_FLAG, DECODE_SIDECAR_TOKEN_ENV
@@ -101,6 +102,8 @@ class LocalPD:
     # An engine forked by the zygote is a ZygoteChild (KVSIDECAR_HARNESS_ZYGOTE=1).
     procs: dict[str, ChildProcess] = field(default_factory=dict)
     started_s: float = 0.0
+    # Prefills measured on these engines: what ``complete`` waits for a prompt of any length.
+    clock: PrefillClock = field(default_factory=PrefillClock)
 
     def __post_init__(self) -> None:
         self.work.mkdir(parents=True, exist_ok=True)
@@ -468,10 +471,25 @@ class LocalPD:
         return [*seed, tokens[0]], tokens[1:]
 
     def complete(
-        self, base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float = 120.0
+        self, base: str, prompt: Sequence[int], max_tokens: int, timeout_s: float | None = None
     ) -> list[int]:
-        """Greedy token ids of one completion through ``base`` (the proxy or an engine)."""
-        return list(self.completion(base, prompt, max_tokens, timeout_s)["choices"][0]["token_ids"])
+        """Greedy token ids of one completion through ``base`` (the proxy or an engine).
+
+        ``timeout_s`` None: ``clock``'s wait for the prompt's length. Each completion at a
+        prefill engine with prefix caching off is a prefill measured for the next waits (its
+        decode steps make it an over-estimate, which only loosens them)."""
+        wait = self.clock.wait_s(len(prompt), max_tokens) if timeout_s is None else timeout_s
+        t0 = time.monotonic()
+        try:
+            body = self.completion(base, prompt, max_tokens, wait)
+        except httpx.TimeoutException:
+            raise DeadlineExceeded(
+                f"a {len(prompt)}-token prompt through {base} got no answer within {wait:.0f} s "
+                f"(bound from {self.clock.basis(len(prompt))}); logs in {self.work}"
+            ) from None
+        if not self.prefill_prefix_caching and base in {i.url for i in self.prefill_instances}:
+            self.clock.observe(len(prompt), time.monotonic() - t0)
+        return list(body["choices"][0]["token_ids"])
 
     # The whole greedy completion response through ``base``; ``extra`` joins the body.
     completion = staticmethod(completion)

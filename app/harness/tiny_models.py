@@ -21,6 +21,10 @@ _COMMON = {
     "torch_dtype": "bfloat16",
     "initializer_range": 0.5,  # large enough for distinct greedy tokens
 }
+# Long-context benches and tests (128k prompts). Plain RoPE: its angles depend on the position
+# and rope_theta alone, so raising the limit changes no output at shorter lengths. No rope
+# scaling: on random weights it would only exercise a code path, not make long prompts "work".
+LONG_POSITIONS = 131072
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "llama": {  # GQA: 4 query heads over 2 KV heads
         "architectures": ["LlamaForCausalLM"],
@@ -29,6 +33,15 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         "head_dim": 64,
         "num_hidden_layers": 2,
         "tie_word_embeddings": False,
+    },
+    "llama-long": {  # llama with 128k positions (engines still need a --max-model-len as long)
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "num_hidden_layers": 2,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": LONG_POSITIONS,
     },
     "gemma3": {  # sliding window (64 tokens) + full attention, vLLM splits them by stride
         "architectures": ["Gemma3ForCausalLM"],
