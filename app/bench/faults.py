@@ -46,6 +46,7 @@ from app.bench.fault_watch import (
     settle,
     transfers,
 )
+from app.bench.host import LOOPBACK, HostRecord, host_record, stack_engines
 from app.bench.load_bench import CALIBRATION_RUNG, calibrate
 from app.bench.load_stats import Slo
 from app.bench.load_step import prompt_of, unloaded, wait_idle
@@ -338,7 +339,7 @@ def run_phase(
     return record
 
 
-def run(opts: FaultOptions) -> dict[str, Any]:
+def run(opts: FaultOptions) -> tuple[dict[str, Any], HostRecord]:
     """The whole bench (module docstring); the JSON ``report_run`` writes."""
     out = Path(opts.out)
     work = out / "work"
@@ -391,7 +392,7 @@ def run(opts: FaultOptions) -> dict[str, Any]:
         result["rows"] = [p["row"] for p in phases]
         pd.close()
         result["phases_s"] = {k: round(v - t["start"], 1) for k, v in t.items()}
-    return result
+    return result, host_record(engines=stack_engines({SIDECAR: pd}), link=LOOPBACK)
 
 
 def _row_text(r: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.engine_dtype import DtypeChoice, engine_dtype
+from app.bench.host import HostRecord, host_record, links_text, stack_engines
 from app.bench.load_stats import (
     Slo,
     SloFactors,
@@ -37,6 +38,7 @@ from app.bench.pd_bench import FULL_MODEL, aa_name, calibration_text, set_link
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import SIDECAR, SYSTEMS
 from app.bench.pd_systems import CPU_SCOPE, System, start_systems, stop_systems
+from app.bench.result_file import write_result
 from app.bench.stop_signals import exit_on_signal
 from app.bench.target_path import STAGES
 from app.harness.tiny_models import write_tiny_model
@@ -215,7 +217,7 @@ def set_up(
     return Setup(b, choice, fitted, path)
 
 
-def run(opts: LoadOptions) -> dict[str, Any]:
+def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
     out = Path(opts.out)
     work = out / "work"
     setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
@@ -264,6 +266,8 @@ def run(opts: LoadOptions) -> dict[str, Any]:
         phases["steps_done"] = time.time()
         aa = (opts.aa, aa_name(opts.aa)) if opts.aa is not None else None
         summary = summarize_steps(steps, SYSTEMS, aa)
+        engines = stack_engines({s.name: s.pd for s in systems})
+        host = host_record(engines=engines, link=links_text([link]))
         return {
             "options": asdict(opts),
             "binding": b.as_dict() | {"placement": placement},
@@ -282,7 +286,7 @@ def run(opts: LoadOptions) -> dict[str, Any]:
             "summary": summary,
             "logs": str(work),
             "phases_s": {k: round(v - phases["start"], 1) for k, v in phases.items()},
-        }
+        }, host
     finally:
         stop_systems(systems)
 
@@ -291,8 +295,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = LoadOptions.from_json(Path(args[0]).read_text())
     exit_on_signal()
-    result = run(opts)
-    (Path(opts.out) / "load.json").write_text(json.dumps(result, indent=1) + "\n")
+    result, host = run(opts)
+    write_result(Path(opts.out) / "load.json", result, host)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 
 from app.bench.engine_dtype import DtypeChoice, engine_dtype
+from app.bench.host import HostRecord, host_record, links_text, stack_engines
 from app.bench.pd_cores import Binding, binding, place_threads, placement_text
 from app.bench.pd_stats import (
     SIDECAR,
@@ -35,6 +36,7 @@ from app.bench.pd_stats import (
 )
 from app.bench.pd_systems import CPU_SCOPE, System, kv_cache_env, start_systems, stop_systems
 from app.bench.pd_trial import line, run_trial, seed
+from app.bench.result_file import write_result
 from app.bench.stop_signals import exit_on_signal
 from app.errors import ConfigError, KVSidecarError
 from app.harness.local_pd import LocalPD
@@ -214,7 +216,7 @@ def check_fits(opts: PDOptions) -> int:
     return longest
 
 
-def run(opts: PDOptions) -> dict[str, Any]:
+def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
     out = Path(opts.out)
     work = out / "work"
     b = binding(opts.regime, os.sched_getaffinity(0))
@@ -255,6 +257,8 @@ def run(opts: PDOptions) -> dict[str, Any]:
             set_link(None)
         trials = [t for ph in phases for t in ph["trials"]]
         aa = (opts.aa, aa_name(opts.aa)) if opts.aa is not None else None
+        engines = stack_engines({s.name: s.pd for s in systems})
+        host = host_record(engines=engines, link=links_text(links))
         return {
             "options": asdict(opts) | {"workloads": [w.name for w in opts.workloads]},
             "binding": b.as_dict()
@@ -272,7 +276,7 @@ def run(opts: PDOptions) -> dict[str, Any]:
                 {k: t[k] for k in NOT_COUNTED_KEYS} for t in trials if not t["counted"]
             ],
             "logs": str(work),
-        }
+        }, host
     finally:
         stop_systems(systems)
 
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     opts = PDOptions.from_json(Path(args[0]).read_text())
     exit_on_signal()
     try:
-        result = run(opts)
+        result, host = run(opts)
     except (KVSidecarError, httpx.HTTPError) as e:
         # A run that cannot finish (a prompt too slow for its wait, an engine gone) says why in
         # one line, for the command to print; the engines' logs have the rest.
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         (Path(opts.out) / FAILURE).write_text(why + "\n")
         print(f"bench pd did not finish: {why}", file=sys.stderr, flush=True)
         sys.exit(2)
-    (Path(opts.out) / "pd.json").write_text(json.dumps(result, indent=1) + "\n")
+    write_result(Path(opts.out) / "pd.json", result, host)
 
 
 if __name__ == "__main__":

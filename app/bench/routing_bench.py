@@ -28,7 +28,8 @@ from typing import Any
 
 import httpx
 
-from app.bench.pd_stats import quantile, spread
+from app.bench.host import LOOPBACK, HostRecord, host_record, stack_engines
+from app.bench.pd_stats import SIDECAR, quantile, spread
 from app.bench.routing_workload import Arrival, Workload, arrivals
 from app.errors import BenchError
 from app.harness.engines import prompt_tokens_by_source
@@ -238,7 +239,7 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def run(opts: RoutingOptions) -> dict[str, Any]:
+def run(opts: RoutingOptions) -> tuple[dict[str, Any], HostRecord]:
     """The whole bench: the stack up, every policy ``reps`` times, the stack down."""
     opts.out.mkdir(parents=True, exist_ok=True)
     load = arrivals(opts.workload)
@@ -293,4 +294,4 @@ def run(opts: RoutingOptions) -> dict[str, Any]:
         },
         "runs": runs,
         "summary": summarize(runs),
-    }
+    }, host_record(engines=stack_engines({SIDECAR: pd}), link=LOOPBACK)

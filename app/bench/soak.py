@@ -24,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from app.bench.host import LOOPBACK, HostRecord, host_record, stack_engines
 from app.bench.load_bench import CALIBRATION_RUNG, calibrate, set_up
 from app.bench.load_stats import percentile, timings
 from app.bench.load_step import fire, unloaded, wait_idle
@@ -32,6 +33,7 @@ from app.bench.pd_bench import FULL_MODEL
 from app.bench.pd_cores import descendants, place_threads, placement_text, proc_usage
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import SIDECAR_PROCESSES, System, start_systems, stop_systems
+from app.bench.result_file import write_result
 from app.bench.soak_stats import delta, ended_once, grew, growth, labelled
 from app.bench.stop_signals import exit_on_signal
 
@@ -112,7 +114,7 @@ def windows(answers: list[dict[str, Any]], t0: float, width_s: float) -> list[di
     ]  # fmt: skip
 
 
-def run(opts: SoakOptions) -> dict[str, Any]:
+def run(opts: SoakOptions) -> tuple[dict[str, Any], HostRecord]:
     """The whole soak (module docstring); the JSON ``soak.json`` holds."""
     work = Path(opts.out) / "work"
     setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
@@ -143,6 +145,7 @@ def run(opts: SoakOptions) -> dict[str, Any]:
         sampler.stopping.set()
         sampler.join()
         after = _counters(system)
+        host = host_record(engines=stack_engines({system.name: system.pd}), link=LOOPBACK)
         return _result(opts, reqs, answers, gauges, sampler.samples, before, after) | {
             "options": asdict(opts),
             "binding": b.as_dict(),
@@ -153,7 +156,7 @@ def run(opts: SoakOptions) -> dict[str, Any]:
             "idle_after": idle,
             "t0": t0,
             "logs": str(work),
-        }
+        }, host
     finally:
         stop_systems([system])
 
@@ -208,8 +211,8 @@ def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
     opts = SoakOptions.from_json(Path(args[0]).read_text())
     exit_on_signal()
-    result = run(opts)
-    (Path(opts.out) / "soak.json").write_text(json.dumps(result, indent=1) + "\n")
+    result, host = run(opts)
+    write_result(Path(opts.out) / "soak.json", result, host)
 
 
 if __name__ == "__main__":

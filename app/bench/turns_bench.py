@@ -31,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from app.bench.host import LOOPBACK, Engines, HostRecord, host_record, stack_engines
 from app.bench.pd_bench import aa_name
 from app.bench.pd_cores import binding, place_threads
 from app.bench.pd_observe import write_logging_config
@@ -289,7 +290,9 @@ def _p50(values: Any) -> float | None:
     return quantile([v for v in values if v is not None], 0.5)
 
 
-def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, Any]:
+def run(
+    opts: TurnsOptions, echo: Callable[[str], None] = print
+) -> tuple[dict[str, Any], HostRecord]:
     """The whole bench: each system up, warmed up, measured, down; then the summary."""
     from app.harness.tiny_models import write_tiny_model
 
@@ -319,9 +322,11 @@ def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, An
     rows: list[dict[str, Any]] = []
     phases: dict[str, float] = {}
     placements = {}
+    engines: Engines = {}
     for name in TURN_SYSTEMS:
         t0 = time.monotonic()
         system = start(name, model, work, args, opts.pool_segment_bytes)
+        engines = {**engines, **stack_engines({name: system.pd})}
         phases[f"{name}_start_s"] = round(time.monotonic() - t0, 1)
         try:
             groups = {"bench client": [os.getpid()], **system.process_groups()}
@@ -349,4 +354,4 @@ def run(opts: TurnsOptions, echo: Callable[[str], None] = print) -> dict[str, An
         "phases": phases,
         "summary": summarize(rows, w),
         "rows": rows,
-    }
+    }, host_record(engines=engines, link=LOOPBACK)

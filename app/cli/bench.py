@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -48,7 +47,9 @@ def bench_command(
     if ctx.invoked_subcommand is not None:
         return  # `bench pd ...`: its own options
     # Heavy imports inside the command: see app/cli/main.py.
+    from app.bench.host import LOOPBACK, host_record
     from app.bench.report import plot, print_table, summarize
+    from app.bench.result_file import print_host, result_json, write_result
     from app.bench.runner import BenchOptions, run_bench
 
     opts = BenchOptions.quick_preset() if quick else BenchOptions()
@@ -64,11 +65,14 @@ def bench_command(
             summary["plot"] = str(plot(summary, out / "exposed.png"))
         except ImportError:
             summary["plot"] = None  # matplotlib is the optional 'bench' extra
-    (out / "bench.json").write_text(json.dumps(summary, indent=1) + "\n")
+    # The simulated engines and raw Mooncake peers, on loopback: no vLLM engine.
+    host = host_record(engines={}, link=LOOPBACK)
+    record = write_result(out / "bench.json", summary, host)
     if as_json:
-        print(json.dumps(summary))
+        print(result_json(record))
     else:
         print_table(summary, Console())
+        print_host(host, Console())
         if summary.get("plot") is None and plot_png:
             Console().print("no plot: install matplotlib (the 'bench' extra)")
 

@@ -4,7 +4,6 @@ load when the client sends chat messages, through real models' tokenizers and te
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -56,6 +55,8 @@ def chat_keys_command(
     from transformers import AutoTokenizer
 
     from app.bench.chat_keys import ChatWorkload, measure, paragraphs, summarize
+    from app.bench.host import NO_LINK, host_record
+    from app.bench.result_file import print_host, write_result
 
     prose = paragraphs(Path(__file__).resolve().parents[2] / "docs")
     w = ChatWorkload(conversations, turns, seed)
@@ -92,5 +93,7 @@ def chat_keys_command(
         )
     console.print(table)
     result = {"workload": dataclasses.asdict(w), "templates": templates}
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    host = host_record(engines={}, link=NO_LINK)  # tokenizers only: no engine, no transfer
+    write_result(out, result, host)
+    print_host(host, console)
     console.print(f"wrote {out}")

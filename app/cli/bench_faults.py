@@ -92,7 +92,7 @@ def faults_command(
     from app.bench.stop_signals import exit_on_signal
 
     exit_on_signal()
-    result = run(opts)
+    result, host = run(opts)
     for key in JSON_KEYS:  # a run stopped early lacks some
         result.setdefault(key, None)
-    report_run(result, out / "faults", (plot, print_summary), console, as_json, JSON_KEYS)
+    report_run(result, host, out / "faults", (plot, print_summary), console, as_json, JSON_KEYS)

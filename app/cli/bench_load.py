@@ -14,6 +14,7 @@ from app.bench.load_stats import SloFactors
 from app.bench.load_workload import Lengths
 from app.bench.pd_cores import LOAD_REGIMES, binding
 from app.bench.pd_stats import SYSTEMS, parse_rate, parse_size
+from app.bench.result_file import split_host
 from app.cli.bench_pd import LinkBurst, LinkRate, bench_console, report_run
 from app.errors import ConfigError
 
@@ -154,7 +155,8 @@ def load_command(
     console.print(bound.describe())
     child = ("-m", "app.bench.load_bench")
     # With --json the run's progress goes to stderr: stdout is the JSON alone.
-    result = run_child(
+    record = run_child(
         child, dataclasses.asdict(opts), out, "load.json", regime, sys.stderr if as_json else None
     )
-    report_run(result, out / "load", (plot, print_summary), console, as_json, JSON_KEYS)
+    result, host = split_host(record)
+    report_run(result, host, out / "load", (plot, print_summary), console, as_json, JSON_KEYS)

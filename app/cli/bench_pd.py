@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -13,8 +12,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from app.bench.host import HostRecord
 from app.bench.pd_cores import REGIMES, binding
 from app.bench.pd_stats import SYSTEMS, Workload, parse_rate, parse_size, parse_workloads
+from app.bench.result_file import print_host, result_json, split_host, write_result
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")
@@ -106,9 +107,9 @@ def pd_command(
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
     console = bench_console(as_json)
     console.print(bound.describe())
-    result = run_in_namespace(opts)
+    result, host = split_host(run_in_namespace(opts))
     keys = ("summary", "links", "calibration", "not_counted", "plot", "binding")
-    report_run(result, out / "pd", (plot, print_summary), console, as_json, keys)
+    report_run(result, host, out / "pd", (plot, print_summary), console, as_json, keys)
 
 
 def bench_console(as_json: bool) -> Console:
@@ -123,6 +124,7 @@ Report = tuple[Callable[[dict[str, Any], Path], Path], Callable[[dict[str, Any],
 
 def report_run(
     result: dict[str, Any],
+    host: HostRecord,
     stem: Path,
     report: Report,
     console: Console,
@@ -130,15 +132,18 @@ def report_run(
     keys: Sequence[str],
 ) -> None:
     """A bench run's ``stem``.png (report[0]; none without matplotlib, the optional 'bench'
-    extra) and ``stem``.json, then ``keys`` of it as JSON, or its summary (report[1])."""
+    extra) and ``stem``.json with ``host``, then ``keys`` of it and the host as JSON, or its
+    summary (report[1]); the host's block either way (on stderr with ``as_json``)."""
     plot, print_summary = report
     try:
         result["plot"] = str(plot(result, stem.with_suffix(".png")))
     except ImportError:
         result["plot"] = None
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    record = write_result(stem.with_suffix(".json"), result, host)
     if as_json:
-        print(json.dumps({k: result[k] for k in keys}))
-    else:
-        print_summary(result, console)
-        console.print(f"figures: {stem.with_suffix('.json')}, plot: {result['plot']}")
+        print(result_json(record, keys))
+        print_host(host, console)
+        return
+    print_summary(result, console)
+    print_host(host, console)
+    console.print(f"figures: {stem.with_suffix('.json')}, plot: {result['plot']}")

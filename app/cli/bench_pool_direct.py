@@ -3,7 +3,6 @@ straight from decode into prefill's blocks, the same bytes on real Mooncake."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +35,9 @@ def pool_direct_command(
         raise ConfigError(
             f"--object-kib {object_kib}: each size must divide --total-mib {total_mib}"
         )
+    from app.bench.host import LOOPBACK, host_record
     from app.bench.pool_vs_direct import PoolVsDirectOptions, run
+    from app.bench.result_file import print_host, write_result
 
     result = run(PoolVsDirectOptions(sizes, total, reps))
     table = Table(
@@ -54,7 +55,9 @@ def pool_direct_command(
         )
     console = Console()
     console.print(table)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    host = host_record(engines={}, link=LOOPBACK)  # Mooncake's processes, no vLLM engine
+    write_result(out, result, host)
+    print_host(host, console)
     console.print(f"wrote {out}")
 
 

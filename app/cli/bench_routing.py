@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -55,6 +54,7 @@ def routing_command(
     if reps < 1 or prefills < 1 or routers < 1:
         raise ConfigError("--reps, --prefills and --routers must be at least 1")
     # Heavy imports inside the command: see app/cli/main.py.
+    from app.bench.result_file import print_host, result_json, write_result
     from app.bench.routing_bench import RoutingOptions, run
     from app.bench.routing_report import plot, print_summary
 
@@ -69,13 +69,14 @@ def routing_command(
         seed=seed,
     )
     opts = RoutingOptions(workload, out, prefills, cache_blocks, reps, routers, decode_cache_blocks)
-    result = run(opts)
-    (out / "routing.json").write_text(json.dumps(result, indent=2) + "\n")
+    result, host = run(opts)
+    record = write_result(out / "routing.json", result, host, indent=2)
     console = Console()
     if as_json:
-        console.print_json(json.dumps(result["summary"]))
+        console.print_json(result_json(record, ("summary",)))
     else:
         print_summary(result, console)
+    print_host(host, console)
     try:
         console.print(f"figure: {plot(result, out / 'routing.png')}")
     except ImportError:

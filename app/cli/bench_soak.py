@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from app.bench.pd_cores import REGIMES, binding
+from app.bench.result_file import split_host
 from app.cli.bench_load import DTYPES
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
@@ -98,7 +99,7 @@ def soak_command(
             f"({opts.warmup_s + 2 * opts.base_s:g} s)"
         )
     console = bench_console(as_json)
-    result = run_child(
+    record = run_child(
         ("-m", "app.bench.soak"),
         dataclasses.asdict(opts),
         out,
@@ -106,6 +107,7 @@ def soak_command(
         regime,
         sys.stderr if as_json else None,
     )
-    report_run(result, out / "soak", (plot, print_summary), console, as_json, JSON_KEYS)
+    result, host = split_host(record)
+    report_run(result, host, out / "soak", (plot, print_summary), console, as_json, JSON_KEYS)
     if not result["holds"]:
         raise typer.Exit(1)

