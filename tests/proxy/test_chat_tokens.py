@@ -15,6 +15,7 @@ import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from app.proxy import Flow
 from app.proxy.chat_tokens import (
     BATCH,
     ENGINE_REFUSED,
@@ -193,12 +194,13 @@ def kv(fake: FakeVLLM) -> dict[str, Any]:
     return dict(fake.requests[-1].body.get("kv_transfer_params") or {})
 
 
+@pytest.mark.parametrize("flow", list(Flow))
 def test_both_engines_get_the_ids_the_request_was_routed_by(
-    make_cluster: Callable[..., Cluster],
+    make_cluster: Callable[..., Cluster], flow: Flow
 ) -> None:
     c = make_cluster()
     asked = serve_tokenize(c.decode[0], lambda body: {"tokens": IDS, "count": len(IDS)})
-    c.start_proxy()
+    c.start_proxy(flow=flow)
     body: dict[str, Any] = {"messages": MESSAGES, "max_tokens": 3, "reasoning_effort": "low"}
     # The second hits the first's two whole blocks in the prefix index: 8 ids left.
     for hit in (0, 32):
