@@ -138,6 +138,17 @@ def test_engine_flags_are_each_vllm_servers_arguments_and_their_dtype() -> None:
         host_record(engines=mixed, link=LOOPBACK)
 
 
+def test_local_pd_keeps_the_argv_the_host_record_lists(tmp_path: Path) -> None:
+    from app.harness.local_pd import LocalPD
+
+    pd = LocalPD(tmp_path / "model", tmp_path / "work")
+    pd._spawn("vllm-prefill", [sys.executable, "-m", "platform", "--terse"])
+    pd._spawn("sidecar-prefill", [sys.executable, "-m", "platform"])
+    for proc in pd.procs.values():
+        proc.wait()
+    assert stack_engines({"kv-sidecar": pd}) == {"kv-sidecar": {"vllm-prefill": ("--terse",)}}
+
+
 def test_link_text_names_the_shaping() -> None:
     assert link_text({"link": "unshaped"}) == LOOPBACK
     shaped = {"link": "shaped", "rate_bps": 8e8, "burst": 500000, "latency_ms": 100, "tc": []}
