@@ -48,6 +48,7 @@ def _jobs() -> tuple[PoolJobs, FakeLink]:
     jobs._loaded, jobs._saved, jobs._failed = set(), set(), set()
     jobs._late_loads, jobs._late_saves = set(), set()
     jobs._running, jobs._running_done = set(), set()
+    jobs._floors = {}
     jobs._polling, jobs._polled_at = False, 0.0
     return jobs, link
 

@@ -10,6 +10,13 @@ have begun it), is reported to vLLM only once a poll finds it settled: until the
 waits (load) or keeps its blocks (save), so vLLM reuses no block the store may still touch. The
 polls go out on this thread between jobs, one at a time, at most every ``POLL_INTERVAL_S``: a
 late call holds its own request, never the loads queued behind it.
+
+A running request's store (issue 54, ``pool_requests``) skips what the request's earlier stores
+stored. One of them that failed on this rank (an error, keys refused or failed) would leave a
+hole every later store skips, and the pool would keep blocks no hit can reach: so this rank's
+later stores of the request start from that store's own floor again (``_floors``), until one of
+them succeeded. The jobs of a rank run in order on one thread, so the next store sees the
+outcome; on a device it first waits for the step's forward pass (``ready``), whose KV it reads.
 """
 
 from __future__ import annotations
@@ -21,12 +28,27 @@ from concurrent.futures import ThreadPoolExecutor
 
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.metadata import PoolJob
+from app.devices import Event
 from app.engine_link.client import EngineLink
 from app.errors import DeadlineExceeded, KVSidecarError, SidecarGone
 
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.05
+# Requests whose failed running store this rank remembers: a request that ends without its
+# store at the end (nothing left to store) leaves its entry, so the oldest go past this many.
+MAX_FLOORS = 4096
+_RUNNING = "@pool-"
+
+
+def running_save_id(req_id: str, tokens: int) -> str:
+    """The id a running request's store of its first ``tokens`` tokens goes by."""
+    return f"{req_id}{_RUNNING}{tokens}"
+
+
+def request_of(save_id: str) -> str:
+    """The request a store's id names (a running store's, or the request's own)."""
+    return save_id.rsplit(_RUNNING, 1)[0]
 
 
 class PoolJobs:
@@ -45,17 +67,22 @@ class PoolJobs:
         # Stores of running requests (by save id): they end through ``take_running``.
         self._running: set[str] = set()
         self._running_done: set[str] = set()
+        # Request -> the tokens its stores on this rank are known to have stored: set by a
+        # failed running store, cleared by the next one that succeeded (module docstring).
+        # Touched on the pool thread only.
+        self._floors: dict[str, int] = {}
         self._polling = False
         self._polled_at = 0.0
 
     def load(self, job: PoolJob) -> None:
         self._thread.submit(self._load, job)
 
-    def save(self, job: PoolJob) -> None:
+    def save(self, job: PoolJob, ready: Event | None = None) -> None:
+        """Queue a store; ``ready``: the device event after which its blocks hold their KV."""
         if job.running:
             with self._lock:
                 self._running.add(job.req_id)
-        self._thread.submit(self._save, job)
+        self._thread.submit(self._save, job, ready)
 
     def take_running(self) -> set[str]:
         """Running requests' stores (save ids) that ended since the last call."""
@@ -147,25 +174,38 @@ class PoolJobs:
             if failed:
                 self._failed.add(job.req_id)
 
-    def _save(self, job: PoolJob) -> None:
-        late = False
+    def _save(self, job: PoolJob, ready: Event | None = None) -> None:
+        late, ok = False, False
+        rid = request_of(job.req_id)
+        stored = min(job.stored, self._floors.get(rid, job.stored))
         try:
+            if ready is not None:
+                ready.synchronize()
             reply = self.link.pool_save(
                 job.req_id,
                 job.token_ids,
                 job.block_ids,
                 job.tokens,
                 job.key_runs,
-                stored_tokens=job.stored,
+                stored_tokens=stored,
             )
             late = bool(reply.get("pending"))
+            ok = not (reply.get("failed") or reply.get("backpressure"))
         except DeadlineExceeded as e:
             log.warning(
                 "request %s: KV pool save unanswered (%s); holding its blocks", job.req_id, e
             )
-            late = True
+            late, ok = True, True  # it may well store everything: the poll settles it
         except KVSidecarError as e:
             log.warning("request %s: not stored in the KV pool: %s", job.req_id, e)
+        if not job.running:
+            self._floors.pop(rid, None)  # the request's last store
+        elif not ok:
+            self._floors[rid] = stored
+            while len(self._floors) > MAX_FLOORS:
+                del self._floors[next(iter(self._floors))]
+        else:
+            self._floors.pop(rid, None)  # it stored everything from the floor on
         with self._lock:
             if late:
                 self._late_saves.add(job.req_id)

@@ -32,7 +32,12 @@ boundaries:
   offload does): a preemption or the request's end cannot hand them out either.
 * Once: each store skips the blocks ending at or before what the request stored already
   (``PoolJob.stored``); a later boundary needs no earlier block that the earlier one did not.
-  The store at ``request_finished`` still runs, for what came after the last boundary stored.
+  The store at ``request_finished`` still runs for what came after the last boundary stored,
+  and is left out when no block is full past it (its call would store nothing: at the end a
+  window's blocks are given back already, so the running stores filed what there is).
+* A store that failed on a rank leaves no hole the later ones skip: that rank's next store of
+  the request starts from the failed one's floor (``pool.PoolJobs``), so every store pins all
+  the request's blocks it may read from the start, not only those past the last store.
 
 Full-attention-only models skip these stores: every block stays in the table until the end.
 """
@@ -55,6 +60,7 @@ from vllm.v1.request import RequestStatus
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.lookups import PoolLookups
 from app.connectors.vllm.metadata import BlockIds, PoolJob
+from app.connectors.vllm.pool import running_save_id
 from app.connectors.vllm.pool_keys import SKIP_UNKEYABLE, hash_block_size, key_runs, without_keys
 from app.store.coordinator import PoolCoordinator, PoolGroup
 from app.store.hashing import KeyRun
@@ -128,23 +134,25 @@ class PoolRequests:
             runs = self._key_runs(request, upto)
             if runs is None:
                 continue
-            sid = f"{rid}@pool-{upto}"
-            self._pins[sid] = (self._pin(rid, last, upto), 0)
+            sid = running_save_id(rid, upto)
+            self._pins[sid] = (self._pin(rid, upto), 0)
             self._stored[rid] = upto
             tokens = list(known[:upto])
             jobs.append(PoolJob(sid, tokens, ids, upto, key_runs=runs, stored=last, running=True))
         return jobs
 
-    def _pin(self, rid: str, first: int, upto: int) -> list[Any]:
-        """Take a reference on every block a store of ``(first, upto]`` may read (EAGLE's
-        look-ahead block after ``upto`` included)."""
-        assert self.coordinator is not None
+    def _pin(self, rid: str, upto: int) -> list[Any]:
+        """Take a reference on every block a store of the first ``upto`` tokens may read
+        (EAGLE's look-ahead block after ``upto`` included), those before the last store too:
+        a rank whose earlier store failed stores from its floor again (module docstring)."""
+        c = self.coordinator
+        assert c is not None
         blocks = self._manager.get_blocks(rid).blocks
         pins = [
             b
-            for g, group in enumerate(self.coordinator.groups)
-            for b in blocks[g][first // group.block_size : upto // group.block_size + 1]
-            if not b.is_null
+            for g, mask in enumerate(c.store_masks(upto))
+            for i, b in enumerate(blocks[g][: len(mask) + 1])
+            if (i == len(mask) or mask[i]) and not b.is_null
         ]
         self._manager.block_pool.touch(pins)
         return pins
@@ -210,6 +218,9 @@ class PoolRequests:
         tokens = min(int(request.num_computed_tokens), len(known))
         if tokens <= stored or not any(block_ids):
             return False
+        c = self.coordinator
+        if stored and c is not None and tokens - stored < min(g.block_size for g in c.groups):
+            return False  # no block of any group full past what the running stores stored
         runs = self._key_runs(request, tokens)
         if runs is None:
             return False

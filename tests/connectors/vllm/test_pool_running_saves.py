@@ -100,11 +100,10 @@ def test_each_boundary_is_stored_once_as_the_request_crosses_it(silent: Silent) 
             # The window tail before the boundary is in the table the store reads.
             tail = j.block_ids[1][j.tokens // BS - 2 : j.tokens // BS]
             assert 0 not in tail, (j.tokens, j.block_ids[1])
-        # The store at the end skips what the running ones stored.
+        # No block is full past 96 at the end (100 computed): no store there, nothing kept.
         ids = e.manager.get_block_ids("r")
-        assert e.pool.save(e.request, ids, answer=True)
-        (_, final) = e.pool.take()
-        assert final[0].stored == 96 and final[0].tokens == e.request.num_computed_tokens
+        assert not e.pool.save(e.request, ids, answer=True)
+        assert e.pool.take() == ([], [])
     finally:
         e.close()
 
@@ -162,5 +161,39 @@ def test_a_full_attention_model_stores_only_at_the_end(silent: Silent) -> None:
         for _ in range(30):
             e.step(1)
         assert e.jobs == []  # every block stays in the table until request_finished
+    finally:
+        e.close()
+
+
+def test_the_store_at_the_end_skips_what_the_running_ones_stored(silent: Silent) -> None:
+    """Every second boundary: 64 is the last stored at 84 computed, and block 4 (64-80) is
+    full past it: the store at the end files it, from 64 on."""
+    e = Engine(silent, save_every=2)
+    try:
+        e.step(len(PROMPT))
+        for _ in range(44):
+            e.step(1)
+        assert [j.tokens for j in e.jobs] == [32, 64]
+        assert e.pool.save(e.request, e.manager.get_block_ids("r"), answer=True)
+        (_, (final,)) = e.pool.take()
+        assert (final.stored, final.tokens) == (64, 84)
+    finally:
+        e.close()
+
+
+def test_each_store_pins_the_blocks_before_the_last_store_too(silent: Silent) -> None:
+    """A rank whose store at 32 failed stores from 0 again at 48 (``pool.PoolJobs``): the
+    store at 48 holds full-attention block 0 after the one at 32 let go."""
+    e = Engine(silent)
+    try:
+        (first,) = e.step(len(PROMPT))
+        for _ in range(8):  # 40 -> 48: the second boundary
+            e.step(1)
+        assert [j.tokens for j in e.jobs] == [32, 48]
+        block0 = first.block_ids[0][0]
+        e.pool.saves_done(PoolSavesDone({first.req_id: 1}))
+        assert e.ref(block0) == 2  # the request's and the store at 48's
+        e.pool.saves_done(PoolSavesDone({e.jobs[1].req_id: 1}))
+        assert e.ref(block0) == 1
     finally:
         e.close()
