@@ -104,6 +104,8 @@ class EngineLink:
         self.ring: EngineRing | None = None
         self.epoch = ""
         self.control_port = 0
+        # The sidecar's pool stores this engine's tails: fresh blocks are zeroed (fresh_blocks).
+        self.pool_tails = False
         # The waiter thread sends too, and a ZMQ socket is not thread-safe.
         self._lock = threading.Lock()
         self._signals = _Signals(self._notify)
@@ -175,6 +177,7 @@ class EngineLink:
         assert isinstance(reply, Reply)
         self.epoch = str(reply.data.get("epoch", ""))
         self.control_port = int(reply.data.get("control_port") or 0)
+        self.pool_tails = bool(reply.data.get("pool_tails", False))
         return str(reply.data.get("compat_hash", ""))
 
     def reregister(self, timeout_s: float = 30.0) -> bool:

@@ -157,6 +157,10 @@ class PoolService:
             self.tenants.learn(extra_keys)
         return hit
 
+    def stores_tails(self, rank: int) -> bool:
+        """Whether this rank's requests have their last partial block stored (and hit)."""
+        return self._tails(self._rank(rank))
+
     def _tails(self, rp: RankPool) -> bool:
         return self.tails and rp.coordinator.takes_tails and not rp.speculative
 

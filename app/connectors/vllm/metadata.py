@@ -107,3 +107,6 @@ class KVSidecarMetadata(KVConnectorMetadata):
     # Why requests first seen this step go without the KV pool or a transfer, one entry each
     # (pool_keys.SKIP_*): rank 0 counts them in vLLM's stats.
     skipped: list[str] = field(default_factory=list)
+    # Per group, blocks given to requests this step that nothing was written to yet: zeroed
+    # before the forward pass where the pool stores tails (fresh_blocks).
+    fresh: BlockIds = field(default_factory=list)

@@ -36,6 +36,7 @@ from app.connectors.params import (
     TRANSFER_TOKEN_PARAM,
 )
 from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.fresh_blocks import FreshBlocks
 from app.connectors.vllm.metadata import (
     Admit,
     BlockIds,
@@ -137,6 +138,12 @@ class SchedulerSide:
         self.num_spec = int(states[0].num_speculative_blocks) if states else 0
         self.state = _State()
         self.pool = PoolRequests(config, kv_cache_config, self._skip)
+        groups = getattr(kv_cache_config, "kv_cache_groups", ())
+        self.fresh = (
+            FreshBlocks([int(g.kv_cache_spec.block_size) for g in groups])
+            if config.pool and groups
+            else None
+        )
         # Requests that went without the pool or a transfer, by reason (pool_keys.SKIP_*).
         self.skips: dict[str, int] = {}
         # One per rank of every pipeline stage, for one-way aborts (they never wait for the
@@ -155,6 +162,8 @@ class SchedulerSide:
     ) -> tuple[int | None, bool]:
         p = _params(request)
         rid = request.request_id
+        if self.fresh is not None:
+            self.fresh.hit(rid, num_computed)
         unkeyed = without_keys(request)
         if unkeyed is not None:
             # Prompt embeddings: no token ids to key or truncate, and no transfer (prefill
@@ -200,6 +209,8 @@ class SchedulerSide:
         rid = request.request_id
         ids = [list(map(int, g)) for g in blocks.get_block_ids()]
         self.pool.allocated(request, ids, num_external)
+        if self.fresh is not None:
+            self.fresh.allocated(rid, ids, num_external)
         self.pool.track(request, p)
         if p.get("do_remote_prefill") and num_external > 0 and rid not in self.state.recvs:
             # The proxy's transfer id names the transfer on both sidecars; without a proxy,
@@ -321,6 +332,9 @@ class SchedulerSide:
         )
         st.expects = []
         meta.skipped, st.new_skips = st.new_skips, []
+        if self.fresh is not None:
+            self.fresh.scheduled(out)
+            meta.fresh = self.fresh.take()
         computed: dict[str, int] = {}
         for new in out.scheduled_new_reqs:
             computed[new.req_id] = new.num_computed_tokens
@@ -388,6 +402,8 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self.pool.forget(rid)
+        if self.fresh is not None:
+            self.fresh.forget(rid)
         self.state.skipped.discard(rid)
         self.state.local_hits.pop(rid, None)
         sid = self.state.recvs.pop(rid, None)

