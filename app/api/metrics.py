@@ -93,11 +93,16 @@ class SidecarCollector(Collector):
         digested = CounterMetricFamily(
             "kvsidecar_kv_digest_bytes", "Bytes of KV digested, by side.", labels=["side"]
         )
+        # Every side always has a sample (0 included): "nothing digested with the setting off"
+        # is then a value a scrape reads, not an absent series.
+        digested_by_side = {"prefill": 0, "decode": 0}
         for stats in (sc.send.digests, sc.recv.digests):
             for (kind, side), n in stats.mismatches.items():
                 mismatches.add_metric([kind, side], n)
             for side, n in stats.bytes.items():
-                digested.add_metric([side], n)
+                digested_by_side[side] = digested_by_side.get(side, 0) + n
+        for side, n in digested_by_side.items():
+            digested.add_metric([side], n)
         yield mismatches
         yield digested
         for name, help_text in (

@@ -34,7 +34,7 @@ def flip_in_flight(engine: MooncakeEngine) -> None:
         starts = [
             np.arange(a, a + n, 256) for a, n in zip(src.tolist(), length.tolist(), strict=True)
         ]
-        addrs = np.unique(np.concatenate(starts)) if starts else []
+        addrs = np.unique(np.concatenate(starts)) if starts else np.zeros(0, np.int64)
         cells = [ctypes.c_uint8.from_address(int(a)) for a in addrs]
         for c in cells:
             c.value ^= 1

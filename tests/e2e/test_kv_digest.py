@@ -8,7 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
@@ -64,3 +66,43 @@ def test_with_the_digest_off_nothing_is_checked(make_cluster: Callable[..., Clus
     # Decode declared them DONE: only the simulated engine's byte check sees the flips.
     assert {f["status"] for f in s["failures"].values()} == {"CORRUPT"}
     assert not any("digest" in f["error"] for f in s["failures"].values())
+
+
+def _digested_bytes(admin_url: str) -> dict[str, float]:
+    """``kvsidecar_kv_digest_bytes_total`` of one sidecar, by side."""
+    text = httpx.get(f"{admin_url}/metrics", timeout=10).text
+    return {
+        s.labels["side"]: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "kvsidecar_kv_digest_bytes"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+
+
+@pytest.mark.parametrize("share", ["0", "1.0"])
+def test_with_the_digest_off_no_byte_is_digested(
+    make_cluster: Callable[..., Cluster], share: str
+) -> None:
+    """Both sidecars count every byte they digest: with ``share`` 0 the count stays 0 on both
+    sides of both sidecars over transfers that carried KV; with 1 it moved on both (so the
+    counter is one the digest feeds)."""
+    c = make_cluster(
+        model="llama-3.1-8b",
+        layers=2,
+        prefill_tp=1,
+        decode_tp=1,
+        max_requests=4,
+        max_prompt=160,
+        sidecar_env={**FAST, "KVSIDECAR_KV_DIGEST__SHARE": share},
+    )
+    pairs = c.make_requests([160, 100, 64, 33])
+    s = summarize(c.run(pairs, timeout_s=60), pairs)
+    assert s["verified"] == 4, s
+    p = _digested_bytes(c.sides["prefill"].admin_url)
+    d = _digested_bytes(c.sides["decode"].admin_url)
+    if share == "0":
+        assert (p, d) == ({"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0})
+    else:
+        # Prefill digests what it wrote, decode the same bytes where they landed.
+        assert p["prefill"] > 0 and p["prefill"] == d["decode"], (p, d)
