@@ -11,6 +11,10 @@ The reference is the prefill engine computing the prompt alone: a ``cache_salt``
 keeps its prefix cache and the pool (which the salt keys) out of it; for a conversation, the
 engine serving the whole conversation under one salt. Prefix caching is on on both engines, as
 a deployment runs them.
+
+Both engines store while a request runs (``pool_save_every`` 1, issue 54): each block boundary
+a request crosses is stored while the blocks a hit there reads are still in its table. At the
+end a window's tail or a GDN state is mostly given back, so a store there alone files little.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import httpx
@@ -36,6 +41,7 @@ pytestmark = pytest.mark.slow_engines
 
 GEN = 16  # enough to slide the 64-token window past a prompt's tail block
 WINDOW = 64  # the tiny Gemma-3's sliding window (its config, not the sidecar's view of it)
+SAVE_EVERY = 1  # pool_save_every: 0 (stores at request_finished only) fails the turns tests
 _salts = itertools.count()
 
 
@@ -54,7 +60,7 @@ def pool_pair(factory: pytest.TempPathFactory, kind: str, *vllm_args: str) -> It
         prefill_prefix_caching=True,
         decode_prefix_caching=True,
         extra_vllm_args=vllm_args,
-        connector_extra={"pool_save_answers": True},
+        connector_extra={"pool_save_answers": True, "pool_save_every": SAVE_EVERY},
     )
     with engines_up(stack):
         yield stack
@@ -88,7 +94,9 @@ def stored(pd: LocalPD, side: str, before: float) -> None:
 def test_decode_alone_after_a_pool_load_answers_as_the_engine(gemma: LocalPD, tail: int) -> None:
     """Prefill answers a 2-block + ``tail`` prompt (GEN tokens); decode, serving a longer
     prompt alone, hits what prefill stored. With ``tail`` = 100 the window of the last
-    generated token no longer covers block 1, which a hit at 256 needs."""
+    generated token no longer covers block 1, which a hit at 256 needs: a store at the end
+    alone files nothing then (a cut store), but prefill stored 256 as its prompt's step ran,
+    and the store at the end is left out (no block is full past 256)."""
     pd = gemma
     first = prompt(256 + tail, 900 + tail)
     before = pool_metric(pd.prefill.admin, "saves")
@@ -99,17 +107,15 @@ def test_decode_alone_after_a_pool_load_answers_as_the_engine(gemma: LocalPD, ta
     # computed - window + 1 (its get_num_skipped_tokens), here block 1 or not.
     computed = 256 + tail + GEN - 1
     tail_held = computed - WINDOW + 1 < 256
-    assert pool_metric(pd.prefill.admin, "saves_cut") - cut == (not tail_held)
+    assert tail_held == (tail == 20)
+    assert pool_metric(pd.prefill.admin, "saves_cut") == cut
 
     turn = [*first, *prompt(40, 950 + tail)]
     reference = alone(pd, turn, GEN)
     loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
     assert pd.complete(pd.decode.url, turn, GEN) == reference
     loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) - loaded
-    if tail_held:  # the tail outlived the answer: stored, and decode loaded two blocks
-        assert loaded == 256
-    else:  # nothing a hit could use survived, so nothing of it was stored or loaded
-        assert loaded == 0
+    assert loaded == 256
 
 
 def test_prefill_after_a_pool_load_answers_as_the_engine(gemma: LocalPD) -> None:
@@ -163,9 +169,9 @@ def test_conversation_turns_through_the_proxy_answer_as_one_engine(gemma: LocalP
 
 def test_the_next_turn_loads_the_answer_decode_stored(gemma: LocalPD) -> None:
     """Three long turns through the proxy (issue 37). Decode stores each answer up to its last
-    whole block, the window group's tail block alone (the rest of the window is the null
-    block by then); the next turn's prefill takes every block of it and computes only the new
-    message and the answer's last partial block, and every answer is the engine's own.
+    whole block as it crosses it, the window group's tail block then; the next turn's prefill
+    takes every block of it and computes only the new message and the answer's last partial
+    block, and every answer is the engine's own.
 
     Each prompt ends 120 tokens into a block, so an answer of 16 crosses into the next: without
     the answer stored, prefill's hit is a block shorter (the prompt's) and it computes that
@@ -184,7 +190,7 @@ def test_the_next_turn_loads_the_answer_decode_stored(gemma: LocalPD) -> None:
         x, reference = [*y, reference[0]], reference[1:]
         assert len(x) % 128 == 120
         before = prompt_tokens_by_source(pd.prefill.url)
-        saves = pool_metric(pd.decode.admin, "saves")
+        sent = time.time()
         assert pd.complete(pd.proxy, x, GEN) == reference, f"turn {k + 1}"
         after = prompt_tokens_by_source(pd.prefill.url)
         if k:
@@ -193,12 +199,11 @@ def test_the_next_turn_loads_the_answer_decode_stored(gemma: LocalPD) -> None:
             computed = after.get("local_compute", 0) - before.get("local_compute", 0)
             assert (took, computed) == (hit, len(x) - 1 - hit), f"turn {k + 1}"
             assert computed <= new + 1 + 128  # the new message (and the proxy's token), a block
-        stored(pd, "decode", saves)
-        save = recent(pd.decode.admin, "save")[-1]
-        # Decode computed all but the answer's last token: 7 tokens past a block boundary.
+        # Decode computed all but the answer's last token: 7 tokens past a block boundary,
+        # which it stored as its step crossed it, with the window's tail block before it.
         computed_end = len(x) + GEN - 1
         hit = computed_end // 128 * 128
-        assert save["tokens"] == hit, f"turn {k + 1}"
+        save = wait_for("decode's store", partial(stored_at, pd.decode.admin, sent, hit), 30.0)
         assert save["blocks"][window_group] == [hit // 128 - 1], f"turn {k + 1}"
         history = [*x, *reference]
 
@@ -239,12 +244,14 @@ def qwen(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         yield stack
 
 
-def test_gdn_state_the_request_gave_back_is_never_stored(qwen: LocalPD) -> None:
+def test_gdn_state_is_stored_while_the_request_holds_it(qwen: LocalPD) -> None:
     """Qwen3-Next in vLLM's ``align`` mode keeps one state block per request: once a request
     computed past a block boundary, the state at that boundary is no longer in its block table
-    (the null block is). The store then files nothing a hit could use, and decode serving a
-    longer prompt alone loads nothing and answers as the engine; storing the null block's page
-    as the state at the boundary would load it as the GDN layers' state."""
+    (the null block is), so a store at the end alone files nothing a hit could use (a cut
+    store). Prefill's prompt is computed in chunks that end on block boundaries, and the one
+    ending at ``bs`` is stored while its state is held; decode serving a longer prompt alone
+    loads those ``bs`` tokens, state included, and answers as the engine (a null block's page
+    loaded as the GDN state would not)."""
     pd = qwen
     groups = httpx.get(f"{pd.prefill.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
     assert {g["mamba_mode"] for g in groups["groups"] if g["kind"] == "mamba"} == {"align"}
@@ -254,13 +261,13 @@ def test_gdn_state_the_request_gave_back_is_never_stored(qwen: LocalPD) -> None:
     cut = pool_metric(pd.prefill.admin, "saves_cut")
     pd.complete(pd.prefill.url, first, GEN)
     stored(pd, "prefill", before)
-    assert pool_metric(pd.prefill.admin, "saves_cut") - cut == 1
+    assert pool_metric(pd.prefill.admin, "saves_cut") == cut
 
     turn = [*first, *prompt(40, 1301)]
     reference = alone(pd, turn, GEN)
     loaded = prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0)
     assert pd.complete(pd.decode.url, turn, GEN) == reference
-    assert prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) == loaded
+    assert prompt_tokens_by_source(pd.decode.url).get("external_kv_transfer", 0.0) - loaded == bs
 
 
 def test_an_answer_ending_on_a_block_boundary_is_stored_with_its_gdn_state(qwen: LocalPD) -> None:
@@ -318,6 +325,20 @@ def recent(admin: str, kind: str) -> list[dict[str, Any]]:
     return [c for c in calls if c["kind"] == kind]
 
 
+def settled(admin: str, since: float, saves: float) -> bool:
+    """More stores than ``saves`` went through, and every one begun after ``since`` ended."""
+    calls = [c for c in recent(admin, "save") if c["started_at"] >= since]
+    return pool_metric(admin, "saves") > saves and all(c["ended_at"] for c in calls)
+
+
+def stored_at(admin: str, since: float, tokens: int) -> dict[str, Any] | None:
+    """The store of ``tokens`` tokens that began after ``since`` (Unix seconds), if it ended."""
+    for call in recent(admin, "save"):
+        if call["started_at"] >= since and call["tokens"] == tokens and call["ended_at"]:
+            return call
+    return None
+
+
 def block_pages(kv: EngineKV, name: str, block: int) -> torch.Tensor:
     """A manager block's whole pages of layer ``name``, as bytes."""
     group = kv.groups[kv.layers[name]["group"]]
@@ -333,12 +354,10 @@ def test_a_load_writes_the_engines_own_bytes_and_nothing_else(gemma: LocalPD) ->
     p_kv = EngineKV(pd.prefill.admin, pd.procs["sidecar-prefill"].pid)
     d_kv = EngineKV(pd.decode.admin, pd.procs["sidecar-decode"].pid)
     known = prompt(3 * 128 + 30, 1400)
-    saves = len(recent(pd.prefill.admin, "save"))
     sent = time.time()
     pd.complete(pd.prefill.url, known, 1)
-    wait_for("prefill's store", lambda: len(recent(pd.prefill.admin, "save")) > saves, 30.0, 0.2)
-    save = recent(pd.prefill.admin, "save")[-1]
-    assert save["tokens"] == 384
+    # Stored as the prompt's step ran; nothing is left for the end (no block full past 384).
+    save = wait_for("prefill's store", lambda: stored_at(pd.prefill.admin, sent, 384), 30.0)
     # When the store ran, on the sidecar's clock (this host's): after the request was sent.
     assert sent <= save["started_at"] <= save["ended_at"] <= time.time()
     # Read now: prefill's freed blocks keep their bytes only until it reuses them.
@@ -380,3 +399,53 @@ def test_a_load_writes_the_engines_own_bytes_and_nothing_else(gemma: LocalPD) ->
         cached = {s["block_ids"][g][i] for s in earlier for i in s["blocks"][g]}
         assert d_kv.groups[g]["kind"] != "full" or held, name
         assert not changed & (held | cached), (name, sorted(changed), sorted(held | cached))
+
+
+ANSWER = 96  # long enough that the window's tail (64) and the state at the answer's
+# boundary are given back before the answer ends: a store at the end alone files neither
+
+
+@pytest.mark.parametrize("kind", ["gemma", "qwen"])
+def test_long_answers_next_turn_computes_only_the_new_message(
+    request: pytest.FixtureRequest, kind: str
+) -> None:
+    """Issue 54, on the window (Gemma-3) and GDN (Qwen3-Next) models as on Llama: three turns
+    through the proxy, each answer ``ANSWER`` tokens crossing a block boundary 16 tokens in.
+    Decode stores the boundary as its step crosses it; the next turn's prefill hits it and
+    computes only the new message and the answer's part past it (at most the new message
+    and one block), and every answer is the engine's own holding the same conversation.
+
+    With stores at ``request_finished`` only (``pool_save_every`` 0) the boundary's window
+    tail or GDN state is gone by then: turn 2 computes the whole history again."""
+    pd: LocalPD = request.getfixturevalue(kind)
+    groups = httpx.get(f"{pd.decode.admin}/v1/registration", timeout=10).json()["ranks"]["0"]
+    bs = max(g["block_size"] for g in groups["groups"])
+    salt = f"long-answers-{next(_salts)}"
+    new = bs - ANSWER - 1  # with the proxy's token, each prompt ends 16 before a boundary
+    history = prompt(max(1, 512 // bs) * bs - 17, 1700)
+    hit = 0
+    for k in range(3):
+        y = [*history, *prompt(new if k else 0, 1710 + k)]
+        one = pd.completion(pd.prefill.url, y, ANSWER + 1, cache_salt=salt)
+        reference = list(one["choices"][0]["token_ids"])
+        x, reference = [*y, reference[0]], reference[1:]
+        assert len(x) % bs == bs - 16
+        before = prompt_tokens_by_source(pd.prefill.url)
+        saves = pool_metric(pd.decode.admin, "saves")
+        sent = time.time()
+        assert pd.complete(pd.proxy, x, ANSWER) == reference, f"turn {k + 1}"
+        after = prompt_tokens_by_source(pd.prefill.url)
+        if k:
+            took = sum(
+                after.get(s, 0) - before.get(s, 0)
+                for s in ("local_cache_hit", "external_kv_transfer")
+            )
+            computed = after.get("local_compute", 0) - before.get("local_compute", 0)
+            assert (took, computed) == (hit, len(x) - 1 - hit), f"turn {k + 1}"
+            assert computed <= new + 1 + bs, f"turn {k + 1}"
+        # Decode computed all but the answer's last token, and stored the boundary it crossed
+        # (the next turn's hit tells: it is not waited for by name, so that stores at the end
+        # alone fail on what the next turn computes).
+        hit = (len(x) + ANSWER - 1) // bs * bs
+        wait_for("decode's stores", partial(settled, pd.decode.admin, sent, saves), 30.0)
+        history = [*x, *reference]
