@@ -81,6 +81,17 @@ class Instance:
         return f"http://127.0.0.1:{self.admin_port}"
 
 
+def sidecar_command(inst: Instance, admin_port: int) -> list[str]:
+    """``kv-sidecar serve`` for ``inst``'s ranks, its ports on loopback (0: any free one)."""
+    return [
+        sys.executable,
+        *("-m", "app.cli.main", "serve", "--role", inst.role, "--engine-id", inst.name),
+        *("--ranks", ",".join(str(r) for r in range(inst.tp)), "--tp-size", str(inst.tp)),
+        *("--control-host", "127.0.0.1", "--control-port", "0", "--engine-ipc", inst.ipc),
+        *("--admin-port", str(admin_port), "--port-file", str(inst.port_file)),
+    ]
+
+
 def vllm_command(
     model: Path, port: int, *extra: str, prefix_caching: bool, max_num_seqs: int = 16
 ) -> list[str]:

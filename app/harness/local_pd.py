@@ -27,6 +27,7 @@ from app.harness.engines import (
     Instance,
     completion,
     connector_config,
+    sidecar_command,
     thread_binding,
     unit_name,
     vllm_command,
@@ -223,34 +224,7 @@ class LocalPD:
         # (--decode-sidecar), as a deployment's service address stays put.
         admin, inst.admin_port, inst.control_port = inst.admin_port, 0, 0
         clear_port_file(inst.port_file)
-        self._spawn(
-            f"sidecar-{inst.name}",
-            [
-                sys.executable,
-                "-m",
-                "app.cli.main",
-                "serve",
-                "--role",
-                inst.role,
-                "--engine-id",
-                inst.name,
-                "--ranks",
-                ",".join(str(r) for r in range(inst.tp)),
-                "--tp-size",
-                str(inst.tp),
-                "--control-host",
-                "127.0.0.1",
-                "--control-port",
-                "0",
-                "--engine-ipc",
-                inst.ipc,
-                "--admin-port",
-                str(admin),
-                "--port-file",
-                str(inst.port_file),
-            ],
-            env,
-        )
+        self._spawn(f"sidecar-{inst.name}", sidecar_command(inst, admin), env)
 
     def start(self, timeout_s: float = 400.0) -> LocalPD:
         t0 = time.monotonic()
