@@ -223,6 +223,15 @@ class StepView(_Model):
     layers_at_step_end: int = Field(description="Layers signalled only after it.")
 
 
+class DigestMismatchView(_Model):
+    sender_rank: int = Field(description="The prefill rank that wrote the run.")
+    layer: int
+    group: int
+    kind: str = Field(description="The group's kind (full, sliding_window, mla, mamba, ...).")
+    block: int = Field(description="Decode's block id the run lies in.")
+    bytes: int = Field(description="The run's length.")
+
+
 class RequestView(_Model):
     id: str
     rank: int
@@ -256,6 +265,16 @@ class RequestView(_Model):
         "every sender drained or was lost.",
     )
     error: str | None = None
+    digest: Literal["off", "sent", "ok", "mismatch", "refused"] = Field(
+        "off",
+        description="The KV digest (kv_digest.share): off (none computed); send: sent (its "
+        "digests went in Done); recv: ok (every digest that came matched), mismatch (bytes "
+        "differed: the request failed and decode recomputes it, digest_mismatch says where) or "
+        "refused (a digest run outside the request's blocks, or malformed).",
+    )
+    digest_mismatch: DigestMismatchView | None = Field(
+        None, description="Recv: the first run whose digest differed; null otherwise."
+    )
     traceparent: str | None = Field(
         None,
         description="W3C trace context the engine passed with the request (from the proxy); "

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from app.api.schemas import (
+    DigestMismatchView,
     GroupProgressView,
     GroupsResponse,
     GroupView,
@@ -42,6 +43,7 @@ from app.api.schemas import (
     Versions,
 )
 from app.kvcache.desc import GroupDesc
+from app.transfer.planning.digest import DigestMismatch
 from app.transfer.requests.agent import (
     Agent,
     GroupProgress,
@@ -315,11 +317,26 @@ def request_view(req: Request, now: float | None = None, timeline: bool = False)
         reported=req.reported,
         quarantined=isinstance(req, RecvRequest) and req.quarantined_at is not None,
         error=req.error or None,
+        digest=req.digest,
+        digest_mismatch=_mismatch_view(req.digest_mismatch),
         traceparent=req.traceparent,
         created_at=req.created + wall,
         ended_at=None if req.finished_at is None else req.finished_at + wall,
         layers=layers,
         steps=steps,
+    )
+
+
+def _mismatch_view(m: DigestMismatch | None) -> DigestMismatchView | None:
+    if m is None:
+        return None
+    return DigestMismatchView(
+        sender_rank=m.sender_rank,
+        layer=m.layer,
+        group=m.group,
+        kind=m.kind,
+        block=m.block,
+        bytes=m.nbytes,
     )
 
 

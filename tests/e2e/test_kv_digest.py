@@ -57,6 +57,15 @@ def test_a_bit_flipped_on_the_wire_fails_every_request(
     errors = _decode_errors(result)
     assert sorted(errors) == sorted(pr.id for pr, _ in pairs)
     assert all("KV digest mismatch" in e and "block" in e for e in errors.values()), errors
+    # The decode record on the admin API says where, with the request's own block ids.
+    d = c.sides["decode"]
+    for _, dr in pairs[:3]:
+        (entry,) = httpx.get(f"{d.admin_url}/v1/requests/{dr.id}", timeout=10).json()["entries"]
+        assert (entry["state"], entry["digest"]) == ("FAILED", "mismatch"), entry
+        where = entry["digest_mismatch"]
+        blocks = {g["group"]: g["block_ids"] for g in entry["groups"]}
+        assert where["block"] in blocks[where["group"]], (where, blocks)
+        assert f"layer {where['layer']}, group {where['group']} ({where['kind']})" in entry["error"]
 
 
 def test_with_the_digest_off_nothing_is_checked(make_cluster: Callable[..., Cluster]) -> None:
@@ -101,8 +110,19 @@ def test_with_the_digest_off_no_byte_is_digested(
     assert s["verified"] == 4, s
     p = _digested_bytes(c.sides["prefill"].admin_url)
     d = _digested_bytes(c.sides["decode"].admin_url)
+    records = {
+        (side, e["digest"], e["digest_mismatch"] is None)
+        for side in ("prefill", "decode")
+        for pr, dr in pairs
+        for e in httpx.get(
+            f"{c.sides[side].admin_url}/v1/requests/{(pr if side == 'prefill' else dr).id}",
+            timeout=10,
+        ).json()["entries"]
+    }
     if share == "0":
         assert (p, d) == ({"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0})
+        assert records == {("prefill", "off", True), ("decode", "off", True)}
     else:
         # Prefill digests what it wrote, decode the same bytes where they landed.
         assert p["prefill"] > 0 and p["prefill"] == d["decode"], (p, d)
+        assert records == {("prefill", "sent", True), ("decode", "ok", True)}

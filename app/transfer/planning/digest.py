@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import msgspec
 import numpy as np
@@ -71,6 +72,35 @@ class DigestRuns(msgspec.Struct, frozen=True, array_like=True):
                 f"digest runs of inconsistent sizes: {[a.size for a in out]}, {sums.size} sums"
             )
         return out[0], out[1], out[2], out[3], sums.reshape(n, 2)
+
+
+DigestState = Literal["off", "sent", "ok", "mismatch", "refused"]
+"""A request's digest as its record shows it (``Request.digest``, the admin API)."""
+
+
+@dataclass(frozen=True)
+class DigestMismatch:
+    """Where a digest first differed: the run of ``layer`` in ``group`` (of ``kind``) at
+    ``block``, as the admin API's record and the log name it. ``sender_rank``: the prefill
+    rank that wrote it (-1: the pool)."""
+
+    sender_rank: int
+    layer: int
+    group: int
+    kind: str
+    block: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class DigestVerdict:
+    """One check: ``why`` empty when the bytes matched (or were not read: ``checked`` False),
+    else the reason the request failed; ``mismatch`` when bytes differed (None when a run was
+    refused unread)."""
+
+    why: str = ""
+    checked: bool = False
+    mismatch: DigestMismatch | None = None
 
 
 @dataclass(frozen=True)

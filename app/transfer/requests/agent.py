@@ -30,6 +30,7 @@ from app.errors import ProtocolError
 from app.kvcache.desc import LayoutDesc
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
+from app.transfer.planning.digest import DigestMismatch, DigestState
 from app.transfer.planning.planner import MambaMode
 from app.transfer.planning.tp_mapping import senders
 from app.transfer.requests.stream import StreamThread
@@ -91,6 +92,11 @@ class Request:
     finished_at: float | None = None
     groups: dict[int, GroupProgress] = field(default_factory=dict)
     traceparent: str | None = None  # W3C trace context the engine passed (README "Tracing")
+    # The KV digest (issue 51): "off" (none computed), send "sent", recv "ok" (every Done's
+    # digests matched so far), "mismatch" (bytes differed: ``digest_mismatch``) or "refused"
+    # (a digest run outside the request's blocks, or malformed).
+    digest: DigestState = "off"
+    digest_mismatch: DigestMismatch | None = None
     # Progress pushes ``deadline`` to ``idle_s`` past it, never beyond ``cap`` (absolute,
     # ``transfer_max_s`` from the transfer's start). Until then ``deadline`` is the wait it
     # was admitted with (decode's claim, prefill's target).

@@ -16,7 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from app.transfer.planning.digest import DigestRuns, HostMemory, digest_runs, first_mismatch
+from app.transfer.planning.digest import (
+    DigestMismatch,
+    DigestRuns,
+    DigestVerdict,
+    HostMemory,
+    digest_runs,
+    first_mismatch,
+)
 from app.transfer.planning.planner import PairPlanner, StepRequest
 from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 
@@ -92,17 +99,17 @@ def sender_digests(
 
 def check_digests(
     agent: Agent, req: RecvRequest, sender_rank: int, runs: DigestRuns, stats: DigestStats
-) -> str:
-    """Why the bytes prefill rank ``sender_rank`` wrote for ``req`` differ from what it read
-    ("" when they match, or when this memory is not digested). A run outside the request's own
-    blocks is refused unread."""
+) -> DigestVerdict:
+    """Whether the bytes prefill rank ``sender_rank`` wrote for ``req`` match what it read
+    (unchecked when this memory is not digested). A run outside the request's own blocks is
+    refused unread."""
     memory = host_memory(agent)
     if memory is None:
-        return ""
+        return DigestVerdict()
     try:
         layers, groups, dst, length, want = runs.arrays()
     except ValueError as e:
-        return f"prefill rank {sender_rank}: {e}"
+        return DigestVerdict(f"prefill rank {sender_rank}: {e}")
     desc = agent.desc
     block_of = np.zeros(dst.size, np.int64)
     triples = zip(layers.tolist(), groups.tolist(), dst.tolist(), strict=True)
@@ -110,10 +117,12 @@ def check_digests(
         try:
             pl = desc.placement(layer)
         except (KeyError, IndexError, ValueError):
-            return f"prefill rank {sender_rank}: digest of layer {layer}, which this rank lacks"
+            return DigestVerdict(
+                f"prefill rank {sender_rank}: digest of layer {layer}, which this rank lacks"
+            )
         block = (addr - pl.base) // pl.block_stride if pl.block_stride else -1
         if pl.group != group or block not in req.blocks[group]:
-            return (
+            return DigestVerdict(
                 f"prefill rank {sender_rank}: digest run 0x{addr:x} of layer {layer} group "
                 f"{group} lies outside request {req.id}'s blocks"
             )
@@ -122,15 +131,18 @@ def check_digests(
     stats.add("decode", int(dst.size), int(length.sum()))
     bad = first_mismatch(got, want)
     if bad is None:
-        return ""
+        return DigestVerdict(checked=True)
     group = int(groups[bad])
     kind = str(desc.groups[group].kind)
     with stats.lock:
         stats.mismatches[(kind, "decode")] += 1
+    where = DigestMismatch(
+        sender_rank, int(layers[bad]), group, kind, int(block_of[bad]), int(length[bad])
+    )
     why = (
-        f"KV digest mismatch from prefill rank {sender_rank}: layer {int(layers[bad])}, group "
-        f"{group} ({kind}), block {int(block_of[bad])} ({int(length[bad])} B at "
+        f"KV digest mismatch from prefill rank {sender_rank}: layer {where.layer}, group "
+        f"{group} ({kind}), block {where.block} ({where.nbytes} B at "
         f"0x{int(dst[bad]):x}); decode recomputes the request"
     )
     log.warning("request %s: %s", req.id, why)
-    return why
+    return DigestVerdict(why, True, where)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from app.errors import OutOfBoundsError
 from app.transfer.control.peers import Peer, Peers
+from app.transfer.planning.digest import DigestVerdict
 from app.transfer.planning.planner import check_block_ids
 from app.transfer.requests.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
 from app.transfer.requests.integrity import DigestStats, check_digests
@@ -179,7 +180,7 @@ class RecvSide:
             )
         return self.done(msg, verdict)
 
-    def done(self, msg: Done, verdict: str | None = None) -> Ack:
+    def done(self, msg: Done, verdict: DigestVerdict | None = None) -> Ack:
         """A sender's Done; ``verdict``: its digests' check, already made (``done_checked``)."""
         if msg.epoch != self._epoch():
             return Ack(
@@ -240,15 +241,16 @@ class RecvSide:
             )
             return Ack(request=msg.request)
         if msg.digests is not None:
-            why = (
-                verdict
-                if verdict is not None
-                else check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
-            )
-            if why:
+            if verdict is None:
+                verdict = check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
+            if verdict.why:
+                req.digest = "refused" if verdict.mismatch is None else "mismatch"
+                req.digest_mismatch = verdict.mismatch
                 req.delivered[msg.sender_rank] = Status.FAILED
-                self.end(req, Status.FAILED, why)
+                self.end(req, Status.FAILED, verdict.why)
                 return Ack(request=msg.request)
+            if verdict.checked:
+                req.digest = "ok"
         req.delivered[msg.sender_rank] = Status.DONE
         req.state = Status.TRANSFERRING
         req.progressed(self._clock())  # one sender is through; the others may still write

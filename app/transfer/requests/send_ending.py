@@ -131,6 +131,8 @@ class SendEnding:
                 )
             except (KVSidecarError, ValueError) as e:  # unchecked, not failed: the KV is sent
                 log.warning("send %s: no KV digest: %s", req.id, e)
+            if digests:
+                req.digest = "sent"
         for d_rank, groups in req.d_ranks.items():
             done = Done(
                 request=req.id,
