@@ -34,7 +34,15 @@ from app.bench.pd_stats import (
     summarize,
     trial_order,
 )
-from app.bench.pd_systems import CPU_SCOPE, System, kv_cache_env, start_systems, stop_systems
+from app.bench.pd_systems import (
+    CPU_SCOPE,
+    System,
+    check_kv_memory,
+    kv_cache_env,
+    memory_total,
+    start_systems,
+    stop_systems,
+)
 from app.bench.pd_trial import line, run_trial, seed
 from app.bench.result_file import write_result
 from app.bench.stop_signals import exit_on_signal
@@ -233,6 +241,7 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
     held = max(longest, *(w.concurrency * (w.tokens + opts.max_tokens) for w in opts.workloads))
     kv_env = kv_cache_env(opts.model, held, dtype.dtype if dtype else None)
     print(f"engines' KV cache: {kv_env['VLLM_CPU_KVCACHE_SPACE']} GiB each", flush=True)
+    check_kv_memory(kv_env, memory_total())
     systems = start_systems(model, work, longest, dtype.dtype if dtype else None, engine_env=kv_env)
     try:
         placement = place_threads(_groups(systems), b)

@@ -26,6 +26,7 @@ from app.bench.pd_observe import (
     write_logging_config,
 )
 from app.bench.pd_stats import MOONCAKE, SIDECAR, Iteration
+from app.errors import ConfigError
 from app.harness.engines import MAX_MODEL_LEN, Instance, vllm_command, vllm_env
 from app.harness.local_pd import LocalPD
 from app.harness.waits import PrefillClock, ceil_gib
@@ -65,6 +66,32 @@ def kv_cache_env(
     width = 4 if dtype in ("float32", "float") else 2
     per_token = 2 * int(model["num_hidden_layers"]) * heads * head_dim * width
     return {"VLLM_CPU_KVCACHE_SPACE": str(ceil_gib(per_token * tokens * headroom))}
+
+
+ENGINES = 4  # both systems' P and D run at once (trials alternate between the systems)
+MEMORY_MARGIN = 4 << 30  # weights, activations, the sidecars, Mooncake's buffers, the tests
+
+
+def check_kv_memory(kv_env: Mapping[str, str], memory_bytes: int) -> None:
+    """A ``ConfigError`` (one line, before any engine starts) where the four engines' KV caches
+    and ``MEMORY_MARGIN`` exceed the host's memory: vLLM allocates each cache whole at start,
+    and a kernel out of memory would kill an engine mid-run."""
+    each = int(kv_env["VLLM_CPU_KVCACHE_SPACE"])
+    need = ENGINES * (each << 30) + MEMORY_MARGIN
+    if need > memory_bytes:
+        raise ConfigError(
+            f"{ENGINES} engines x {each} GiB of KV cache + {MEMORY_MARGIN >> 30} GiB need "
+            f"{need / 2**30:.0f} GiB; this host has {memory_bytes / 2**30:.0f} GiB: fewer "
+            f"--layers or shorter --sizes"
+        )
+
+
+def memory_total(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """The host's memory in bytes (``MemTotal``)."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    raise ConfigError(f"no MemTotal in {meminfo}")
 
 
 class MooncakePD(LocalPD):

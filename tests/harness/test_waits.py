@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench.pd_systems import kv_cache_env
+from app.bench.pd_systems import check_kv_memory, kv_cache_env, memory_total
 from app.errors import ConfigError
 from app.harness.waits import (
     PRIOR,
@@ -108,3 +108,10 @@ def test_kv_cache_space_follows_the_length() -> None:
     assert kv_cache_env({**model, "num_hidden_layers": 16}, 65536) == {
         "VLLM_CPU_KVCACHE_SPACE": "3"  # 2.5 GiB
     }
+
+
+def test_kv_caches_that_do_not_fit_the_host_are_refused_at_start() -> None:
+    check_kv_memory({"VLLM_CPU_KVCACHE_SPACE": "2"}, 24 << 30)  # 4 x 2 + 4 GiB
+    with pytest.raises(ConfigError, match=r"4 engines x 6 GiB of KV cache \+ 4 GiB need 28 GiB"):
+        check_kv_memory({"VLLM_CPU_KVCACHE_SPACE": "6"}, 24 << 30)
+    assert memory_total() > 1 << 30
