@@ -96,7 +96,10 @@ class SidecarCollector(Collector):
         # Every side always has a sample (0 included): "nothing digested with the setting off"
         # is then a value a scrape reads, not an absent series.
         digested_by_side = {"prefill": 0, "decode": 0}
-        for stats in (sc.send.digests, sc.recv.digests):
+        pool = () if sc.pool is None else (sc.pool.digests,)
+        if pool:
+            digested_by_side["pool"] = 0
+        for stats in (sc.send.digests, sc.recv.digests, *pool):
             for (kind, side), n in stats.mismatches.items():
                 mismatches.add_metric([kind, side], n)
             for side, n in stats.bytes.items():

@@ -529,6 +529,20 @@ class PoolClient:
             return self._get_done(None, sizes, False)
         return self._get_done(codes, sizes, False)
 
+    # ---------------------------------------------------------------- other calls
+
+    async def run_async(self, call: Callable[[StoreLike], T]) -> T | None:
+        """``call(store)`` on the pool's threads under the call timeout; None when it failed
+        or ran past it (counted), for calls whose failure only leaves something unchecked."""
+        store = self._live()
+        try:
+            return await self._call_async(lambda: call(store), self.config.timeout_s)
+        except _CallTimeout:
+            self._counters.add(timeouts=1)
+        except Exception:
+            self._counters.add(failures=1)
+        return None
+
 
 def _running(fut: concurrent.futures.Future[Any] | None) -> concurrent.futures.Future[Any] | None:
     """``fut`` if the store may still be running it (a cancelled one never started)."""

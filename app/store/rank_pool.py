@@ -26,6 +26,7 @@ from app.store.hashing import (
     tail_hashes,
 )
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
+from app.transfer.planning.digest import HostMemory
 
 _NS_KIND: dict[RegionKind, Literal["split", "replicate", "state"]] = {
     RegionKind.SPLIT: "split",
@@ -47,8 +48,12 @@ class RankPool:
         eagle_groups: Sequence[int] = (),
         speculative: bool = False,
         served_models: Sequence[str] = (),
+        host: bool = True,
     ) -> None:
         self.desc = desc
+        # The pages as numpy reads them here, for the pool's digests; None: device memory,
+        # never digested.
+        self.memory = HostMemory(tuple(spans)) if host else None
         self.served_models = tuple(served_models)
         self.prefixes = prefixes
         self.page_bytes = page_bytes
@@ -72,6 +77,8 @@ class RankPool:
         reg: EngineRegistration,
         spans: list[tuple[int, int]],
         namespace: str = "",
+        *,
+        host: bool = True,
     ) -> RankPool:
         """A rank registered by a real engine: pages, dtypes and heads are the engine's own.
 
@@ -106,6 +113,7 @@ class RankPool:
             eagle_groups=reg.eagle_groups,
             speculative=bool(reg.speculative),
             served_models=reg.served_models,
+            host=host,
         )
 
     def group_hashes(

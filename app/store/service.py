@@ -25,12 +25,14 @@ import numpy as np
 
 from app.errors import ConfigError
 from app.store.coordinator import CacheHit
+from app.store.digests import Page, check_digests, drawn, store_digests
 from app.store.hashing import KeyRun
 from app.store.pool import PoolClient
 from app.store.pool_api import PoolConfig
 from app.store.rank_pool import RankPool
 from app.store.running import RunningCalls
 from app.store.tenants import TenantKeys
+from app.transfer.planning.digest import DigestMismatch, DigestStats
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +93,26 @@ class LoadOutcome:
     # The get ran past the pool's timeout and may still write the blocks: the engine keeps
     # them, and the request waits, until a poll finds it returned (then it recomputes).
     pending: bool = False
+    # Pages whose digest differed (``app.store.digests``): dropped, their blocks in
+    # ``failed_blocks``.
+    mismatches: tuple[DigestMismatch, ...] = ()
 
 
 class PoolService:
     """One Mooncake Store client for the sidecar; one ``RankPool`` per registered rank."""
 
-    def __init__(self, config: PoolConfig, *, tails: bool = False, namespace: str = "") -> None:
+    def __init__(
+        self,
+        config: PoolConfig,
+        *,
+        tails: bool = False,
+        namespace: str = "",
+        digest_share: float = 0.0,
+    ) -> None:
         self.client = PoolClient(config)
+        # ``kv_digest.share``: the pages whose digests saves store and loads check.
+        self.digest_share = digest_share
+        self.digests = DigestStats()
         self.namespace = namespace  # the operator's, in every key (``RankPool.from_engine``)
         # Store a request's last partial block and hit it (``hashing.tail_hash``), where the
         # model's groups allow it (``PoolCoordinator.takes_tails``).
@@ -228,6 +243,7 @@ class PoolService:
         hashes = rp.group_hashes(token_ids[:num_computed], extra_keys)
         self.tenants.learn(extra_keys)
         keys, ptrs, sizes = [], [], []
+        pages: list[Page] = []
         held = [(np.asarray(ids) != rp.desc.null_block).tolist() for ids in block_ids]
         c = rp.coordinator
         storable = c.storable_tokens(num_computed, held)
@@ -247,6 +263,7 @@ class PoolService:
                 keys.append(key)
                 ptrs.append(ptr)
                 sizes.append(size)
+                pages.append(Page(key, ptr, size, layer, g, int(block_ids[g][b])))
         tail = num_computed % c.lcm_block_size if self._tails(rp) else 0
         at = num_computed // c.lcm_block_size
         # The tail follows the chain only when every full block before it is stored.
@@ -260,9 +277,14 @@ class PoolService:
                     keys.append(key)
                     ptrs.append(ptr)
                     sizes.append(size)
+                    pages.append(Page(key, ptr, size, layer, g, int(block_ids[g][at])))
             storable = num_computed
         call = self._begin("save", request, rank, storable, 0, chosen, block_ids, started)
         res = await self.client.put_from_async(keys, ptrs, sizes)
+        if rp.memory is not None and res.late is None:
+            sample = set(drawn(keys, self.digest_share))
+            stored = [pages[i] for i in res.stored if i in sample]
+            await store_digests(self.client, rp.memory, stored, self.digests)
         pending = self._end(call, res.late)
         self.calls.saves += 1
         return SaveOutcome(
@@ -292,6 +314,7 @@ class PoolService:
         hashes = rp.group_hashes(token_ids, extra_keys)
         null = rp.desc.null_block
         entries: list[tuple[int, int]] = []
+        layers: list[int] = []
         keys, ptrs, sizes = [], [], []
         local = 0
         chosen: list[list[int]] = []
@@ -312,6 +335,7 @@ class PoolService:
             for layer, b, key in rp.keys(hashes, g, blocks):
                 ptr, size = rp.page(layer, int(block_ids[g][b]))
                 entries.append((g, int(block_ids[g][b])))
+                layers.append(layer)
                 keys.append(key)
                 ptrs.append(ptr)
                 sizes.append(size)
@@ -329,6 +353,7 @@ class PoolService:
                 for layer, key in rp.tail_keys(g, name):
                     ptr, size = rp.page(layer, int(block_ids[g][at]))
                     entries.append((g, int(block_ids[g][at])))
+                    layers.append(layer)
                     keys.append(key)
                     ptrs.append(ptr)
                     sizes.append(size)
@@ -336,16 +361,34 @@ class PoolService:
             "load", request, rank, hit_tokens, held_tokens, chosen, block_ids, started
         )
         res = await self.client.get_into_async(keys, ptrs, sizes)
+        mismatches: list[DigestMismatch] = []
+        if rp.memory is not None and res.late is None and res.loaded:
+            sample = set(drawn(keys, self.digest_share))
+            landed = [
+                Page(keys[i], ptrs[i], sizes[i], layers[i], *entries[i])
+                for i in res.loaded
+                if i in sample
+            ]
+            kinds = [str(gr.kind) for gr in rp.desc.groups]
+            mismatches = await check_digests(self.client, rp.memory, landed, self.digests, kinds)
         pending = self._end(call, res.late)
         failed: list[set[int]] = [set() for _ in block_ids]
         for i in res.failed:
             g, block = entries[i]
             failed[g].add(block)
+        for m in mismatches:
+            failed[m.group].add(m.block)
         self.calls.loads += 1
         self.calls.keys += len(res.loaded)
         self.calls.bytes += res.bytes_got
         self.calls.local_blocks += local
-        return LoadOutcome(len(res.loaded), res.bytes_got, [sorted(f) for f in failed], pending)
+        return LoadOutcome(
+            len(res.loaded) - len(mismatches),
+            res.bytes_got,
+            [sorted(f) for f in failed],
+            pending,
+            tuple(mismatches),
+        )
 
     def _begin(
         self,

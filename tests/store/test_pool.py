@@ -258,6 +258,16 @@ class ScriptedStore:
             return self.get_script.pop(0)
         return [len(self.data[k]) if k in self.data else OBJECT_NOT_FOUND for k in keys]
 
+    def upsert_batch(self, keys: list[str], values: list[bytes]) -> int:
+        self.data.update(zip(keys, values, strict=True))
+        return 0
+
+    def get_batch(self, keys: list[str]) -> list[bytes]:
+        return [self.data.get(k, b"") for k in keys]
+
+    def batch_remove(self, keys: list[str], force: bool = False) -> list[int]:
+        return [0 if self.data.pop(k, None) is not None else OBJECT_NOT_FOUND for k in keys]
+
     def close(self) -> int:
         return 0
 

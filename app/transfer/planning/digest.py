@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import threading
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import msgspec
@@ -101,6 +103,23 @@ class DigestVerdict:
     why: str = ""
     checked: bool = False
     mismatch: DigestMismatch | None = None
+
+
+@dataclass
+class DigestStats:
+    """Digests computed (runs and bytes, per side: prefill, decode, pool) and mismatches by
+    (group kind, side)."""
+
+    runs: Counter[str] = field(default_factory=Counter)
+    bytes: Counter[str] = field(default_factory=Counter)
+    mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
+    # Digests run on worker threads, several at once.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, side: str, runs: int, nbytes: int) -> None:
+        with self.lock:
+            self.runs[side] += runs
+            self.bytes[side] += nbytes
 
 
 @dataclass(frozen=True)

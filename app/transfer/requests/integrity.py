@@ -10,15 +10,13 @@ digested (the CPU path); a sidecar holding device memory sends no digests and ch
 from __future__ import annotations
 
 import logging
-import threading
-from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from app.transfer.planning.digest import (
     DigestMismatch,
     DigestRuns,
+    DigestStats,
     DigestVerdict,
     HostMemory,
     digest_runs,
@@ -28,22 +26,6 @@ from app.transfer.planning.planner import PairPlanner, StepRequest
 from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class DigestStats:
-    """Digests computed (runs and bytes, per side) and mismatches by (group kind, side)."""
-
-    runs: Counter[str] = field(default_factory=Counter)
-    bytes: Counter[str] = field(default_factory=Counter)
-    mismatches: Counter[tuple[str, str]] = field(default_factory=Counter)
-    # Digests run on worker threads, several at once.
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, side: str, runs: int, nbytes: int) -> None:
-        with self.lock:
-            self.runs[side] += runs
-            self.bytes[side] += nbytes
 
 
 def host_memory(agent: Agent) -> HostMemory | None:

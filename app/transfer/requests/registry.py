@@ -119,7 +119,9 @@ class Registry:
         ]
         await asyncio.to_thread(self.engine.register_many, spans)
         if self.pool is not None:
-            rank_pool = RankPool.from_engine(desc, reg, spans, self.pool.namespace)
+            rank_pool = RankPool.from_engine(
+                desc, reg, spans, self.pool.namespace, host=not imported
+            )
             await self.pool.register(rank_pool)
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent

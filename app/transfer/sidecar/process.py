@@ -95,6 +95,7 @@ class Sidecar(SidecarCore):
                 ),
                 tails=s.pool.tails,
                 namespace=s.pool.namespace,
+                digest_share=s.kv_digest.share,
             )
             await pool.start()
         if self._engine_hook is not None:
