@@ -20,7 +20,9 @@ length (the median of ``reps``):
   the host) ends with a backlog of layers, which the median shows and the minimum does not;
 - ``rss_anon_peak_mib``: the highest anonymous RSS of each sidecar, sampled every 10 ms during
   the transfer (the KV caches are shared memory, mapped, never copied: not anonymous);
-  ``rss_peak_mib`` is ``VmHWM`` (every page ever resident, shared KV pages included).
+  ``rss_peak_mib`` is ``VmHWM`` (every page ever resident, shared KV pages included);
+  ``rss_anon_added_mib``, the anonymous peak above the shortest length's (what a longer prompt
+  adds: its block tables and per-step records).
 
 Each curve gets a least-squares slope in log-log space over the lengths from 4k (shorter ones
 are dominated by fixed costs): 1 is linear, 0 flat. The JSON carries the host it ran on.
@@ -158,6 +160,8 @@ CURVES = (
     "handoff_ms_min",
     "rss_anon_peak_mib_prefill",
     "rss_anon_peak_mib_decode",
+    "rss_anon_added_mib_prefill",
+    "rss_anon_added_mib_decode",
 )
 
 
@@ -325,6 +329,10 @@ def run(opts: ScalingOptions, progress: Callable[[str], None] = _log) -> dict[st
                 f" / D {row['rss_anon_peak_mib_decode']:.1f} MiB"
             )
             rows.append(row)
+    for role in ("prefill", "decode"):  # what a longer prompt adds to the sidecar's own memory
+        base = rows[0][f"rss_anon_peak_mib_{role}"]
+        for row in rows:
+            row[f"rss_anon_added_mib_{role}"] = round(row[f"rss_anon_peak_mib_{role}"] - base, 2)
     return {
         "bench": "scaling",
         "options": asdict(opts) | {"lengths": lengths},
@@ -338,7 +346,7 @@ def run(opts: ScalingOptions, progress: Callable[[str], None] = _log) -> dict[st
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    """Each curve against the prompt length, log-log, its fitted slope in the title."""
+    """Each curve against the prompt length (log x), its fitted slope in the title."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,33 +354,49 @@ def plot(result: dict[str, Any], path: Path) -> Path:
 
     rows = result["rows"]
     xs = [r["tokens"] for r in rows]
-    panels = [
-        ("planning_cpu_ms", "planning CPU (ms)"),
-        ("descriptors", "descriptors"),
-        ("cpu_s_per_gb", "sidecars' CPU s per GB"),
-        ("handoff_ms", "handoff (ms): median, and min dashed"),
-        ("rss_anon_peak_mib_prefill", "P sidecar anon RSS peak (MiB)"),
-        ("rss_anon_peak_mib_decode", "D sidecar anon RSS peak (MiB)"),
+    fits_ = result["fits"]
+
+    def slope(key: str) -> str:
+        return f"{fits_[key]['slope']} ({fits_[key]['growth']})"
+
+    base = {role: rows[0][f"rss_anon_peak_mib_{role}"] for role in ("prefill", "decode")}
+    # (curves on the panel, log y, title)
+    panels: list[tuple[tuple[str, ...], bool, str]] = [
+        (("planning_cpu_ms",), True, f"planning CPU (ms)\nslope {slope('planning_cpu_ms')}"),
+        (("descriptors",), True, f"descriptors\nslope {slope('descriptors')}"),
+        (("cpu_s_per_gb",), False, f"sidecars' CPU s per GB\nslope {slope('cpu_s_per_gb')}"),
+        (
+            ("handoff_ms", "handoff_ms_min"),
+            True,
+            f"handoff (ms): median, best rep dashed\nslope {slope('handoff_ms')}; best "
+            f"{slope('handoff_ms_min')}",
+        ),
     ]
+    for role in ("prefill", "decode"):
+        key = f"rss_anon_added_mib_{role}"
+        panels.append(
+            (
+                (key,),
+                False,
+                f"{role} sidecar: anon RSS peak above {base[role]:.1f} MiB (1k)\n"
+                f"slope {slope(key)} (from {fits_[key]['from_tokens']} tokens)",
+            )
+        )
     fig, axes = plt.subplots(2, 3, figsize=(13, 7))
-    for ax, (key, label) in zip(axes.flat, panels, strict=True):
-        ax.plot(xs, [r[key] for r in rows], "o-")
-        if key == "handoff_ms":
-            ax.plot(xs, [r["handoff_ms_min"] for r in rows], "s--")
+    for ax, (keys, log_y, title) in zip(axes.flat, panels, strict=True):
+        for key, style in zip(keys, ("o-", "s--"), strict=False):
+            ax.plot(xs, [r[key] for r in rows], style)
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        fit = result["fits"][key]
-        title = f"{label}\nslope {fit['slope']} ({fit['growth']})"
-        if key == "handoff_ms":
-            low = result["fits"]["handoff_ms_min"]
-            title += f"; min: {low['slope']} ({low['growth']})"
+        if log_y:
+            ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("prompt tokens")
         ax.grid(True, which="both", alpha=0.3)
     o = result["options"]
     fig.suptitle(
-        f"scaling: {o['model']} x{o['layers']} layers, {o['chunk']}-token chunks, simulated "
-        f"engines, real sidecars and Mooncake (loopback TCP)",
+        f"scaling: {o['model']} x{o['layers']} layers, {o['chunk']}-token chunks, "
+        f"{o['compute_ms']} ms a layer a chunk, simulated engines, real sidecars and Mooncake "
+        f"(loopback TCP)",
         fontsize=10,
     )
     fig.tight_layout()
