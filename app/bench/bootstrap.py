@@ -13,10 +13,11 @@ import random
 import statistics
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.errors import ConfigError
 
+K = TypeVar("K", bound=Hashable)  # a cluster: a conversation
 LEVEL = 0.9
 RESAMPLES = 2000
 
@@ -37,13 +38,13 @@ class Interval:
         return asdict(self)
 
 
-def _pooled(by_unit: Mapping[Hashable, Sequence[float]], units: Sequence[Hashable]) -> list[float]:
+def _pooled(by_unit: Mapping[K, Sequence[float]], units: Sequence[K]) -> list[float]:
     return [v for u in units for v in by_unit[u]]
 
 
 def ratio_interval(
-    a: Mapping[Hashable, Sequence[float]],
-    b: Mapping[Hashable, Sequence[float]],
+    a: Mapping[K, Sequence[float]],
+    b: Mapping[K, Sequence[float]],
     stat: Callable[[Sequence[float]], float] = statistics.median,
     level: float = LEVEL,
     resamples: int = RESAMPLES,
