@@ -25,19 +25,16 @@ length (the median of ``reps``):
   adds: its block tables and per-step records).
 
 Each curve gets a least-squares slope in log-log space over the lengths from 4k (shorter ones
-are dominated by fixed costs): 1 is linear, 0 flat. The JSON carries the host it ran on.
+are dominated by fixed costs): 1 is linear, 0 flat. The JSON carries the host it ran on
+(``result_file.write_result``).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -47,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 from app.bench.harness import Bench, _log
+from app.bench.host import NO_LINK, host_record
 from app.bench.pd_cores import descendants, process_cpu_s
 from app.bench.plans import PlanModel
 from app.bench.raw import RawCeiling
+from app.bench.result_file import write_result
 from app.errors import BenchError
 from app.sim.cluster import Cluster, ClusterSpec
 from app.sim.commands import SimRequest
@@ -163,44 +162,6 @@ CURVES = (
     "rss_anon_added_mib_prefill",
     "rss_anon_added_mib_decode",
 )
-
-
-def host_facts() -> dict[str, Any]:
-    """``app.bench.host``'s record where that module exists, else the CPU, its flags, the
-    cores and the commit from here (``minimal``: true)."""
-    try:
-        host = importlib.import_module("app.bench.host")
-    except ImportError:
-        return minimal_host()
-    record: dict[str, Any] = host.host_record(engines={}, link=host.NO_LINK).as_dict()
-    return record
-
-
-def minimal_host(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
-    text = cpuinfo.read_text() if cpuinfo.exists() else ""
-    model = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in text.splitlines()
-            if ":" in ln and ln.split(":", 1)[0].strip() == "model name"
-        ),
-        "",
-    )
-    flags_line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    flags = set(flags_line.split(":", 1)[1].split()) if ":" in flags_line else set()
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-    commit = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False
-    ).stdout.strip()
-    return {
-        "minimal": True,
-        "cpu_model": model,
-        "cpu_flags": [f for f in wanted if f in flags],
-        "logical_cores": os.cpu_count() or 0,
-        "usable_cores": sorted(os.sched_getaffinity(0)),
-        "kernel": platform.release(),
-        "commit": commit,
-    }
 
 
 def _sidecar_pids(cluster: Cluster) -> dict[str, int]:
@@ -338,7 +299,6 @@ def run(opts: ScalingOptions, progress: Callable[[str], None] = _log) -> dict[st
         "options": asdict(opts) | {"lengths": lengths},
         "rows": rows,
         "fits": fits(rows, CURVES),
-        "host": host_facts(),
         # Other work on the host: what the handoff's spread depends on.
         "load_average": {"start": load0, "end": list(os.getloadavg())},
         "wall_s": round(time.monotonic() - t0, 1),
@@ -405,6 +365,12 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def write(result: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``result`` as JSON at ``path`` with the host it ran on (no vLLM engine, no link: the
+    sidecars talk over loopback); what was written."""
+    return write_result(path, result, host_record(engines={}, link=NO_LINK))
+
+
 def parse_tokens(text: str) -> int:
     """``4096``, ``4k`` (4096) or ``128K``: a prompt length in tokens."""
     t = text.strip().lower()
@@ -445,10 +411,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"bench scaling did not finish: {e}", file=sys.stderr)
         sys.exit(2)
     out = Path(a.out)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    written = write(result, out)
     print(f"figures: {out}", file=sys.stderr)
     if a.plot:
-        print(f"plot: {plot(result, out.with_suffix('.png'))}", file=sys.stderr)
+        print(f"plot: {plot(written, out.with_suffix('.png'))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

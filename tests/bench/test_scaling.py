@@ -48,10 +48,12 @@ def test_parse_tokens() -> None:
 def test_a_run_at_two_lengths(tmp_path: Path) -> None:
     opts = ScalingOptions(lengths=(1024, 256), reps=1, compute_ms=1.0, fill=True)
     result = scaling.run(opts, progress=lambda _: None)
-    json.dumps(result)  # all of it JSON
+    scaling.write(result, tmp_path / "s.json")
+    written = json.loads((tmp_path / "s.json").read_text())
+    assert written == {**result, "host": written["host"]}
     assert result["options"]["lengths"] == [256, 1024]
     assert set(result["fits"]) == set(CURVES)
-    assert result["host"]["cpu_model"] and "commit" in result["host"]
+    assert written["host"]["cpu_model"] and written["host"]["commit"]
     short, long = result["rows"]
     assert short["tokens"] == 256 and long["tokens"] == 1024
     for row in (short, long):
