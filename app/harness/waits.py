@@ -10,8 +10,9 @@ prefill's time derived from a measured one, never a guess of the machine's speed
   ``m``, quadratic above: attention grows at most that fast), whatever ``a`` and ``b`` are;
 - each measured prefill gives a bound; the tightest (smallest) one counts. A measurement slowed
   by a busy machine only loosens the bound;
-- a wait is then ``floor_s + slack × (prefills × bound + decode steps)``; ``slack`` covers the
-  other processes on shared cores.
+- a wait is then ``slack × (prefills × bound + decode steps)``; ``slack`` covers the other
+  processes on shared cores. It is never shorter than ``floor_s``, the old fixed 120 s: a short
+  prompt's first request (or one queued behind another test's engines) keeps the wait it had.
 
 Before anything was measured the bound starts from ``PRIOR`` (what the old fixed 120 s wait
 assumed of a 2048-token prompt): the same 120 s up to 2048 tokens, quadratic above. Callers
@@ -48,7 +49,7 @@ class PrefillSample:
         return self.tokens / self.seconds
 
 
-PRIOR = PrefillSample(2048, 30.0)  # x slack 3 + floor 30 s: the old fixed 120 s at 2048 tokens
+PRIOR = PrefillSample(2048, 40.0)  # x slack 3: the old fixed 120 s at 2048 tokens
 LADDER_FIRST = 2048  # vLLM's chunk on CPU: the first probe is one chunk
 LADDER_STEP = 4  # each probe 4x the last: a bound at most 16x the measured time
 
@@ -56,7 +57,7 @@ LADDER_STEP = 4  # each probe 4x the last: a bound at most 16x the measured time
 @dataclass(frozen=True)
 class WaitPolicy:
     slack: float = 3.0  # two shared cores, other tests' engines beside ours
-    floor_s: float = 30.0  # HTTP, scheduling, a first request's paths
+    floor_s: float = 120.0  # no wait shorter than the old fixed one
     step_s: float = 0.1  # each decode step's engine overhead, beside its attention
 
 
@@ -83,7 +84,7 @@ def completion_wait_s(
     bound = prefill_bound_s(samples, tokens)
     context = tokens + max_tokens
     decode = max_tokens * (2 * prefill_bound_s(samples, context) / context + policy.step_s)
-    return policy.floor_s + policy.slack * (prefills * bound + decode)
+    return max(policy.floor_s, policy.slack * (prefills * bound + decode))
 
 
 def probe_ladder(

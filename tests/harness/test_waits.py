@@ -40,9 +40,10 @@ def test_the_tightest_sample_counts() -> None:
     assert prefill_bound_s([far, near], 65536) == pytest.approx(160.0)
 
 
-def test_nothing_measured_keeps_the_old_120_s_at_2048_tokens() -> None:
+def test_nothing_measured_keeps_the_old_120_s_up_to_2048_tokens() -> None:
     assert completion_wait_s([], PRIOR.tokens, 0) == pytest.approx(120.0)
-    assert completion_wait_s([], 512, 0) < 120.0
+    assert completion_wait_s([], 512, 16) == pytest.approx(120.0)  # never shorter than it was
+    assert completion_wait_s([], 4096, 0) == pytest.approx(480.0)
 
 
 def test_waits_grow_with_length_prompts_and_decoded_tokens() -> None:
@@ -52,7 +53,8 @@ def test_waits_grow_with_length_prompts_and_decoded_tokens() -> None:
     assert completion_wait_s(s, 4096, 16, 4, NO_SLACK) == pytest.approx(4 * 4.0 + base - 4.0)
     assert completion_wait_s(s, 4096, 160, 1, NO_SLACK) > base
     policy = WaitPolicy(slack=3.0, floor_s=30.0, step_s=0.0)
-    assert completion_wait_s(s, 4096, 0, 1, policy) == pytest.approx(30.0 + 3 * 4.0)
+    assert completion_wait_s(s, 4096, 0, 1, policy) == pytest.approx(30.0)  # the floor
+    assert completion_wait_s(s, 16384, 0, 1, policy) == pytest.approx(3 * 4.0 * 16)
 
 
 def test_a_clock_learns_from_what_it_observed() -> None:
