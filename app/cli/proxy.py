@@ -282,6 +282,14 @@ def proxy_command(
     retry_budget_window: Annotated[
         float, typer.Option(help="The retry budget's sliding window, in seconds.")
     ] = _DEFAULTS.retry_budget_window_s,
+    migration_limit: Annotated[
+        int,
+        typer.Option(
+            help="Times a stream whose decode breaks off after the first byte goes on from "
+            "another decode with the tokens already sent (0: it ends with an error event; "
+            "docs/serving.md)."
+        ),
+    ] = _DEFAULTS.migration_limit,
     chat_tokens: Annotated[
         bool,
         typer.Option(
@@ -346,6 +354,7 @@ def proxy_command(
             retry_budget_window_s=retry_budget_window,
             decode_sidecars=tuple(parse_decode_sidecar(spec) for spec in decode_sidecar or ()),
             decode_sidecar_token=sidecar_token,
+            migration_limit=migration_limit,
             chat_tokens=chat_tokens,
             chat_tokens_timeout_s=chat_tokens_timeout,
         )

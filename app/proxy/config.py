@@ -182,6 +182,9 @@ class ProxyConfig:
     retry_budget_ratio: float = 0.1
     retry_budget_min: int = 3
     retry_budget_window_s: float = 10.0
+    # A stream whose decode breaks off after the first byte goes on from another decode at
+    # most this many times (migration.py; 0: it ends with an error event), within the budget.
+    migration_limit: int = 1
     # Decode instances' sidecar admin APIs: a prefill that failed for good is told to decode's
     # sidecar at once (an abort: decode recomputes now, not at its deadline). None known:
     # decode waits for its sidecar's deadline, as before.
@@ -300,6 +303,8 @@ class ProxyConfig:
                 f"retry_budget_ratio must be within [0, 1] (retries per request), "
                 f"got {self.retry_budget_ratio}"
             )
+        if self.migration_limit < 0:
+            raise ConfigError(f"migration_limit must not be negative, got {self.migration_limit}")
         if self.retry_budget_min < 0:
             raise ConfigError(f"retry_budget_min must not be negative, got {self.retry_budget_min}")
         if self.prefill_alpha < 0:

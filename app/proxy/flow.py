@@ -17,9 +17,10 @@
    sidecar (``--decode-sidecar``, decode_stop.py): decode recomputes now, not at its
    deadline. A decode that failed before the client got a byte (refused, reset, 5xx; a
    stream's first chunk is read before the client's headers go out) is retried once as a new
-   transfer on another decode; after the first byte a stream ends with an error event. Both
-   within the retry budget; the records say ``attempts`` and why. A client that goes away
-   closes both upstream connections, which vLLM turns into aborts.
+   transfer on another decode; after the first byte a stream goes on from another decode
+   with the tokens the client has (migration.py, ``--migration-limit``), or ends with an
+   error event when it cannot. Both within the retry budget; the records say ``attempts`` and
+   why. A client that goes away closes both upstream connections, which vLLM turns into aborts.
 5. Decode alone (disagg.py): a short prompt, or one the picked decode mostly holds, goes to
    decode as a plain request and no prefill is asked; the record says ``local`` and why. So
    does one that needs a prefill when none is available (``--without-prefill``), counted in
@@ -34,11 +35,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -72,9 +71,11 @@ from app.proxy.exchange import (
     until_disconnected,
 )
 from app.proxy.metrics import REFUSED, ProxyMetrics
+from app.proxy.migration import Stitch, refusal, with_token_ids
 from app.proxy.pool_tier import PoolTier
 from app.proxy.prefill_side import PrefillSide
 from app.proxy.records import DecodeOutcome, TransferLog, TransferTracker
+from app.proxy.resume import relay
 from app.proxy.retries import Reason, Retry, RetryBudget
 from app.proxy.routing import shape_of
 from app.proxy.spans import TRACE_ID_HEADER, call_span, refused
@@ -207,6 +208,7 @@ class PDFlow:
         self.budget.request()
         headers = forwarded_headers(request)
         chat = await self._chat_prompt(body, path, headers)
+        stitch = self._stitch(body, path, chat)
         disconnected = asyncio.create_task(until_disconnected(request.receive))
         try:
             retries: tuple[Retry, ...] = ()
@@ -216,7 +218,7 @@ class PDFlow:
                 if isinstance(x, Response):
                     return x
                 try:
-                    answer = await self._answer(x, body, path, headers, disconnected, chat)
+                    answer = await self._answer(x, body, path, headers, disconnected, chat, stitch)
                 except asyncio.CancelledError:
                     with anyio.CancelScope(shield=True):
                         await x.end("client_gone")
@@ -240,12 +242,15 @@ class PDFlow:
         retries: tuple[Retry, ...],
         tid: str | None,
         chat: ChatPrompt | Fallback | None,
+        exclude: frozenset[str] | None = None,
     ) -> Exchange | Response:
         """Pick decode (and prefill), open the transfer and start prefill's side; a decode
-        retry (``retries`` ends with one) excludes the decode instances that failed."""
+        retry (``retries`` ends with one) excludes the decode instances that failed, unless
+        ``exclude`` names those to exclude."""
         ids = chat.ids if isinstance(chat, ChatPrompt) else None
         shape = shape_of(body, path, self.cfg.prefix_block_size, self.cfg.max_model_len, ids)
         failed = frozenset(r.instance for r in retries if r.stage == "decode")
+        failed = failed if exclude is None else exclude
         try:
             d = self.decode.acquire(shape, exclude=failed)
         except NoHealthyInstance as e:
@@ -302,24 +307,13 @@ class PDFlow:
         headers: dict[str, str],
         disconnected: asyncio.Task[None],
         chat: ChatPrompt | Fallback | None,
+        stitch: Stitch | None,
     ) -> Response | None:
         """Decode's answer, relayed; None: decode failed before the client got a byte, and
         the request goes again as ``x.tracker.retried_as`` (``x.retry`` says why)."""
         t = x.tracker
         ids = chat.ids if isinstance(chat, ChatPrompt) else None
-        call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
-        tp = call.traceparent.header
-        base, rank = dp_upstream(x.decode.url)
-        req = self.client.build_request(
-            "POST",
-            f"{base}{path}",
-            json=(
-                local_body(body, ids)
-                if x.token is None
-                else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp, ids)
-            ),
-            headers={**headers, **rank, TRACEPARENT: tp},
-        )
+        req = self._decode_request(x, with_token_ids(body) if stitch else body, path, headers, ids)
         try:
             upstream = await first_or_none(self.client.send(req, stream=True), disconnected)
         except httpx.HTTPError as e:
@@ -350,7 +344,7 @@ class PDFlow:
                 await x.end("client_gone")
                 return Response(status_code=CLIENT_GONE)
             return StreamingResponse(
-                self._relay(x, first, chunks),
+                relay(self, x, first, chunks, stitch, headers),
                 status_code=upstream.status_code,
                 headers=out_headers,
                 # Runs even when the client left before the first chunk was asked for.
@@ -374,30 +368,37 @@ class PDFlow:
             return "ok", None
         return "failed", f"decode instance {x.decode.url} answered {code}"
 
-    async def _relay(
-        self, x: Exchange, first: bytes, chunks: AsyncIterator[bytes]
-    ) -> AsyncIterator[bytes]:
-        assert x.upstream is not None
-        outcome: DecodeOutcome = "client_gone"  # unless the loop below ends on its own
-        error: str | None = None
-        try:
-            if first:
-                yield first
-            async for chunk in chunks:
-                yield chunk
-            outcome, error = self._verdict(x)
-        except httpx.HTTPError as e:
-            outcome = "broken"
-            error = f"decode instance {x.decode.url} broke off its answer: {describe(e)}"
-            log.error("transfer %s: %s", x.tracker.transfer_id, error)
-            if x.upstream.headers.get("content-type", "").startswith("text/event-stream"):
-                # Headers are out; an error event is how vLLM itself reports this mid-stream.
-                event = {"error": {"message": error, "type": "bad_gateway", "code": 502}}
-                yield f"data: {json.dumps(event)}\n\n".encode()
-        finally:
-            # Shielded: on a disconnect this runs inside a cancelled scope.
-            with anyio.CancelScope(shield=True):
-                await x.end(outcome, error)
+    def _stitch(
+        self, body: dict[str, Any], path: str, chat: ChatPrompt | Fallback | None
+    ) -> Stitch | None:
+        """A streamed request's migration state (None: not streamed, or migration is off)."""
+        if self.cfg.migration_limit <= 0 or not is_streamed(body):
+            return None
+        hint = list(chat.ids) if isinstance(chat, ChatPrompt) else None
+        return Stitch(body, path, prompt_hint=hint, refused=refusal(body, path))
+
+    def _decode_request(
+        self,
+        x: Exchange,
+        body: dict[str, Any],
+        path: str,
+        headers: dict[str, str],
+        ids: tuple[int, ...] | None,
+    ) -> httpx.Request:
+        t = x.tracker
+        call = x.call = call_span(self.tracing, t, "decode", x.decode.url, path)
+        tp = call.traceparent.header
+        base, rank = dp_upstream(x.decode.url)
+        return self.client.build_request(
+            "POST",
+            f"{base}{path}",
+            json=(
+                local_body(body, ids)
+                if x.token is None
+                else decode_body(body, t.transfer_id, self.cfg.router_url, x.token, tp, ids)
+            ),
+            headers={**headers, **rank, TRACEPARENT: tp},
+        )
 
     async def _decode_failed(self, x: Exchange, e: httpx.HTTPError) -> JSONResponse | None:
         """Decode failed before the client got a byte: the error to answer, or None when the

@@ -134,6 +134,14 @@ class ProxyMetrics:
             ["stage", "why"],
             registry=self.registry,
         )
+        self._migrations = Counter(
+            "kvproxy_migrations",
+            "Streams whose decode broke off after the first byte, by what the proxy did: "
+            "resumed (on another decode), completed (only the end was missing), not_resumable, "
+            "limit (--migration-limit), budget (retry budget spent), no_instance.",
+            ["outcome"],
+            registry=self.registry,
+        )
         # Named after vLLM's vllm:nixl_num_failed_transfers: same meaning, seen from the proxy.
         self._failed = Counter(
             "kvproxy_num_failed_transfers",
@@ -225,6 +233,9 @@ class ProxyMetrics:
 
     def retry(self, stage: str, reason: str) -> None:
         self._retries.labels(stage, reason).inc()
+
+    def migration(self, outcome: str) -> None:
+        self._migrations.labels(outcome).inc()
 
     def decode_stop(self, outcome: str) -> None:
         self._stops.labels(outcome).inc()

@@ -80,6 +80,10 @@ class TransferRecord:
     # A chat request: how its prompt was routed, ``ids from engine`` / ``ids from cache``
     # (both engines got the ids, chat_tokens.py) or ``text: <why>`` (None: not chat).
     chat_tokens: str | None = None
+    # A stream's continuation (migration.py): the tokens the client had, and the decode that
+    # broke off (None: not a continuation).
+    migrated_at_token: int | None = None
+    migrated_from: str | None = None
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -114,6 +118,8 @@ class TransferTracker:
     retried_as: str | None = None  # decode failed and the request went on as this transfer
     decode_stop: str | None = None  # what decode's sidecar answered the abort (decode_stop.py)
     chat_tokens: str | None = None  # a chat request's routing by ids or text (chat_tokens.py)
+    migrated_at_token: int | None = None  # a stream's continuation (migration.py)
+    migrated_from: str | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -166,6 +172,8 @@ class TransferTracker:
             retried_as=self.retried_as,
             decode_stop=self.decode_stop,
             chat_tokens=self.chat_tokens,
+            migrated_at_token=self.migrated_at_token,
+            migrated_from=self.migrated_from,
         )
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 Stage = Literal["prefill", "decode"]
-# Why a stage was retried: the prompt never reached it, it broke off before answering, or it
-# answered 5xx.
-Reason = Literal["connect", "reset", "status_5xx"]
+# Why a stage was retried: the prompt never reached it, it broke off before answering, it
+# answered 5xx, or it broke off mid-stream and the stream went on elsewhere (migration.py).
+Reason = Literal["connect", "reset", "status_5xx", "mid_stream"]
 # Buckets a window is cut into: a request leaves the window at most window_s / BUCKETS late.
 BUCKETS = 10
 
