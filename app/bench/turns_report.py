@@ -53,23 +53,60 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
                 _f(r["kv_bytes"] * mib if r["kv_bytes"] is not None else None, "{:.1f}"),
             )
     console.print(table)
-    for key, sp in s["ttft_p50_ratio_turns_3_on"].items():
-        console.print(
-            f"TTFT P50 at turns >= 3, {key}: median {_f(sp['median'], '{:.2f}')} "
-            f"[{_f(sp['min'], '{:.2f}')}-{_f(sp['max'], '{:.2f}')}] over {sp['n']} turn indexes"
-        )
+    for title, key in (
+        ("TTFT P50 at turns >= 3", "ttft_p50_turns_3_on"),
+        ("TTFT P50 at turn 1 (parity: the same work on every system)", "turn_1_parity"),
+        ("prefill's forward P50 at turns >= 3", "p_forward_p50_turns_3_on"),
+    ):
+        for pair, iv in s.get(key, {}).items():
+            console.print(f"{title}, {pair}: {interval(iv)}")
+    for name, iv in s.get("aa_round_2_over_1", {}).items():
+        console.print(f"A/A, {name} round 2 / round 1, TTFT P50 at turns >= 3: {interval(iv)}")
     console.print(
         "turns >= 3 where prefill computed more than the new message and one block: "
         + ", ".join(f"{k} {v}" for k, v in s["computed_over_new_plus_block"].items())
     )
-    for key, sp in s.get("p_forward_p50_ratio_turns_3_on", {}).items():
+    for pair, by_turn in s.get("computed_at_most", {}).items():
         console.print(
-            f"prefill's forward P50 at turns >= 3, {key}: median {_f(sp['median'], '{:.2f}')} "
-            f"[{_f(sp['min'], '{:.2f}')}-{_f(sp['max'], '{:.2f}')}]"
+            f"prefill computed {pair}'s (mean per turn): "
+            + ", ".join(f"turn {t} {'yes' if ok else 'no'}" for t, ok in by_turn.items())
         )
+    _print_drift(s.get("drift", {}), console)
     _print_stages(s["per_turn"], w["turns"], console)
     eq = s["answers_equal"]
-    console.print(f"answers alike on all three systems: {eq['equal']} of {eq['compared']} turns")
+    console.print(
+        f"answers alike on every system and round: {eq['equal']} of {eq['compared']} turns"
+    )
+
+
+def interval(iv: dict[str, Any] | None) -> str:
+    """A ratio and its bootstrap interval as the docs write it: 0.42 [0.38-0.47] (90%, 12
+    conversations)."""
+    if iv is None:
+        return "-"
+    if iv["low"] is None:
+        return f"{iv['point']:.2f} (no interval: {iv['units']} conversation)"
+    return (
+        f"{iv['point']:.2f} [{iv['low']:.2f}-{iv['high']:.2f}] "
+        f"({iv['level']:.0%}, {iv['units']} conversations)"
+    )
+
+
+def _print_drift(drift: dict[str, Any], console: Console) -> None:
+    """Each system's rounds in run order: what moved between them, on the same work."""
+    table = Table(title="between rounds (the same work, a fresh system each block): TTFT P50 ms")
+    for col in ("system", "round", "turn 1", "turns >= 3", "turns >= 3 / round 1"):
+        table.add_column(col, justify="left" if col == "system" else "right")
+    for name, d in drift.items():
+        for r in d["rounds"]:
+            table.add_row(
+                name,
+                str(r["round"] + 1),
+                _f(r["turn_1_p50_ms"]),
+                _f(r["turns_3_on_p50_ms"]),
+                interval(r["over_first"]) if r["over_first"] else "-",
+            )
+    console.print(table)
 
 
 def _print_stages(per: dict[str, Any], turns: int, console: Console) -> None:

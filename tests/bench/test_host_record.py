@@ -183,6 +183,7 @@ NOT_RESULTS = {
     ("app/bench/pd_netns.py", "run_child"): "the child's options, its input",
     ("app/bench/pd_observe.py", "write_logging_config"): "vLLM's logging config, its input",
     ("app/bench/mooncake_peer.py", "log_event"): "one line of the peer's event log",
+    ("app/bench/mooncake_store_pd.py", "start_instances"): "the store's MOONCAKE_CONFIG_PATH file",
     ("app/bench/pd_front.py", "prompt_key"): "a prompt's hash key",
     ("app/bench/peer.py", "main"): "the raw peer's handshake line to its parent",
 }

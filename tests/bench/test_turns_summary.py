@@ -1,22 +1,28 @@
-"""``bench turns``' summary from hand-made rows: P50 per turn index, the ratios at turns 3 and
-later, the turns where prefill computed more than the new message and a block, and which
-answers all three systems gave alike."""
+"""``bench turns``' summary from hand-made rows of interleaved rounds: P50 per turn index pooled
+over rounds, kv-sidecar's ratios at turns 3 and later and at turn 1 with their intervals, the
+A/A and drift from two rounds of one system, the turns where prefill computed more than the new
+message and a block, and which answers every system gave alike."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from app.bench.turns_bench import NO_ANSWERS, answers_equal, summarize
+import pytest
+
+from app.bench.mooncake_store_pd import STORE_PEER
+from app.bench.turns_summary import NO_ANSWERS, answers_equal, summarize
 from app.bench.turns_workload import TurnsWorkload
 
-W = TurnsWorkload(conversations=2, turns=3)
+W = TurnsWorkload(conversations=4, turns=3)
+SC = "kv-sidecar"
 
 
 def row(
-    system: str, conv: int, turn: int, ttft: float, computed: float, **kw: Any
+    system: str, conv: int, turn: int, ttft: float, computed: float, rnd: int = 0, **kw: Any
 ) -> dict[str, Any]:
     return {
         "system": system,
+        "round": rnd,
         "conversation": conv,
         "turn": turn,
         "long": True,
@@ -34,32 +40,64 @@ def row(
 
 
 def rows_of(
-    system: str, ttfts: tuple[float, float, float], computed: float, **kw: Any
+    system: str, ttfts: tuple[float, float, float], computed: float, rnd: int = 0, **kw: Any
 ) -> list[dict[str, Any]]:
-    return [row(system, c, t + 1, ttfts[t] + c, computed, **kw) for t in range(3) for c in range(2)]
+    return [
+        row(system, c, t + 1, ttfts[t] + c, computed, rnd, **kw)
+        for t in range(3)
+        for c in range(W.conversations)
+    ]
 
 
-def test_ratios_use_turns_3_on_and_count_turns_that_computed_too_much() -> None:
-    rows = rows_of("kv-sidecar", (500, 300, 100), 150) + rows_of(NO_ANSWERS, (500, 400, 400), 900)
-    rows += rows_of("mooncake", (600, 500, 500), 900) + rows_of(
-        "kv-sidecar-aa", (500, 300, 110), 150
+def two_rounds(
+    system: str, ttfts: tuple[float, float, float], computed: float, slower: float = 1.0
+) -> list[dict[str, Any]]:
+    later = tuple(x * slower for x in ttfts)
+    return rows_of(system, ttfts, computed, 0) + rows_of(system, later, computed, 1)  # type: ignore[arg-type]
+
+
+def test_ratios_pool_turns_3_on_over_rounds_with_an_interval() -> None:
+    rows = two_rounds(SC, (500, 300, 100), 150) + two_rounds(STORE_PEER, (500, 400, 400), 900)
+    s = summarize(rows, W)
+    # Turn 3, conversations 0-3, two rounds alike: the median of 100..103 twice.
+    assert s["per_turn"][SC]["3"]["ttft_p50_ms"] == 101.5
+    assert s["per_turn"][SC]["3"]["requests"] == 8
+    iv = s["ttft_p50_turns_3_on"][f"{SC}/{STORE_PEER}"]
+    assert iv["point"] == pytest.approx(101.5 / 401.5)
+    assert iv["low"] <= iv["point"] <= iv["high"] < 0.26
+    assert (iv["units"], iv["level"]) == (4, 0.9)
+    parity = s["turn_1_parity"][f"{SC}/{STORE_PEER}"]
+    assert parity["point"] == 1.0
+
+
+def test_the_aa_is_a_systems_second_round_over_its_first_and_drift_is_per_round() -> None:
+    rows = two_rounds(SC, (500, 300, 100), 150, slower=1.2) + two_rounds(
+        STORE_PEER, (500, 400, 400), 900
     )
     s = summarize(rows, W)
-    assert s["per_turn"]["kv-sidecar"]["3"]["ttft_p50_ms"] == 100.5  # median of 100 and 101
-    ratios = s["ttft_p50_ratio_turns_3_on"]
-    assert ratios["kv-sidecar/kv-sidecar-no-answers"]["median"] == 100.5 / 400.5
-    assert ratios["kv-sidecar/mooncake"]["n"] == 1  # turn 3 only
-    assert ratios["kv-sidecar-aa/kv-sidecar (A/A)"]["median"] == 110.5 / 100.5
-    # 150 <= 100 + 128; 900 is not, on both turn-3 requests of each of those systems.
-    over = s["computed_over_new_plus_block"]
-    assert over == {"kv-sidecar": 0, NO_ANSWERS: 2, "mooncake": 2, "kv-sidecar-aa": 0}
+    assert s["aa_round_2_over_1"][SC]["point"] == pytest.approx(1.2, rel=0.01)
+    assert s["aa_round_2_over_1"][STORE_PEER]["point"] == 1.0
+    rounds = s["drift"][SC]["rounds"]
+    assert [r["round"] for r in rounds] == [0, 1]
+    assert rounds[0]["turn_1_p50_ms"] == 501.5
+    assert rounds[1]["turn_1_p50_ms"] == pytest.approx(1.2 * 500 + 1.5)
+    assert rounds[0]["over_first"] is None
 
 
-def test_answers_alike_only_where_every_system_answered_the_same() -> None:
-    rows = rows_of("kv-sidecar", (1, 1, 1), 0) + rows_of(NO_ANSWERS, (1, 1, 1), 0)
-    rows += rows_of("mooncake", (1, 1, 1), 0)
-    rows[-1]["answer"] = [9, 9]  # mooncake's last turn answered otherwise
-    assert answers_equal(rows, ("kv-sidecar", NO_ANSWERS, "mooncake")) == {
-        "equal": 5,
-        "compared": 6,
-    }
+def test_ablations_join_the_ratios_and_computed_turns_are_counted() -> None:
+    rows = two_rounds(SC, (500, 300, 100), 150) + two_rounds(NO_ANSWERS, (500, 400, 400), 900)
+    rows += two_rounds("mooncake", (600, 500, 500), 900)
+    s = summarize(rows, W)
+    assert set(s["ttft_p50_turns_3_on"]) == {f"{SC}/{NO_ANSWERS}", f"{SC}/mooncake"}
+    # 150 <= 100 + 128; 900 is not, on each turn-3 request of those systems, both rounds.
+    assert s["computed_over_new_plus_block"] == {SC: 0, NO_ANSWERS: 8, "mooncake": 8}
+    assert s["computed_at_most"][f"{SC}<={NO_ANSWERS}"] == {"1": True, "2": True, "3": True}
+    worse = summarize(two_rounds(SC, (1, 1, 1), 950) + two_rounds(NO_ANSWERS, (1, 1, 1), 900), W)
+    assert worse["computed_at_most"][f"{SC}<={NO_ANSWERS}"]["3"] is False
+
+
+def test_answers_alike_only_where_every_system_answered_the_same_in_every_round() -> None:
+    rows = two_rounds(SC, (1, 1, 1), 0) + two_rounds(STORE_PEER, (1, 1, 1), 0)
+    assert answers_equal(rows, (SC, STORE_PEER)) == {"equal": 12, "compared": 12}
+    rows[-1]["answer"] = [9, 9]  # the peer's second round answered its last turn otherwise
+    assert answers_equal(rows, (SC, STORE_PEER)) == {"equal": 11, "compared": 12}
