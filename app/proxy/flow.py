@@ -313,7 +313,10 @@ class PDFlow:
         the request goes again as ``x.tracker.retried_as`` (``x.retry`` says why)."""
         t = x.tracker
         ids = chat.ids if isinstance(chat, ChatPrompt) else None
-        req = self._decode_request(x, with_token_ids(body) if stitch else body, path, headers, ids)
+        resumable = stitch is not None and stitch.refused is None
+        req = self._decode_request(
+            x, with_token_ids(body) if resumable else body, path, headers, ids
+        )
         try:
             upstream = await first_or_none(self.client.send(req, stream=True), disconnected)
         except httpx.HTTPError as e:

@@ -343,8 +343,9 @@ class Stitch:
         the usage event it asked for, and ``[DONE]``."""
         out = b""
         options = self.body.get("stream_options") or {}
-        if options.get("include_usage") and not self.usage_sent and self.prompt_ids is not None:
-            prompt, completion = len(self.prompt_ids), len(self.generated)
+        ids = self.prompt_ids or self.prompt_hint or _prompt_ids_in(self.body)
+        if options.get("include_usage") and not self.usage_sent and ids is not None:
+            prompt, completion = len(ids), len(self.generated)
             usage = {
                 "prompt_tokens": prompt,
                 "completion_tokens": completion,

@@ -30,6 +30,7 @@ from app.proxy.config import DecodeSidecar, parse_decode_sidecar
 from tests.conftest import wait_for as shared_wait_for
 
 TARGET_BLOCKS = [[3, 4, 5], [9]]
+TOKEN_BASE = 5000  # the fake streams' token ids: TOKEN_BASE + position
 # start_proxy's settings for a test of what a failure does without the retry (retries.py).
 NO_RETRIES = {"retry_budget_ratio": 0.0, "retry_budget_min": 0}
 # Scraped samples by name and labels.
@@ -98,6 +99,11 @@ class Behaviour:
     # Streams: break the connection after this many events (0: before the first), as a
     # killed engine does.
     break_after: int | None = None
+    # Streams asked for return_token_ids carry them, as vLLM's do (test_stream_migration.py):
+    # the token at position k of prompt + answer is TOKEN_BASE + k, so a stream stitched from
+    # two decodes is contiguous exactly when no token is repeated or missing.
+    token_ids: bool = False
+    error_after: int | None = None  # with token_ids: an error event (code 500) after N events
 
 
 def token_headers(kv: dict[str, Any]) -> dict[str, str]:
@@ -204,7 +210,12 @@ class FakeVLLM:
         if b.status != 200:
             return self._answer({"error": {"message": f"{self.name} says no", "code": b.status}})
         if body.get("stream"):
-            return StreamingResponse(self._stream(body), media_type="text/event-stream")
+            stream = (
+                self._token_stream(body, path)
+                if b.token_ids and body.get("return_token_ids")
+                else self._stream(body)
+            )
+            return StreamingResponse(stream, media_type="text/event-stream")
         return self._answer(self._completion(body, 0, final=True))
 
     async def _post_target(self, kv: dict[str, Any]) -> None:
@@ -285,6 +296,28 @@ class FakeVLLM:
             "kv_transfer_params": answer_kv if final else None,
         }
 
+    async def _token_stream(self, body: dict[str, Any], path: str) -> AsyncIterator[bytes]:
+        b, sent, done = self.behaviour, bytearray(), False
+        try:
+            for i, event in enumerate(_token_events(body, path, b.chunks)):
+                if i == b.break_after:
+                    raise ConnectionResetError(f"{self.name} died after {i} events")
+                if i == b.error_after:
+                    event = {"error": {"message": f"{self.name}: engine dead", "code": 500}}
+                raw = f"data: {json.dumps(event)}\n\n".encode()
+                sent += raw
+                yield raw
+                if i == b.error_after:
+                    return
+                await asyncio.sleep(b.chunk_delay_s)
+            sent += b"data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
+            done = True
+        finally:
+            self.answers.append(bytes(sent))
+            if not done:
+                self.disconnected.set()
+
     async def _stream(self, body: dict[str, Any]) -> AsyncIterator[bytes]:
         b, sent, done = self.behaviour, bytearray(), False
         try:
@@ -302,6 +335,55 @@ class FakeVLLM:
             self.answers.append(bytes(sent))
             if not done:
                 self.disconnected.set()  # cancelled: the proxy closed our connection
+
+
+def _fake_prompt_ids(body: dict[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return list(prompt)
+    ids = (body.get("kv_transfer_params") or {}).get("prompt_token_ids")
+    return list(ids) if ids else [1, 2, 3]
+
+
+def _token_events(body: dict[str, Any], path: str, chunks: int) -> list[dict[str, Any]]:
+    """vLLM's stream events with return_token_ids (one token each), chat- or completions-shaped,
+    and the usage event when asked."""
+    prompt, chat = _fake_prompt_ids(body), "chat" in path
+    limit = body.get("max_tokens")
+    n = chunks if limit is None else min(chunks, limit)
+    head = {"id": f"fake-{len(prompt)}", "created": len(prompt), "model": body.get("model")}
+    events: list[dict[str, Any]] = []
+    if chat:
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        events.append(
+            {
+                **head,
+                "object": "chat.completion.chunk",
+                "choices": [role],
+                "prompt_token_ids": prompt,
+            }
+        )
+    for i in range(n):
+        tid = TOKEN_BASE + len(prompt) + i
+        last = i == n - 1
+        finish = ("length" if n == limit else "stop") if last else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "token_ids": [tid]}
+        if chat:
+            choice["delta"] = {"content": f" w{tid}"}
+            events.append({**head, "object": "chat.completion.chunk", "choices": [choice]})
+        else:
+            choice["text"] = f" w{tid}"
+            choice["prompt_token_ids"] = prompt if i == 0 else None
+            events.append({**head, "object": "text_completion", "choices": [choice]})
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {
+            "prompt_tokens": len(prompt),
+            "completion_tokens": n,
+            "total_tokens": len(prompt) + n,
+        }
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        events.append({**head, "object": kind, "choices": [], "usage": usage})
+    return events
 
 
 class FakeSidecar:
