@@ -155,3 +155,16 @@ def test_migration_limit_zero_keeps_the_error_event(make_cluster: Callable[..., 
     r = c.post(prompt=PROMPT, max_tokens=4, stream=True)
     assert _events(r.text)[-1]["error"]["code"] == 502 and not d1.requests
     assert "return_token_ids" not in d0.requests[0].body
+
+
+def test_a_stream_broken_after_its_last_token_is_ended_by_the_proxy(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    c = _cluster(make_cluster)
+    d0, d1 = c.decode
+    d0.behaviour.break_after = 4  # every token sent; the usage event and [DONE] never come
+    r = c.post(prompt=PROMPT, max_tokens=4, stream=True, stream_options={"include_usage": True})
+    events = _events(r.text)
+    assert events[-1] == "[DONE]" and not d1.requests
+    assert events[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert sample(c.metrics(), "kvproxy_migrations_total", outcome="completed") == 1
