@@ -44,7 +44,6 @@ SHARED_FIELDS = (
     "include_stop_str_in_output",
     "allowed_token_ids",
     "logit_bias",
-    "bad_words",
     "priority",
     "user",
     "cache_salt",
@@ -75,8 +74,10 @@ def refusal(body: dict[str, Any], path: str) -> str | None:
     for name in ("presence_penalty", "frequency_penalty"):
         if _nonzero(body, name, 0):
             return f"{name}: the tokens generated so far would become prompt, which it ignores"
-    if _nonzero(body, "repetition_penalty", 1):
-        return "repetition_penalty: it treats prompt and output alike, but not its window"
+    # repetition_penalty migrates: vLLM penalizes tokens of the prompt and the output alike,
+    # and the continuation's prompt holds both.
+    if body.get("bad_words"):
+        return "bad_words: matched on output tokens only, one across the boundary is missed"
     # vLLM's default temperature is 1 (or the model's generation config): sampled, unless 0.
     if body.get("seed") is not None and body.get("temperature", 1) != 0:
         return "seeded sampling: the continuation's generator would restart from the seed"
