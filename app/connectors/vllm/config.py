@@ -82,8 +82,8 @@ class ConnectorConfig:
     # next turn (``pool_save_answers``).
     save_answers: bool = False
     # While a request runs, store every k-th lcm block boundary it crosses (0, the default: only
-    # when it finishes, which a window or a Mamba state has mostly given back by then; not yet
-    # proven on real engines, docs/serving.md): ``pool_save_every``.
+    # when it finishes, which a window or a Mamba state has mostly given back by then; off until
+    # its step time is measured on a quiet host, docs/benchmarks.md): ``pool_save_every``.
     save_every: int = 0
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"
