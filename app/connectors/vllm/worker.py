@@ -302,10 +302,13 @@ class WorkerSide:
             # After the forward pass: vLLM has zeroed newly allocated blocks by now.
             for job in meta.pool_loads:
                 self.pool.load(job)
+            # A running request's store reads what this step's forward pass writes: on a
+            # device it waits for the pass to finish (an event recorded after it).
+            ready = self._event() if any(job.running for job in meta.pool_saves) else None
             for job in meta.pool_saves:
                 if not job.running:  # a running request's store ends in pool_saves_done
                     self._saving.add(job.req_id)
-                self.pool.save(job)
+                self.pool.save(job, ready if job.running else None)
 
     def _post_targets(self) -> None:
         """Rank 0, after the step that allocated (and zeroed) the blocks ran."""
