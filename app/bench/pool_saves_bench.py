@@ -19,7 +19,6 @@ each arm).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import re
 import statistics
@@ -30,6 +29,8 @@ from tempfile import TemporaryDirectory
 
 import httpx
 
+from app.bench.host import LOOPBACK, host_record, vllm_args
+from app.bench.result_file import write_result
 from app.harness.engines import completion
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
@@ -77,9 +78,17 @@ def _put(admin: str) -> float:
 
 
 def run_round(
-    model: Path, kind: str, work: Path, arm: str, save_every: int, rnd: int, w: Workload
+    model: Path,
+    kind: str,
+    work: Path,
+    arm: str,
+    save_every: int,
+    rnd: int,
+    w: Workload,
+    engines: dict[str, dict[str, tuple[str, ...]]],
 ) -> list[Sample]:
-    """One fresh pair, the whole workload (the first conversation's first turn warms up)."""
+    """One fresh pair, the whole workload (the first conversation's first turn warms up);
+    its engines' args go into ``engines`` (the host record's)."""
     pd = LocalPD(
         model,
         work,
@@ -91,6 +100,7 @@ def run_round(
         connector_extra={"pool_save_answers": True, "pool_save_every": save_every},
     )
     pd.start()
+    engines[f"{kind} {arm}"] = vllm_args(pd.commands)
     try:
         decode = pd.decode
         completion(decode.url, _tokens(64, 9999), 8, ignore_eos=True)  # warm-up, not counted
@@ -159,6 +169,7 @@ def main() -> None:
     a = ap.parse_args()
     w = Workload(answer=a.answer)
     samples: list[Sample] = []
+    engines: dict[str, dict[str, tuple[str, ...]]] = {}
     with TemporaryDirectory(prefix="pool-saves-") as tmp:
         for kind in a.kinds.split(","):
             model = write_tiny_model(Path(tmp) / kind / "model", kind)
@@ -166,7 +177,7 @@ def main() -> None:
             for rnd, arm in enumerate(order):
                 every = a.save_every if arm == "on" else 0
                 work = Path(tmp) / kind / f"round-{rnd}"
-                got = run_round(model, kind, work, arm, every, rnd, w)
+                got = run_round(model, kind, work, arm, every, rnd, w, engines)
                 samples += got
                 ms = statistics.fmean(s.step_ms for s in got)
                 print(f"{kind} round {rnd} {arm}: {ms:.2f} ms a step", flush=True)
@@ -180,7 +191,7 @@ def main() -> None:
         )
     if a.out is not None:
         result["samples"] = [asdict(s) for s in samples]
-        a.out.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(a.out, result, host_record(engines=engines, link=LOOPBACK))
 
 
 if __name__ == "__main__":
