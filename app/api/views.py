@@ -43,7 +43,7 @@ from app.api.schemas import (
     Versions,
 )
 from app.kvcache.desc import GroupDesc
-from app.transfer.planning.digest import DigestMismatch
+from app.kvcache.digest import DigestMismatch
 from app.transfer.requests.agent import (
     Agent,
     GroupProgress,

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from app.transfer.planning.digest import HostMemory, digest_runs
+from app.kvcache.digest import HostMemory, digest_runs
 
 # kind -> bytes per descriptor (bf16, 8 KV heads x 128 dims x 16 tokens = 32 KiB a block)
 KINDS = {

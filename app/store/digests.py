@@ -2,7 +2,7 @@
 
 A page drawn at ``kv_digest.share`` (a hash of its key, so a save and any later load, on any
 sidecar, draw alike) gets a 16-byte companion object ``<key>/kvd``: the page's digest
-(``planning.digest``: wrapped lane sum and index-weighted lane sum) over the bytes stored.
+(``kvcache.digest``: wrapped lane sum and index-weighted lane sum) over the bytes stored.
 Mooncake Store keeps no metadata on its batch paths (``put_from_with_metadata`` is single-key
 and no get returns metadata), hence a companion. It is upserted only when this save stored the
 page, so it is the digest of the object there now, never of an evicted predecessor's bytes
@@ -26,15 +26,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.store.pool import PoolClient
-from app.store.pool_api import StoreLike
-from app.transfer.planning.digest import (
+from app.kvcache.digest import (
     DigestMismatch,
     DigestStats,
     HostMemory,
     digest_runs,
     sampled,
 )
+from app.store.pool import PoolClient
+from app.store.pool_api import StoreLike
 
 log = logging.getLogger(__name__)
 

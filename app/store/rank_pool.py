@@ -13,6 +13,7 @@ from typing import Literal
 
 from app.errors import ConfigError
 from app.kvcache.desc import LayoutDesc
+from app.kvcache.digest import HostMemory
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind
@@ -26,7 +27,6 @@ from app.store.hashing import (
     tail_hashes,
 )
 from app.store.keys import KeyPrefix, block_keys, tp_namespace
-from app.transfer.planning.digest import HostMemory
 
 _NS_KIND: dict[RegionKind, Literal["split", "replicate", "state"]] = {
     RegionKind.SPLIT: "split",

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from app.errors import ConfigError
+from app.kvcache.digest import DigestMismatch, DigestStats
 from app.store.coordinator import CacheHit
 from app.store.digests import Page, check_digests, drawn, store_digests
 from app.store.hashing import KeyRun
@@ -32,7 +33,6 @@ from app.store.pool_api import PoolConfig
 from app.store.rank_pool import RankPool
 from app.store.running import RunningCalls
 from app.store.tenants import TenantKeys
-from app.transfer.planning.digest import DigestMismatch, DigestStats
 
 log = logging.getLogger(__name__)
 

@@ -28,9 +28,9 @@ from app.devices.events import Gate, SidecarRing
 from app.devices.memory import ImportedMemory
 from app.errors import ProtocolError
 from app.kvcache.desc import LayoutDesc
+from app.kvcache.digest import DigestMismatch, DigestState
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
-from app.transfer.planning.digest import DigestMismatch, DigestState
 from app.transfer.planning.planner import MambaMode
 from app.transfer.planning.tp_mapping import senders
 from app.transfer.requests.stream import StreamThread

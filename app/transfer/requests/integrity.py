@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from app.transfer.planning.digest import (
+from app.kvcache.digest import (
     DigestMismatch,
     DigestRuns,
     DigestStats,

@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from app.errors import OutOfBoundsError
+from app.kvcache.digest import DigestVerdict
 from app.transfer.control.peers import Peer, Peers
-from app.transfer.planning.digest import DigestVerdict
 from app.transfer.planning.planner import check_block_ids
 from app.transfer.requests.agent import Agent, RecvRequest, agent_of, blocks, receive_manifest
 from app.transfer.requests.integrity import DigestStats, check_digests

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from app.errors import DeadlineExceeded, KVSidecarError
+from app.kvcache.digest import sampled
 from app.transfer.control.peers import Peer, Peers
-from app.transfer.planning.digest import sampled
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
 from app.transfer.requests.integrity import DigestStats, sender_digests
 from app.transfer.wire.protocol import MAX_DEADLINE_S, Abort, Ack, Done, Msg, Status

@@ -19,9 +19,9 @@ from app.errors import ProtocolError
 from app.kvcache.bounds import MAX_TP as MAX_TP
 from app.kvcache.bounds import Index, NonNegInt, TpSize
 from app.kvcache.desc import LayoutDesc
+from app.kvcache.digest import DigestRuns
 from app.kvcache.engine_spec import EngineRegistration
 from app.tracing.traceparent import PATTERN as TRACEPARENT_PATTERN
-from app.transfer.planning.digest import DigestRuns
 from app.transfer.planning.planner import MambaMode
 
 PROTOCOL_VERSION = 2

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from app.errors import OutOfBoundsError
-from app.transfer.planning.digest import HostMemory, digest_runs, first_mismatch, sampled
+from app.kvcache.digest import HostMemory, digest_runs, first_mismatch, sampled
 
 
 def _memory(buf: np.ndarray) -> HostMemory:
