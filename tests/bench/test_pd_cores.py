@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,8 @@ def test_own_process_tree_and_cpu_time() -> None:
     assert descendants([2**22 + 7]) == []  # no such process
     sum(i * i for i in range(200_000))  # burn a little
     assert process_cpu_s([os.getpid()]) > 0
+    # To the microsecond, not in 10 ms ticks: a short transfer's sidecars use less than one.
+    assert abs(process_cpu_s([os.getpid()]) - time.process_time()) < 2e-3
     mine = threads(os.getpid())
     assert any(t.tid == threading.get_native_id() for t in mine)
 

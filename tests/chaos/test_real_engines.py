@@ -254,7 +254,9 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     sc.notes.append(f"bound {bound:.1f} s ({done:.0f} of {total} tokens at {pace:.0f}/s)")
     assert sc.p_engine_took is not None and sc.fault_wall is not None, sc.notes
     # And step by step (vLLM's own step log): from 2 s after the kill until prefill answered
-    # its prefills, its median step is under twice its median step before the kill.
+    # its prefills, its median step is under three times its median step before the kill:
+    # decode now recomputes up to 33 prompts on the same two cores (a CI run measured 71 ms
+    # before, 148 ms after, 2.08x), while the fault this catches made each step wait 30 s.
     after_t0, after_t1 = sc.fault_wall + 2.0, sc.fault_wall + sc.p_engine_took
     logged = steps.between(w0, after_t1)
     normal = step_periods(logged, w0, sc.fault_wall)
@@ -268,7 +270,7 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     )
     sc.verify(outputs=True)
     assert sc.p_engine_took < bound, (bound, sc.notes)
-    assert ratio < 2.0, sc.notes
+    assert ratio < 3.0, sc.notes
     transfers_resume(pair)
 
 
