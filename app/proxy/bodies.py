@@ -14,6 +14,8 @@ from typing import Any
 # transfer can post or fetch its target; and decode's report, in its final
 # ``kv_transfer_params``, of whether the KV came (``"failed"``: it recomputed the prompt).
 from app.connectors.params import (
+    KV_LOAD_ERROR_PARAM,
+    KV_LOAD_ERRORS,
     KV_LOAD_PARAM,
     KV_SEND_ERROR_PARAM,
     KV_SEND_PARAM,
@@ -27,6 +29,7 @@ __all__ = [
     "TRANSFER_TOKEN_PARAM",
     "decode_body",
     "is_streamed",
+    "kv_load_error_of",
     "kv_load_of",
     "kv_send_failure",
     "local_body",
@@ -149,6 +152,16 @@ def kv_load_of(content: bytes) -> str | None:
     ``"failed"``, or None when absent or not JSON."""
     value = (_transfer_params(content, KV_LOAD_PARAM) or {}).get(KV_LOAD_PARAM)
     return value if value in KV_LOADS else None
+
+
+def kv_load_error_of(content: bytes) -> str | None:
+    """Why decode recomputed, as its connector said beside ``kv_load: "failed"`` (one of
+    ``KV_LOAD_ERRORS``, e.g. ``kv_digest_mismatch``), or None when it said nothing known."""
+    params = _transfer_params(content, KV_LOAD_ERROR_PARAM) or {}
+    if params.get(KV_LOAD_PARAM) != "failed":
+        return None
+    value = params.get(KV_LOAD_ERROR_PARAM)
+    return value if value in KV_LOAD_ERRORS else None
 
 
 def kv_send_failure(content: bytes) -> str | None:

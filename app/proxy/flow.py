@@ -51,6 +51,7 @@ from app.proxy.balancer import Pool, is_connection_failure
 from app.proxy.bodies import (
     decode_body,
     is_streamed,
+    kv_load_error_of,
     kv_load_of,
     local_body,
     new_transfer_token,
@@ -362,6 +363,7 @@ class PDFlow:
             return Response(status_code=CLIENT_GONE)
         if t.disaggregated and upstream.status_code == 200:
             t.kv_load = kv_load_of(content)
+            t.kv_load_error = kv_load_error_of(content)
         await x.end(*self._verdict(x))
         return Response(content, status_code=upstream.status_code, headers=out_headers)
 
@@ -469,7 +471,7 @@ class PDFlow:
         """Count the record's final status once both sides ended (either may end last)."""
         if not t.counted and t.status != "pending":
             t.counted = True
-            self.metrics.transfer(t.status, t.decode, t.disaggregated)
+            self.metrics.transfer(t.status, t.decode, t.disaggregated, t.recompute_reason)
 
     async def close(self) -> None:
         """Cut off every prefill still running (shutdown)."""

@@ -159,6 +159,14 @@ class ProxyMetrics:
             ["instance", "source"],
             registry=self.registry,
         )
+        self._recomputes = Counter(
+            "kvproxy_recomputes",
+            "Disaggregated requests decode recomputed after its KV load failed, by decode "
+            "instance and why, as decode's connector said: kv_digest_mismatch (the KV landed "
+            "but differed from what prefill sent), transfer_failed, or unreported.",
+            ["instance", "reason"],
+            registry=self.registry,
+        )
         self._stops = Counter(
             "kvproxy_decode_stops",
             "Transfers whose prefill failed for good and whose decode sidecar the proxy told to "
@@ -219,8 +227,11 @@ class ProxyMetrics:
         """A request needed a prefill and found none: ``decode_alone`` or ``refused``."""
         self._no_prefill.labels(action).inc()
 
-    def transfer(self, status: str, decode: str, disaggregated: bool) -> None:
-        """A transfer record settled with ``status`` (decode's instance ``decode``)."""
+    def transfer(
+        self, status: str, decode: str, disaggregated: bool, recompute_reason: str | None = None
+    ) -> None:
+        """A transfer record settled with ``status`` (decode's instance ``decode``);
+        ``recompute_reason``: why, when ``status`` is recomputed."""
         self._transfers.labels(status).inc()
         if status in ("decode_failed", "client_gone"):
             return  # no prompt answered, so nothing to say who computed it
@@ -230,6 +241,8 @@ class ProxyMetrics:
         self._prompts.labels(decode, "recomputed").inc()
         if disaggregated:
             self._failed.labels(decode, status).inc()
+        if recompute_reason is not None:
+            self._recomputes.labels(decode, recompute_reason).inc()
 
     def retry(self, stage: str, reason: str) -> None:
         self._retries.labels(stage, reason).inc()

@@ -22,6 +22,9 @@ PrefillOutcome = Literal[
     "no_target",
     "cancelled",
 ]
+# A recompute whose decode connector said no reason it knows (an older connector, a load the
+# scheduler refused before any transfer).
+UNREPORTED = "unreported"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class TransferRecord:
     ``kv_load`` is what decode's connector reported in its answer's ``kv_transfer_params``
     (``ok`` or ``failed``); None when it said nothing or the answer was streamed, which the
     proxy relays without reading: a streamed request whose KV never came shows ``ok``.
+    ``recompute_reason``, only when ``recomputed``: why, as decode's connector said it
+    (``kv_digest_mismatch``: the KV landed but its digest check failed at decode's sidecar;
+    ``transfer_failed``: any other failed load), or ``unreported``.
 
     ``attempts``: the upstream tries this client request took so far (1 + ``retries``, which
     say what failed and why, retries.py). A prefill retry stays in its transfer; a decode
@@ -69,6 +75,7 @@ class TransferRecord:
     # The W3C trace this request belongs to (the client's, or one the proxy started).
     trace_id: str | None = None
     kv_load: str | None = None
+    recompute_reason: str | None = None
     # The DP ranks that served it (instances named ``URL#dp<rank>``; None: no DP rank named).
     decode_dp_rank: int | None = None
     prefill_dp_rank: int | None = None
@@ -113,6 +120,7 @@ class TransferTracker:
     reason: str | None = None
     trace: TraceParent | None = None  # the proxy's server span: the calls' spans' parent
     kv_load: str | None = None  # decode's answer's kv_transfer_params.kv_load
+    kv_load_error: str | None = None  # ...and its kv_load_error: why it failed
     counted: bool = False  # its final status is in kvproxy_transfers_total
     retries: tuple[Retry, ...] = ()  # this request's, the earlier transfers' included
     retried_as: str | None = None  # decode failed and the request went on as this transfer
@@ -145,6 +153,13 @@ class TransferTracker:
             return "recomputed"
         return self.prefill_outcome or "local"
 
+    @property
+    def recompute_reason(self) -> str | None:
+        """Why decode recomputed (None unless the status is ``recomputed``)."""
+        if self.status != "recomputed":
+            return None
+        return self.kv_load_error or UNREPORTED
+
     def record(self) -> TransferRecord:
         return TransferRecord(
             transfer_id=self.transfer_id,
@@ -165,6 +180,7 @@ class TransferTracker:
             reason=self.reason,
             trace_id=None if self.trace is None else self.trace.trace_id,
             kv_load=self.kv_load,
+            recompute_reason=self.recompute_reason,
             decode_dp_rank=dp_rank(self.decode),
             prefill_dp_rank=None if self.prefill is None else dp_rank(self.prefill),
             attempts=1 + len(self.retries),

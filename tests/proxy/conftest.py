@@ -93,6 +93,7 @@ class Behaviour:
     chunks: int = 4
     chunk_delay_s: float = 0.0
     kv_load: str | None = None  # decode: reported in the final answer's kv_transfer_params
+    kv_load_error: str | None = None  # decode: and beside it, why it failed
     kv_send: str | None = None  # prefill: likewise ("failed": its sidecar was gone)
     # Prefill: whether its KV reaches decode (False: it dies mid-prefill, nothing comes).
     delivers: bool = True
@@ -285,6 +286,8 @@ class FakeVLLM:
             answer_kv["kv_load"] = "failed"
         elif self.behaviour.kv_load is not None:
             answer_kv["kv_load"] = self.behaviour.kv_load
+        if self.behaviour.kv_load_error is not None:
+            answer_kv["kv_load_error"] = self.behaviour.kv_load_error
         if self.behaviour.kv_send is not None:
             answer_kv.update(kv_send=self.behaviour.kv_send, kv_send_error=f"{self.name}: gone")
         return {

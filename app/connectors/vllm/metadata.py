@@ -14,6 +14,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from app.connectors.params import KV_DIGEST_MISMATCH
 from app.connectors.vllm.config import DEFAULT_TARGET_TIMEOUT_S
 from app.store.hashing import KeyRun
 from app.transfer.wire.protocol import AddSend, ExpectRecv, RemoteTarget, StepSlice
@@ -82,17 +83,25 @@ class PoolJob:
 
 @dataclass(frozen=True)
 class PoolSavesDone(KVConnectorWorkerMetadata):
-    """The running requests' stores a worker saw end this step (save id -> workers): the
-    scheduler releases a store's blocks once every worker has reported it."""
+    """What a worker reports with a step's output: the running requests' stores it saw end
+    (save id -> workers; the scheduler releases a store's blocks once every worker has
+    reported it), and why loads it failed in this step failed (vLLM request id -> one of
+    ``params.KV_LOAD_ERRORS``; vLLM's ``failed_recving`` names the requests, not why)."""
 
     saves: dict[str, int]
+    load_errors: dict[str, str] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         assert isinstance(other, PoolSavesDone)
         merged = dict(self.saves)
         for sid, n in other.saves.items():
             merged[sid] = merged.get(sid, 0) + n
-        return PoolSavesDone(merged)
+        # A digest mismatch on any rank is the reason: it says more than another's failure.
+        errors = dict(self.load_errors)
+        for rid, why in other.load_errors.items():
+            if errors.get(rid) != KV_DIGEST_MISMATCH:
+                errors[rid] = why
+        return PoolSavesDone(merged, errors)
 
 
 @dataclass

@@ -30,6 +30,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from vllm.v1.request import RequestStatus
 
 from app.connectors.params import (
+    KV_LOAD_ERROR_PARAM,
     KV_LOAD_PARAM,
     KV_SEND_ERROR_PARAM,
     KV_SEND_PARAM,
@@ -101,6 +102,7 @@ class _State:
     expects: list[Expect] = field(default_factory=list)
     local_hits: dict[str, int] = field(default_factory=dict)  # decode's own prefix hit
     failed_loads: set[str] = field(default_factory=set)  # expected requests whose load failed
+    load_errors: dict[str, str] = field(default_factory=dict)  # ...and why, where a worker said
     skipped: set[str] = field(default_factory=set)  # counted in ``skips`` already
     new_skips: list[str] = field(default_factory=list)  # their reasons, for the next step
 
@@ -412,6 +414,7 @@ class SchedulerSide:
                 self._abort_all(sid, "decode request aborted")
             failed = rid in self.state.failed_loads
             self.state.failed_loads.discard(rid)
+            why = self.state.load_errors.pop(rid, None)
             # For the conversation's next turn: prompt and answer, whoever computed them. On a
             # hybrid model the store keeps the longest prefix whose every block a hit there reads
             # is still held (a window's tail, a state at an aligned end), as for a prompt.
@@ -421,6 +424,7 @@ class SchedulerSide:
             return keep, {
                 "kv_sidecar_request_id": sid,
                 KV_LOAD_PARAM: "failed" if failed else "ok",
+                **({KV_LOAD_ERROR_PARAM: why} if failed and why is not None else {}),
             }
         keep = self.pool.save(request, block_ids, answer=self.pool.answers(_params(request)))
         send = self.state.sends.pop(rid, None)
@@ -463,9 +467,15 @@ class SchedulerSide:
         }
 
     def update_connector_output(self, output: Any) -> None:
+        # Why loads failed comes with the same step's output as their failure (the workers'
+        # PoolSavesDone): kept for the request's final kv_transfer_params.
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        errors: dict[str, str] = getattr(meta, "load_errors", None) or {}
         for rid in getattr(output, "failed_recving", None) or ():
             if rid in self.state.recvs:
                 self.state.failed_loads.add(rid)
+                if rid in errors:
+                    self.state.load_errors[rid] = errors[rid]
             else:
                 self.pool.load_failed(rid)
         for rid in getattr(output, "finished_sending", None) or ():

@@ -22,6 +22,7 @@ from typing import Any
 import msgspec
 
 from app.config import SidecarSettings
+from app.connectors.params import KV_DIGEST_MISMATCH, KV_LOAD_FAILED
 from app.connectors.vllm.config import ConnectorConfig
 from app.connectors.vllm.fresh_blocks import attention_views, zero_blocks
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata, PoolSavesDone
@@ -36,6 +37,7 @@ from app.devices.memory import Exported
 from app.engine_link.client import EngineLink, FinishedRequests
 from app.errors import KVSidecarError, SidecarGone
 from app.service import InProcessAgent
+from app.transfer.requests.integrity import is_mismatch
 from app.transfer.wire.protocol import FailedRequest, RemoteTarget, Status
 
 log = logging.getLogger(__name__)
@@ -114,6 +116,7 @@ class WorkerSide:
         self._sent: set[str] = set()  # sends the sidecar ended, not yet finished in vLLM
         self._vllm_finished: set[str] = set()
         self._failed_recvs: list[str] = []
+        self._load_errors: dict[str, str] = {}  # vLLM id -> why its load failed, to report
         self._recv_ids: dict[str, str] = {}  # sidecar id -> this engine's request id (loads)
         self._to_post: list[Expect] = []  # rank 0: expected this step, targets posted after it
         self._posts = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvs-router")
@@ -366,7 +369,11 @@ class WorkerSide:
                 log.warning(
                     "load of %s ended %s: %s; recomputing", f.request, f.status.name, f.error
                 )
-                failed.add(self._recv_ids.pop(f.request, f.request))
+                rid = self._recv_ids.pop(f.request, f.request)
+                failed.add(rid)
+                self._load_errors[rid] = (
+                    KV_DIGEST_MISMATCH if is_mismatch(f.error) else KV_LOAD_FAILED
+                )
         with self._lock:
             failed.update(self._failed_recvs)
             self._failed_recvs = []
@@ -389,9 +396,11 @@ class WorkerSide:
         return sending, recving | failed, failed
 
     def pool_saves_done(self) -> PoolSavesDone | None:
-        """Running requests' stores that ended on this rank since the last step."""
+        """Running requests' stores that ended on this rank since the last step, and why its
+        loads that failed in it failed (the scheduler tells the router: ``kv_load_error``)."""
         done = self.pool.take_running() if self.pool is not None else set()
-        return PoolSavesDone(dict.fromkeys(done, 1)) if done else None
+        errors, self._load_errors = self._load_errors, {}
+        return PoolSavesDone(dict.fromkeys(done, 1), errors) if done or errors else None
 
     def _register_again(self) -> None:
         """A sidecar came back after this rank's closed the link: register the same memory

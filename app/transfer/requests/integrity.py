@@ -27,6 +27,15 @@ from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 
 log = logging.getLogger(__name__)
 
+MISMATCH = "KV digest mismatch"
+"""How a failed request's error begins when decode's check found a mismatch: the engine's
+connector tells its router why decode recomputed (``is_mismatch``)."""
+
+
+def is_mismatch(error: str) -> bool:
+    """Whether a request's error says its KV digest check failed (else another failure)."""
+    return error.startswith(MISMATCH)
+
 
 def host_memory(agent: Agent) -> HostMemory | None:
     """The agent's engine memory as mapped here, or None for device memory (not digested)."""
@@ -122,7 +131,7 @@ def check_digests(
         sender_rank, int(layers[bad]), group, kind, int(block_of[bad]), int(length[bad])
     )
     why = (
-        f"KV digest mismatch from prefill rank {sender_rank}: layer {where.layer}, group "
+        f"{MISMATCH} from prefill rank {sender_rank}: layer {where.layer}, group "
         f"{group} ({kind}), block {where.block} ({where.nbytes} B at "
         f"0x{int(dst[bad]):x}); decode recomputes the request"
     )
