@@ -284,6 +284,9 @@ class RequestView(_Model):
     ended_at: float | None = Field(
         None, description="Reached its final state, Unix time; null until then."
     )
+    reported_at: float | None = Field(
+        None, description="Its end told to the engine, which then has its blocks back."
+    )
     layers: list[LayerTimelineView] | None = Field(
         None,
         description="Send, in GET /v1/requests/{id} only: each layer of each step, signalled, "

@@ -322,6 +322,7 @@ def request_view(req: Request, now: float | None = None, timeline: bool = False)
         traceparent=req.traceparent,
         created_at=req.created + wall,
         ended_at=None if req.finished_at is None else req.finished_at + wall,
+        reported_at=None if req.reported_at is None else req.reported_at + wall,
         layers=layers,
         steps=steps,
     )

@@ -89,6 +89,7 @@ class Request:
     error: str = ""
     bytes: int = 0
     reported: bool = False
+    reported_at: float | None = None  # handed back to the engine (get_finished): unpinned
     finished_at: float | None = None
     groups: dict[int, GroupProgress] = field(default_factory=dict)
     traceparent: str | None = None  # W3C trace context the engine passed (README "Tracing")
@@ -291,7 +292,7 @@ class Agent:
                     failed.append(
                         FailedRequest(rid, req.state, [b.tolist() for b in req.blocks], req.error)
                     )
-                req.reported = True
+                req.reported, req.reported_at = True, time.monotonic()
                 key = ("send" if isinstance(req, SendRequest) else "recv", req.state)
                 self.terminal[key] = self.terminal.get(key, 0) + 1
                 del table[rid]
