@@ -47,10 +47,10 @@ def bench_command(
     if ctx.invoked_subcommand is not None:
         return  # `bench pd ...`: its own options
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.host import LOOPBACK, host_record
-    from app.bench.report import plot, print_table, summarize
-    from app.bench.result_file import print_host, result_json, write_result
-    from app.bench.runner import BenchOptions, run_bench
+    from app.bench.core.host import LOOPBACK, host_record
+    from app.bench.core.result_file import print_host, result_json, write_result
+    from app.bench.goodput.report import plot, print_table, summarize
+    from app.bench.goodput.runner import BenchOptions, run_bench
 
     opts = BenchOptions.quick_preset() if quick else BenchOptions()
     if reps is not None:

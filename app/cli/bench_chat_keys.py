@@ -54,9 +54,9 @@ def chat_keys_command(
     # Heavy imports inside the command: see app/cli/main.py.
     from transformers import AutoTokenizer
 
-    from app.bench.chat_keys import ChatWorkload, measure, paragraphs, summarize
-    from app.bench.host import NO_LINK, host_record
-    from app.bench.result_file import print_host, write_result
+    from app.bench.chat_keys.bench import ChatWorkload, measure, paragraphs, summarize
+    from app.bench.core.host import NO_LINK, host_record
+    from app.bench.core.result_file import print_host, write_result
 
     prose = paragraphs(Path(__file__).resolve().parents[2] / "docs")
     w = ChatWorkload(conversations, turns, seed)

@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from app.bench.load_stats import SloFactors
+from app.bench.core.slo import SloFactors
 from app.cli.bench_load import TpotFactor, TtftFactor
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
@@ -53,15 +53,15 @@ def faults_command(
             f"--fraction {fraction}, --rate {rate}: expected 0 < fraction <= 2, rate > 0"
         )
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.fault_plan import (
+    from app.bench.faults.bench import run
+    from app.bench.faults.plan import (
         CONTROL,
         QUICK_FAULTS,
         QUICK_LENGTHS,
         FaultOptions,
         parse_faults,
     )
-    from app.bench.fault_report import plot, print_summary
-    from app.bench.faults import run
+    from app.bench.faults.report import plot, print_summary
 
     opts = FaultOptions(
         fraction=fraction,
@@ -89,7 +89,7 @@ def faults_command(
         opts = dataclasses.replace(opts, faults=parse_faults(faults))
     console = bench_console(as_json)
     out.mkdir(parents=True, exist_ok=True)
-    from app.bench.stop_signals import exit_on_signal
+    from app.bench.core.stop_signals import exit_on_signal
 
     exit_on_signal()
     result, host = run(opts)

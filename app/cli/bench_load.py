@@ -10,11 +10,11 @@ from typing import Annotated
 
 import typer
 
-from app.bench.load_stats import SloFactors
-from app.bench.load_workload import Lengths
-from app.bench.pd_cores import LOAD_REGIMES, binding
-from app.bench.pd_stats import SYSTEMS, parse_rate, parse_size
-from app.bench.result_file import split_host
+from app.bench.core.cores import LOAD_REGIMES, binding
+from app.bench.core.result_file import split_host
+from app.bench.core.slo import SloFactors
+from app.bench.core.stats import SYSTEMS, parse_rate, parse_size
+from app.bench.core.workload import Lengths
 from app.cli.bench_pd import LinkBurst, LinkRate, bench_console, report_run
 from app.errors import ConfigError
 
@@ -113,10 +113,11 @@ def load_command(
         raise ConfigError("--reps, --duration and --min-requests must be positive")
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.load_bench import QUICK_LENGTHS, LoadOptions
-    from app.bench.load_report import plot, print_summary
-    from app.bench.pd_bench import QUICK_MODEL
-    from app.bench.pd_netns import run_child
+    from app.bench.core.models import QUICK_MODEL
+    from app.bench.core.netns import run_child
+    from app.bench.core.workload import QUICK_LENGTHS
+    from app.bench.load.bench import LoadOptions
+    from app.bench.load.report import plot, print_summary
 
     base = Lengths()
     median = min(prompt_median, prompt_max)
@@ -153,7 +154,7 @@ def load_command(
         opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
     console = bench_console(as_json)
     console.print(bound.describe())
-    child = ("-m", "app.bench.load_bench")
+    child = ("-m", "app.bench.load.bench")
     # With --json the run's progress goes to stderr: stdout is the JSON alone.
     record = run_child(
         child, dataclasses.asdict(opts), out, "load.json", regime, sys.stderr if as_json else None

@@ -12,10 +12,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from app.bench.host import HostRecord
-from app.bench.pd_cores import REGIMES, binding
-from app.bench.pd_stats import SYSTEMS, Workload, parse_rate, parse_size, parse_workloads
-from app.bench.result_file import print_host, result_json, split_host, write_result
+from app.bench.core.cores import REGIMES, binding
+from app.bench.core.host import HostRecord
+from app.bench.core.result_file import print_host, result_json, split_host, write_result
+from app.bench.core.stats import SYSTEMS, Workload, parse_rate, parse_size, parse_workloads
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")
@@ -77,9 +77,10 @@ def pd_command(
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(REGIMES)}")
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.pd_bench import QUICK_MODEL, PDOptions
-    from app.bench.pd_netns import run_in_namespace
-    from app.bench.pd_report import plot, print_summary
+    from app.bench.core.models import QUICK_MODEL
+    from app.bench.pd.bench import PDOptions
+    from app.bench.pd.netns import run_in_namespace
+    from app.bench.pd.report import plot, print_summary
 
     opts = PDOptions(
         workloads=parse_workloads(sizes, concurrent),

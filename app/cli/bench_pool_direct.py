@@ -35,9 +35,9 @@ def pool_direct_command(
         raise ConfigError(
             f"--object-kib {object_kib}: each size must divide --total-mib {total_mib}"
         )
-    from app.bench.host import LOOPBACK, host_record
-    from app.bench.pool_vs_direct import PoolVsDirectOptions, run
-    from app.bench.result_file import print_host, write_result
+    from app.bench.core.host import LOOPBACK, host_record
+    from app.bench.core.result_file import print_host, write_result
+    from app.bench.pool.vs_direct import PoolVsDirectOptions, run
 
     result = run(PoolVsDirectOptions(sizes, total, reps))
     table = Table(

@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from app.bench.routing_workload import Workload
+from app.bench.routing.workload import Workload
 from app.errors import ConfigError
 
 _W = Workload()
@@ -54,9 +54,9 @@ def routing_command(
     if reps < 1 or prefills < 1 or routers < 1:
         raise ConfigError("--reps, --prefills and --routers must be at least 1")
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.result_file import print_host, result_json, write_result
-    from app.bench.routing_bench import RoutingOptions, run
-    from app.bench.routing_report import plot, print_summary
+    from app.bench.core.result_file import print_host, result_json, write_result
+    from app.bench.routing.bench import RoutingOptions, run
+    from app.bench.routing.report import plot, print_summary
 
     workload = Workload(
         tenants=tenants,

@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from app.bench.pd_cores import REGIMES, binding
-from app.bench.result_file import split_host
+from app.bench.core.cores import REGIMES, binding
+from app.bench.core.result_file import split_host
 from app.cli.bench_load import DTYPES
 from app.cli.bench_pd import bench_console, report_run
 from app.errors import ConfigError
@@ -59,11 +59,11 @@ def soak_command(
         raise ConfigError(f"--rate {rate}, --fraction {fraction}: expected > 0 (fraction <= 2)")
     binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.load_bench import QUICK_LENGTHS
-    from app.bench.pd_bench import QUICK_MODEL
-    from app.bench.pd_netns import run_child
-    from app.bench.soak import SoakOptions
-    from app.bench.soak_report import plot, print_summary
+    from app.bench.core.models import QUICK_MODEL
+    from app.bench.core.netns import run_child
+    from app.bench.core.workload import QUICK_LENGTHS
+    from app.bench.soak.bench import SoakOptions
+    from app.bench.soak.report import plot, print_summary
 
     opts = SoakOptions(
         rate=rate,
@@ -100,7 +100,7 @@ def soak_command(
         )
     console = bench_console(as_json)
     record = run_child(
-        ("-m", "app.bench.soak"),
+        ("-m", "app.bench.soak.bench"),
         dataclasses.asdict(opts),
         out,
         "soak.json",

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from app.bench.pd_cores import REGIMES
-from app.bench.turns_workload import TurnsWorkload
+from app.bench.core.cores import REGIMES
+from app.bench.turns.workload import TurnsWorkload
 from app.errors import ConfigError
 
 _W = TurnsWorkload()
@@ -77,12 +77,12 @@ def turns_command(
     if think_s < 0:
         raise ConfigError(f"--think-s must not be negative, got {think_s}")
     # Heavy imports inside the command: see app/cli/main.py.
-    from app.bench.engine_dtype import engine_dtype
-    from app.bench.pd_bench import FULL_MODEL, QUICK_MODEL
-    from app.bench.result_file import print_host, result_json, write_result
-    from app.bench.turns_bench import TurnsOptions, run
-    from app.bench.turns_report import plot, print_summary
-    from app.bench.turns_summary import ABLATIONS, HEADLINE
+    from app.bench.core.engine_dtype import engine_dtype
+    from app.bench.core.models import FULL_MODEL, QUICK_MODEL
+    from app.bench.core.result_file import print_host, result_json, write_result
+    from app.bench.turns.bench import TurnsOptions, run
+    from app.bench.turns.report import plot, print_summary
+    from app.bench.turns.summary import ABLATIONS, HEADLINE
 
     model = dict(FULL_MODEL)
     workload = TurnsWorkload(
@@ -100,7 +100,7 @@ def turns_command(
     if choice is not None:
         console.print(choice.describe())
     out.mkdir(parents=True, exist_ok=True)
-    from app.bench.stop_signals import exit_on_signal
+    from app.bench.core.stop_signals import exit_on_signal
 
     exit_on_signal()
     opts = TurnsOptions(

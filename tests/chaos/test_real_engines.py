@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from app.bench.pd_observe import LogTail, write_logging_config
-from app.bench.pd_stats import step_periods
+from app.bench.core.observe import LogTail, write_logging_config
+from app.bench.core.stats import step_periods
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.fault_pair import RECV_TIMEOUT_S, SIDECAR_ENV, VLLM_ARGS
 from app.harness.local_pd import LocalPD

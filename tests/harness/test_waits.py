@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from app.bench.pd_systems import check_kv_memory, kv_cache_env, memory_total
+from app.bench.core.systems import check_kv_memory, kv_cache_env, memory_total
 from app.errors import ConfigError
 from app.harness.waits import (
     PRIOR,

@@ -94,7 +94,7 @@ def test_a_late_call_is_running_until_it_returns_and_stuck_past_the_quarantine()
 def holder(master: MasterProcess) -> Iterator[subprocess.Popen[str]]:
     """The process whose segment holds every object (the service contributes none)."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "app.bench.pool_holder", master.rpc_address, str(64 << 20)],
+        [sys.executable, "-m", "app.bench.pool.holder", master.rpc_address, str(64 << 20)],
         cwd=REPO_ROOT,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

@@ -17,10 +17,10 @@ import asyncio
 
 import httpx
 
-from app.bench.load_step import fire, prompt_of
-from app.bench.load_workload import Request
-from app.bench.pd_systems import System
-from app.bench.pd_trial import stream
+from app.bench.core.step import fire, prompt_of
+from app.bench.core.systems import System
+from app.bench.core.trial import stream
+from app.bench.core.workload import Request
 from app.harness.local_pd import LocalPD
 
 RUNG = 7

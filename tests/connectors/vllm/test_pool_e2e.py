@@ -12,11 +12,11 @@ import httpx
 import pytest
 import torch
 
-from app.bench.pd_stats import SIDECAR
-from app.bench.pd_systems import System
-from app.bench.turn_stages import STAGES
-from app.bench.turns_bench import run_workload
-from app.bench.turns_workload import TurnsWorkload, conversations, in_turn_order
+from app.bench.core.stats import SIDECAR
+from app.bench.core.systems import System
+from app.bench.turns.bench import run_workload
+from app.bench.turns.stages import STAGES
+from app.bench.turns.workload import TurnsWorkload, conversations, in_turn_order
 from app.harness.engines import prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from tests.conftest import wait_for

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.bench.mooncake_store_pd import STORE_PEER, MooncakeStorePD
-from app.bench.pd_systems import System
-from app.bench.turns_bench import BLOCK, run_turn, start
-from app.bench.turns_workload import Message, TurnsWorkload
+from app.bench.core.store_pd import STORE_PEER, MooncakeStorePD
+from app.bench.core.systems import System
+from app.bench.turns.bench import BLOCK, run_turn, start
+from app.bench.turns.workload import Message, TurnsWorkload
 from app.harness.tiny_models import write_tiny_model
 from tests.connectors.vllm.conftest import prompt
 

@@ -1,0 +1,1 @@
+"""``python -m app.bench.digest``: what the KV digest costs."""

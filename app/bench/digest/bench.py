@@ -1,0 +1,49 @@
+"""Micro-benchmark of the KV digest (issue 51): ms and CPU seconds per GB, by run length.
+
+Run lengths stand for the group kinds: a full-attention or MLA block run (whole blocks, long
+coalesced runs), a TP head slice (one block's slice), a sliding window's tail (a few blocks), a
+GDN/Mamba state slice. ``python -m app.bench.digest``."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from app.kvcache.digest import HostMemory, digest_runs
+
+# kind -> bytes per descriptor (bf16, 8 KV heads x 128 dims x 16 tokens = 32 KiB a block)
+KINDS = {
+    "full/mla (64-block runs)": 64 * 32768,
+    "block (32 KiB)": 32768,
+    "tp slice (8 KiB)": 8192,
+    "gdn state slice (2 KiB)": 2048,
+}
+
+
+def measure(run_bytes: int, total: int = 256 << 20, repeat: int = 3) -> tuple[float, float]:
+    """(wall ms per GB, CPU s per GB) digesting ``total`` bytes in runs of ``run_bytes``."""
+    buf = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8)
+    mem = HostMemory(((buf.ctypes.data, buf.nbytes),))
+    n = total // run_bytes
+    addrs = buf.ctypes.data + np.arange(n, dtype=np.int64) * run_bytes
+    lens = np.full(n, run_bytes, np.int64)
+    best_wall, best_cpu = float("inf"), float("inf")
+    for _ in range(repeat):
+        w0, c0 = time.perf_counter(), time.process_time()
+        digest_runs(mem, addrs, lens)
+        best_wall = min(best_wall, time.perf_counter() - w0)
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    gb = n * run_bytes / 1e9
+    return best_wall * 1e3 / gb, best_cpu / gb
+
+
+def main() -> None:
+    print(f"{'kind':28} {'ms/GB':>8} {'CPU s/GB':>9}")
+    for kind, size in KINDS.items():
+        wall, cpu = measure(size)
+        print(f"{kind:28} {wall:8.1f} {cpu:9.3f}")
+
+
+if __name__ == "__main__":
+    main()

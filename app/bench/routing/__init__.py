@@ -1,0 +1,1 @@
+"""``kv-sidecar bench routing``: routing policies under eviction."""

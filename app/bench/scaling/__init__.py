@@ -1,0 +1,1 @@
+"""``python -m app.bench.scaling``: one transfer's costs as the prompt grows."""

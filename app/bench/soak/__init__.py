@@ -1,0 +1,1 @@
+"""``kv-sidecar bench soak``: a long run at a steady load; what grows."""

@@ -1,0 +1,1 @@
+"""``kv-sidecar bench turns``: multi-turn conversations against the store-equipped peer."""
