@@ -33,9 +33,12 @@ def _imported(path: Path, root: Path) -> list[str]:
             out.append(base)
             # ``from app.bench import pd``: the names may be packages themselves
             out += [f"{base}.{a.name}" for a in node.names if base == "app.bench"]
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-            if MODULE_PATH.fullmatch(node.value):
-                out.append(node.value)
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and MODULE_PATH.fullmatch(node.value)
+        ):
+            out.append(node.value)
     return [m for m in out if m.startswith("app.bench.")]
 
 
