@@ -1,4 +1,5 @@
-"""Run ``bench pd`` inside a network namespace of its own, and remove it however the run ends.
+"""Run a bench (``bench pd``, ``bench load``, ``bench soak``) inside a network namespace of its
+own, and remove it however the run ends; ``child_main`` is the run's side of it.
 
 Everything (engines, sidecars, proxies, taps, Mooncake, the client) runs in
 ``kvsbench-<pid>``, on its loopback only, so shaping that loopback (``tc ... tbf``) shapes
@@ -14,12 +15,26 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 from app.bench.core.cores import binding
+from app.bench.core.host import HostRecord
+from app.bench.core.result_file import write_result
+from app.bench.core.stop_signals import exit_on_signal
 from app.errors import BenchError, ConfigError
+
+FAILURE = "failure.txt"  # why a run did not finish, one line (run_child reads it)
+
+
+class ChildOptions(Protocol):
+    @property
+    def out(self) -> str: ...
+
+
+Opts = TypeVar("Opts", bound=ChildOptions)
 
 
 def _ip(*args: str) -> None:
@@ -97,4 +112,16 @@ def run_child(
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
 
 
-FAILURE = "failure.txt"  # why a run did not finish, one line (pd_netns.run_child reads it)
+def child_main(
+    argv: list[str] | None,
+    options: Callable[[str], Opts],
+    run: Callable[[Opts], tuple[dict[str, Any], HostRecord]],
+    result: str,
+) -> None:
+    """What ``run_child`` starts: ``python -m BENCH OPTIONS.json`` reads its options, stops on
+    SIGTERM too, runs and writes ``result`` (with the host record) to the options' ``out``."""
+    args = sys.argv[1:] if argv is None else argv
+    opts = options(Path(args[0]).read_text())
+    exit_on_signal()
+    figures, host = run(opts)
+    write_result(Path(opts.out) / result, figures, host)

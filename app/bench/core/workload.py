@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from app.errors import ConfigError
 
+# Token ids drawn for prompts and messages: below the tiny models' vocabularies, above their
+# special ids.
+TOKEN_IDS = (10, 1000)
+
 
 @dataclass(frozen=True)
 class Lengths:
@@ -89,3 +93,8 @@ def ladder(service_s: float, fractions: Sequence[float]) -> tuple[float, ...]:
 
 
 QUICK_LENGTHS = Lengths(median=256, sigma=0.8, lo=64, hi=1024, out_lo=8, out_hi=32)
+
+
+def random_tokens(rng: random.Random, n: int) -> tuple[int, ...]:
+    """``n`` token ids drawn from ``rng`` in ``TOKEN_IDS``."""
+    return tuple(rng.randrange(*TOKEN_IDS) for _ in range(n))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from app.bench.core.host import HostRecord, host_record, links_text, stack_engin
 from app.bench.core.interleave import aa_name
 from app.bench.core.link import calibration_text, set_link
 from app.bench.core.models import FULL_MODEL
-from app.bench.core.result_file import write_result
+from app.bench.core.netns import child_main
 from app.bench.core.slo import (
     Slo,
     SloFactors,
@@ -36,7 +35,6 @@ from app.bench.core.slo import (
 )
 from app.bench.core.stats import SIDECAR, SYSTEMS
 from app.bench.core.step import run_step, unloaded, wait_idle
-from app.bench.core.stop_signals import exit_on_signal
 from app.bench.core.systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.core.target_path import STAGES
 from app.bench.core.workload import Lengths, Request, ladder, schedule
@@ -219,11 +217,7 @@ def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    opts = LoadOptions.from_json(Path(args[0]).read_text())
-    exit_on_signal()
-    result, host = run(opts)
-    write_result(Path(opts.out) / "load.json", result, host)
+    child_main(argv, LoadOptions.from_json, run, "load.json")
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from app.bench.core.workload import random_tokens
 from app.errors import ConfigError
-
-# Token ids drawn for prompts: below the tiny models' vocabularies, above special ids.
-_LOW, _HIGH = 10, 1000
 
 
 @dataclass(frozen=True)
@@ -58,7 +56,7 @@ class Arrival:
 def system_prompt(w: Workload, tenant: int) -> tuple[int, ...]:
     """Tenant ``tenant``'s system prompt (the same in every run with this seed)."""
     rng = random.Random(f"{w.seed}/system/{tenant}")
-    return tuple(rng.randrange(_LOW, _HIGH) for _ in range(w.system_tokens))
+    return random_tokens(rng, w.system_tokens)
 
 
 def arrivals(w: Workload) -> list[Arrival]:
@@ -74,7 +72,7 @@ def arrivals(w: Workload) -> list[Arrival]:
         if not (burst_start < i < burst_start + w.burst):
             t += rng.expovariate(w.rate_per_s)
         tenant = rng.choices(range(w.tenants), weights)[0]
-        suffix = tuple(rng.randrange(_LOW, _HIGH) for _ in range(w.suffix_tokens))
+        suffix = random_tokens(rng, w.suffix_tokens)
         burst = burst_start <= i < burst_start + w.burst
         out.append(Arrival(t, tenant, systems[tenant] + suffix, burst))
     return out

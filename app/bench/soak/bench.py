@@ -15,7 +15,6 @@ import asyncio
 import json
 import os
 import statistics
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -28,11 +27,10 @@ from app.bench.core.calibrate import CALIBRATION_RUNG, calibrate, set_up
 from app.bench.core.cores import descendants, place_threads, placement_text, proc_usage
 from app.bench.core.host import LOOPBACK, HostRecord, host_record, stack_engines
 from app.bench.core.models import FULL_MODEL
-from app.bench.core.result_file import write_result
+from app.bench.core.netns import child_main
 from app.bench.core.slo import percentile, timings
 from app.bench.core.stats import SIDECAR
 from app.bench.core.step import fire, unloaded, wait_idle
-from app.bench.core.stop_signals import exit_on_signal
 from app.bench.core.systems import SIDECAR_PROCESSES, System, start_systems, stop_systems
 from app.bench.core.workload import Lengths, Request, schedule
 from app.bench.soak.stats import delta, ended_once, grew, growth, labelled
@@ -208,11 +206,7 @@ def _result(
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    opts = SoakOptions.from_json(Path(args[0]).read_text())
-    exit_on_signal()
-    result, host = run(opts)
-    write_result(Path(opts.out) / "soak.json", result, host)
+    child_main(argv, SoakOptions.from_json, run, "soak.json")
 
 
 if __name__ == "__main__":

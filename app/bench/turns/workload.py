@@ -15,10 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from app.bench.core.workload import random_tokens
 from app.errors import ConfigError
-
-# Token ids of messages: below the tiny models' vocabularies, above their special ids.
-_LOW, _HIGH = 10, 1000
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ def conversations(w: TurnsWorkload, salt: int = 0) -> list[list[Message]]:
             else:
                 long = lengths.random() < w.long_share
                 n = lengths.randint(*(w.long if long else w.short))
-            body = tuple(tokens.randrange(_LOW, _HIGH) for _ in range(n))
+            body = random_tokens(tokens, n)
             msgs.append(Message(c, t, body, long))
         out.append(msgs)
     return out
