@@ -240,12 +240,12 @@ def vllm_args(commands: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...
 
 
 def links_text(links: Sequence[Mapping[str, Any]]) -> str:
-    """Each phase's link (``pd_bench.set_link``'s records), in order."""
+    """Each phase's link (``core.link.set_link``'s records), in order."""
     return "; ".join(link_text(x) for x in links)
 
 
 def link_text(link: Mapping[str, Any]) -> str:
-    """``pd_bench.set_link``'s record as one phrase."""
+    """``core.link.set_link``'s record as one phrase."""
     if link.get("link") == "unshaped":
         return LOOPBACK
     if link.get("link") == "shaped":

@@ -8,7 +8,7 @@ transfer path:
   raises when torch has no accelerator; while the connector is built it answers 0 (the value
   only feeds ``current_platform.set_device``, a no-op on CPU).
 - The connector is built, and its KV caches registered, on a thread of its own
-  (``pd_cores.run_on_transfer_thread``): named ``kvs-mooncake`` and, with
+  (``core.cores.run_on_transfer_thread``): named ``kvs-mooncake`` and, with
   ``KVS_BENCH_TRANSFER_CPUS`` set (the dedicated-core regime), pinned to those CPUs. Every
   thread Mooncake's transfer engine and the connector start (sender pool, listener and receiver
   loops, bootstrap server) inherits both, so they run on the transfer core and their CPU time

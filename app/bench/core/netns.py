@@ -86,7 +86,7 @@ def run_child(
             signal.signal(s, stop)
         _ip("netns", "exec", ns, "ip", "link", "set", "lo", "up")
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-        # The regime's binding (pd_cores): every process of both systems inherits it.
+        # The regime's binding (core.cores): every process of both systems inherits it.
         env |= binding(regime, os.sched_getaffinity(0)).env()
         child = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, *child_args, str(path)],

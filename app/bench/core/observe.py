@@ -186,7 +186,7 @@ def mooncake_transfers(events: Path, t0: float, t1: float) -> dict[str, Any]:
     return {
         "bytes": sum(int(r["bytes"]) for r in rows if r["ev"] == "sent"),
         # D's receiver adds a request here when its pull ended, failed pulls too: decode's
-        # computed tokens tell which ones loaded (pd_stats.failed_loads).
+        # computed tokens tell which ones loaded (core.stats.failed_loads).
         "landed": sorted(r["t"] for r in rows if r["ev"] == "d_landed"),
         "timeline": None,
         "p_finished": sorted(r["t"] for r in rows if r["ev"] == "p_finished"),

@@ -222,7 +222,7 @@ def handoff_ms(ttft_ms: float | None, p_prefill_ms: float | None) -> float | Non
 
 
 def link_calibration(unloaded: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """``bench pd``'s shaped rate (``pd_stats.calibrate_link``) from the unloaded run: per
+    """``bench pd``'s shaped rate (``core.stats.calibrate_link``) from the unloaded run: per
     prompt length, KV bytes and P's prefill time over the answered requests of both systems."""
     return calibrate_link(
         {

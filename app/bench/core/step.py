@@ -1,6 +1,6 @@
 """One ``bench load`` rate step on one system: the requests sent open-loop at their scheduled
 times through the system's front door, decode's (and prefill's) vLLM gauges sampled meanwhile,
-then what the step cost, read the way ``bench pd`` reads a trial (``pd_trial``, ``pd_observe``).
+then what the step cost, read the way ``bench pd`` reads a trial (``core.trial``, ``core.observe``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ PREEMPTIONS = "vllm:num_preemptions"
 
 
 def prompt_of(tokens: int, rung: int, index: int) -> list[int]:
-    # pd_trial's prompts (seed gives tokens - 1): distinct per request of a step, the same for
+    # core.trial's prompts (seed gives tokens - 1): distinct per request of a step, the same for
     # every system. The rung's part of the seed vanishes mod 1000, so every rung sends the same
     # prompts; the bench's engines keep no prefix cache, so one rung's cannot hit another's.
     return seed(tokens + 1, rung * 100_000 + index)
@@ -49,7 +49,7 @@ async def _one(
         return out | {"error": cancelled, "ended": time.time()}
     out["sent"] = time.time()  # late on a busy client: "sent" - "scheduled" says how late
     # The drawn output length, whatever the model's EOS: a request judged complete needs every
-    # asked token (load_stats.judge), and an early EOS is not a missed SLO.
+    # asked token (core.slo.judge), and an early EOS is not a missed SLO.
     return out | await attempt(client, url, prompt, req.max_tokens, cancelled, ignore_eos=True)
 
 
@@ -196,7 +196,7 @@ def run_step(
         else None,
         "d_computed_tokens": computed,
         "recomputed_share": computed / prompt_total if prompt_total else 0.0,
-        # pd_stats.failed_loads for prompts of the step's mean length: an estimate here.
+        # core.stats.failed_loads for prompts of the step's mean length: an estimate here.
         "failed_loads_est": failed_loads(computed, round(prompt_total / n), n),
         "transfer_cpu_ms": 1e3 * cpu_s,
         "cpu_ms_per_request": 1e3 * cpu_s / n,

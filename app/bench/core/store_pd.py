@@ -11,7 +11,7 @@ sent (``MultiConnector`` gives a request to the first child that matches tokens)
 
 The pair has a Mooncake master of its own, started with it and stopped with it: every start is
 an empty store. Each engine gives the store ``segment_bytes``, as each kv-sidecar sidecar gives
-its pool ``pool_segment_bytes``: the same capacity. The CPU shims are ``mooncake_store_peer``'s.
+its pool ``pool_segment_bytes``: the same capacity. The CPU shims are ``core.store_peer``'s.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ in the store's lookup, load or save path:
   runs the forward pass on the worker's thread and returns when its KV is written, so an event
   recorded after it is already complete.
 - The connector is built, and its KV caches registered, on the transfer thread
-  (``pd_cores.run_on_transfer_thread``), as ``mooncake_peer`` does for ``MooncakeConnector``: the
+  (``core.cores.run_on_transfer_thread``), as ``mooncake_peer`` does for ``MooncakeConnector``: the
   store's transfer engine, its send and receive threads and its lookup server run on the
   transfer core in the dedicated regime, not on the forward's.
 - ``MultiConnector`` rebuilds its children's transfer stats by class name from vLLM's connector

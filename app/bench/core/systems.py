@@ -1,9 +1,9 @@
 """The two P/D systems ``bench pd`` compares, started the same way and observed the same way.
 
 Both get the same model files and engine flags (``LocalPD``'s), a tap before P
-(``pd_front tap``) and a front door the client talks to: kv-sidecar's own proxy, driven only
+(``core.front tap``) and a front door the client talks to: kv-sidecar's own proxy, driven only
 through ``LocalPD`` (so a change of its flow is what gets measured), and for vLLM's
-``MooncakeConnector`` the minimal proxy in ``pd_front``.
+``MooncakeConnector`` the minimal proxy in ``core.front``.
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ class MooncakePD(LocalPD):
             )
 
     def ktc(self, inst: Instance) -> dict[str, Any]:
-        """``inst``'s ``--kv-transfer-config`` (``mooncake_store_pd`` adds the store)."""
+        """``inst``'s ``--kv-transfer-config`` (``core.store_pd`` adds the store)."""
         return {
             "kv_connector": "BenchMooncakeConnector",
             "kv_connector_module_path": "app.bench.core.mooncake_peer",
@@ -294,7 +294,7 @@ def start_systems(
 
 
 def start_mooncake_front(moon: MooncakePD, prefill: str) -> str:
-    """The minimal proxy before vLLM's ``MooncakeConnector`` pair (``pd_front mooncake``),
+    """The minimal proxy before vLLM's ``MooncakeConnector`` pair (``core.front mooncake``),
     sending prompts to ``prefill`` (P's URL, or a tap before it); its URL."""
     args = ["mooncake", "--prefill", prefill, "--decode", moon.decode.url]
     args += ["--bootstrap", moon.bootstrap, "--engine-id", "mooncake-prefill"]

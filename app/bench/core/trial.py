@@ -18,10 +18,10 @@ streamed, then observed the same way for both systems.
 - ``bytes``: what P's transfer agent reported sending (kv-sidecar: P sidecar's send records;
   Mooncake: its sender's ``record_transfer``).
 - ``transfer_cpu_ms``, ``cpu_ms_per_request``, ``cpu_s_per_gib``: CPU time of the system's
-  transfer path during the trial (``pd_systems.CPU_SCOPE``), from ``/proc``.
+  transfer path during the trial (``core.systems.CPU_SCOPE``), from ``/proc``.
 
-A trial counts when every output equals one of the references (``pd_stats.match_reference``,
-the same set for both systems), decode computed no prompt itself (``pd_stats.failed_loads``,
+A trial counts when every output equals one of the references (``core.stats.match_reference``,
+the same set for both systems), decode computed no prompt itself (``core.stats.failed_loads``,
 from vLLM's per-step token counts on D) and every prompt's KV was seen landing.
 """
 
@@ -185,7 +185,7 @@ def figures(
 ) -> dict[str, Any]:
     """A trial's figures from what was observed: the client's ``answers`` (sent, first token
     time, tokens), the tap's records of P, P's times (``p_times``), what the transfer agents
-    recorded (``pd_systems.System.transfers``), D's engine steps, the prompts' length and the
+    recorded (``core.systems.System.transfers``), D's engine steps, the prompts' length and the
     CPU time of the transfer path."""
     prompts = len(answers)
     computed = sum(i.context_tokens for i in d_steps)

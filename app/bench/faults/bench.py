@@ -2,12 +2,12 @@
 master with the KV pool on) under open-loop load; one part at a time is killed (SIGKILL) with
 transfers in flight and restarted while the load goes on (issue 38 item 4).
 
-In order: the pair starts; warm-up and ``load_bench.calibrate`` (the SLO, the unloaded service
+In order: the pair starts; warm-up and ``core.calibrate.calibrate`` (the SLO, the unloaded service
 time); the references (every prompt's greedy answer on prefill alone, with a ``cache_salt`` of
 their own: the pool keeps their KV apart); then per phase (the control phase first, nothing
 killed) the same seeded request sequence at ``fraction`` / service time, each phase with its
 own ``cache_salt`` (a phase's repeats hit the pool, the other phases' prompts do not). What
-a row counts: ``fault_plan.FaultRow``; how each is observed: docs/benchmarks.md, "bench faults".
+a row counts: ``faults.plan.FaultRow``; how each is observed: docs/benchmarks.md, "bench faults".
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from app.harness.kv_watch import changed_outside, close_breaker
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 
-PROMPT_RUNG, PROBE_RUNG = 500, 501  # load_step.prompt_of: apart from calibration's prompts
+PROMPT_RUNG, PROBE_RUNG = 500, 501  # core.step.prompt_of: apart from calibration's prompts
 REF_SALT = "kvs-faults-ref"
 
 

@@ -4,7 +4,7 @@ goodput is back after a fault, and one phase's row of the table.
 Goodput back (``goodput_back``): requests sent after the kill, in send order, in windows of
 ``window`` consecutive requests; goodput is back at the send time of the first request from
 which every window starting within the next ``hold_s`` seconds has at least ``target`` of its
-requests meeting the SLO (``load_stats.judge``). The time is counted from the kill.
+requests meeting the SLO (``core.slo.judge``). The time is counted from the kill.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class FaultRequest:
 def phase_requests(
     rate: float, duration_s: float, seed: int, lengths: Lengths, repeat_share: float
 ) -> tuple[FaultRequest, ...]:
-    """Poisson arrivals (``load_workload.schedule``); each prompt snapped (``snap_prompt``),
+    """Poisson arrivals (``core.workload.schedule``); each prompt snapped (``snap_prompt``),
     and with probability ``repeat_share`` the prompt of an earlier request instead."""
     if not 0 <= repeat_share < 1:
         raise ConfigError(f"repeat share {repeat_share}: expected 0 <= share < 1")

@@ -84,7 +84,7 @@ async def in_flight(client: httpx.AsyncClient, pd: LocalPD, timeout_s: float) ->
 
 
 async def pool_snapshot(client: httpx.AsyncClient, pd: LocalPD) -> dict[str, dict[str, float]]:
-    """Both sidecars' pool counters (``fault_plan.pool_counts``); {} for one that is down."""
+    """Both sidecars' pool counters (``faults.plan.pool_counts``); {} for one that is down."""
     out: dict[str, dict[str, float]] = {}
     for role, inst in (("prefill", pd.prefill), ("decode", pd.decode)):
         try:

@@ -1,8 +1,8 @@
 """``bench load``'s run, inside the network namespace: both systems under open-loop load.
 
-``python -m app.bench.load.bench OPTIONS.json`` is what ``pd_netns.run_child`` runs; it writes
+``python -m app.bench.load.bench OPTIONS.json`` is what ``core.netns.run_child`` runs; it writes
 ``load.json`` to the output folder. The same systems, engines, regimes, taps and records as
-``bench pd`` (``pd_systems``, ``pd_cores``, ``pd_observe``). In order: warm-up (not counted);
+``bench pd`` (``core.systems``, ``core.cores``, ``core.observe``). In order: warm-up (not counted);
 the unloaded run (calibration lengths one at a time, on each system), which gives the SLO and
 the service time the ladder of rates is made from; then per rate, the same seeded request
 sequence on each system, which goes first alternating rate by rate; at one rate kv-sidecar runs
@@ -61,7 +61,7 @@ class LoadOptions:
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
     regime: str = "shared"
     link: str = "unshaped"  # unshaped | shaped: loopback shaped after the unloaded run
-    rate_bps: float | None = None  # shaped; None: calibrated (pd_stats.calibrate_link's rule)
+    rate_bps: float | None = None  # shaped; None: calibrated (core.stats.calibrate_link's rule)
     burst: int | None = None
     slo: SloFactors = field(default_factory=SloFactors)
 

@@ -1,8 +1,8 @@
 """``bench pd``'s run, inside the network namespace: both systems, references, phases.
 
-``python -m app.bench.pd.bench OPTIONS.json`` is what ``pd_netns`` runs in the namespace; it
+``python -m app.bench.pd.bench OPTIONS.json`` is what ``pd.netns`` runs in the namespace; it
 writes ``pd.json`` to the output folder. A trial, what it measures and when it counts:
-``pd_trial``. Each phase (a link setting) first warms both systems up the same way (every
+``core.trial``. Each phase (a link setting) first warms both systems up the same way (every
 workload once each, not counted), then runs the trials: systems alternate trial by trial, the
 first rotating; with ``aa`` set, one system is measured twice per round (``SYSTEM-aa``, the
 same engines): the A/A ratio is the noise floor of every figure.
@@ -71,7 +71,7 @@ class PDOptions:
     quick: bool = False
     out: str = "bench-pd-out"
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
-    regime: str = "shared"  # shared | dedicated (pd_cores)
+    regime: str = "shared"  # shared | dedicated (core.cores)
     aa: str | None = SIDECAR  # measured twice per round: the A/A noise floor; None: not
 
     @classmethod
@@ -146,7 +146,7 @@ def _groups(systems: Sequence[System]) -> dict[str, list[int]]:
 def references(
     pd: LocalPD, workloads: Sequence[Workload], max_tokens: int
 ) -> tuple[dict[Workload, list[list[int]]], dict[Workload, list[dict[str, list[int]]]]]:
-    """Prompts and, per prompt, both references (``pd_stats.match_reference``) from one engine
+    """Prompts and, per prompt, both references (``core.stats.match_reference``) from one engine
     alone, no transfer: ``n-1`` (LocalPD.reference: the prompt is the seed plus the engine's
     own first token, the answer the rest of its generation) and ``n`` (the engine's answer to
     that whole prompt).
@@ -188,7 +188,7 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
     out = Path(opts.out)
     work = out / "work"
     b = binding(opts.regime, os.sched_getaffinity(0))
-    os.environ.update(b.env())  # pd_netns sets it too; every process started here inherits it
+    os.environ.update(b.env())  # core.netns sets it too; every process started here inherits it
     print(b.describe(), flush=True)
     longest = check_fits(opts)
     model = write_tiny_model(work / "model", "llama", overrides=opts.model)

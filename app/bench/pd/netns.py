@@ -14,5 +14,5 @@ CHILD = ("-m", "app.bench.pd.bench")  # what runs in the namespace (tests swap i
 
 
 def run_in_namespace(opts: PDOptions) -> dict[str, Any]:
-    """Create the namespace, run ``pd_bench`` in it, remove it; the run's result."""
+    """Create the namespace, run ``pd.bench`` in it, remove it; the run's result."""
     return run_child(CHILD, asdict(opts), Path(opts.out), "pd.json", opts.regime)

@@ -1,9 +1,9 @@
 """``bench soak``'s run, inside the network namespace: kv-sidecar under a steady open-loop load
 for a long time, its transfer path's processes watched.
 
-``python -m app.bench.soak.bench OPTIONS.json`` is what ``pd_netns.run_child`` runs; it writes
+``python -m app.bench.soak.bench OPTIONS.json`` is what ``core.netns.run_child`` runs; it writes
 ``soak.json`` to the output folder. The same system, engines and regimes as ``bench load``
-(``pd_systems``, ``pd_cores``). In order: warm-up requests; the rate (given, or a share of the
+(``core.systems``, ``core.cores``). In order: warm-up requests; the rate (given, or a share of the
 unloaded service rate measured here); one seeded Poisson sequence for the whole duration, while
 each sidecar's and the proxy's RSS, open descriptors and threads are sampled; then the drain,
 and the sidecars' and the proxy's counters against the number of requests.

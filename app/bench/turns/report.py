@@ -111,7 +111,7 @@ def _print_drift(drift: dict[str, Any], console: Console) -> None:
 
 def _print_stages(per: dict[str, Any], turns: int, console: Console) -> None:
     """Where the TTFT goes (P50 ms): prefill's forward and the rest, every system; kv-sidecar's
-    stages from its sidecars' stamps (``turn_stages``). Older results lack them: "-"."""
+    stages from its sidecars' stamps (``turns.stages``). Older results lack them: "-"."""
     table = Table(title="where the TTFT goes, P50 ms (kv-sidecar's stages from its sidecars)")
     cols = ("turn", "system", "TTFT", "P fwd", "TTFT-P fwd", *STAGES, "pool load")
     for col in cols:

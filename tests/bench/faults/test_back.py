@@ -1,4 +1,4 @@
-"""``bench faults``: when goodput is back after a kill (``fault_plan.goodput_back``)."""
+"""``bench faults``: when goodput is back after a kill (``faults.plan.goodput_back``)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``bench faults``: one phase's row from its answers (``fault_plan.fault_row``, ``outcome``)."""
+"""``bench faults``: one phase's row from its answers (``faults.plan.fault_row``, ``outcome``)."""
 
 from __future__ import annotations
 
