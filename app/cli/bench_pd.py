@@ -15,7 +15,8 @@ from rich.console import Console
 from app.bench.core.cores import REGIMES, binding
 from app.bench.core.host import HostRecord
 from app.bench.core.result_file import print_host, result_json, split_host, write_result
-from app.bench.core.stats import SYSTEMS, Workload, parse_rate, parse_size, parse_workloads
+from app.bench.core.stats import SYSTEMS, parse_rate, parse_size
+from app.bench.pd.stats import Workload, parse_workloads
 from app.errors import ConfigError
 
 LINKS = ("unshaped", "shaped", "both")

@@ -25,19 +25,13 @@ from app.bench.core.interleave import aa_name
 from app.bench.core.link import calibration_text, set_link
 from app.bench.core.models import FULL_MODEL
 from app.bench.core.netns import child_main
-from app.bench.core.slo import (
-    Slo,
-    SloFactors,
-    handoff_ms,
-    link_calibration,
-    step_figures,
-    summarize_steps,
-)
+from app.bench.core.slo import Slo, SloFactors
 from app.bench.core.stats import SIDECAR, SYSTEMS
 from app.bench.core.step import run_step, unloaded, wait_idle
 from app.bench.core.systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.core.target_path import STAGES
 from app.bench.core.workload import Lengths, Request, ladder, schedule
+from app.bench.load.stats import handoff_ms, link_calibration, step_figures, summarize_steps
 
 
 @dataclass(frozen=True)

@@ -29,14 +29,7 @@ from app.bench.core.link import calibration_text, set_link
 from app.bench.core.models import FULL_MODEL
 from app.bench.core.netns import FAILURE
 from app.bench.core.result_file import write_result
-from app.bench.core.stats import (
-    SIDECAR,
-    SYSTEMS,
-    Workload,
-    calibrate_link,
-    summarize,
-    trial_order,
-)
+from app.bench.core.stats import SIDECAR, SYSTEMS, calibrate_link
 from app.bench.core.stop_signals import exit_on_signal
 from app.bench.core.systems import (
     CPU_SCOPE,
@@ -48,6 +41,7 @@ from app.bench.core.systems import (
     stop_systems,
 )
 from app.bench.core.trial import line, run_trial, seed
+from app.bench.pd.stats import Workload, summarize, trial_order
 from app.errors import ConfigError, KVSidecarError
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import LONG_POSITIONS, write_tiny_model

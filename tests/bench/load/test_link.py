@@ -12,9 +12,9 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from app.bench.core.slo import link_calibration
 from app.bench.load.bench import LoadOptions, shape
 from app.bench.load.report import print_summary
+from app.bench.load.stats import link_calibration
 from app.cli.main import app
 from app.errors import ConfigError
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.bench.core.slo import FIGURES
+from app.bench.load.stats import FIGURES
 
 pytestmark = [
     pytest.mark.skipif(

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from app.bench.core.stats import METRICS, SIDECAR_ONLY
+from app.bench.pd.stats import METRICS, SIDECAR_ONLY
 
 pytestmark = [
     pytest.mark.skipif(

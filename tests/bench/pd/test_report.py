@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from app.bench.core.cores import binding
-from app.bench.core.stats import METRICS, summarize
 from app.bench.pd.report import plot, print_summary
+from app.bench.pd.stats import METRICS, summarize
 
 A, B, A2 = "kv-sidecar", "mooncake", "kv-sidecar-aa"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from app.bench.core.slo import knee, knee_ratio, summarize_steps
+from app.bench.load.stats import knee, knee_ratio, summarize_steps
 
 A, B = "kv-sidecar", "mooncake"
 

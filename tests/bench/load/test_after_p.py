@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from app.bench.core.front import prompt_key
-from app.bench.core.slo import Slo, step_figures
+from app.bench.core.slo import Slo
 from app.bench.core.step import p_answered, prompt_of
+from app.bench.load.stats import step_figures
 
 SLO = Slo(prefill_a_s=0.010, prefill_b_s=0.0001, tpot_s=0.020)
 RUNG = 3

@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from app.bench.core.slo import Slo, judge, step_figures
+from app.bench.core.slo import Slo, judge
+from app.bench.load.stats import step_figures
 
 # Prefill(n) = 10 ms + 0.1 ms/token: TTFT limit at 100 tokens = 2 x 20 ms + 100 ms = 140 ms;
 # TPOT limit = 1.5 x 20 ms = 30 ms.
