@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import ipaddress
 from pathlib import Path
+from typing import cast
 
 import zmq
 import zmq.asyncio
@@ -40,6 +41,12 @@ class ControlServer:
     ``inline`` type are answered in the receive loop itself, without a task: their handler must
     never wait. An engine polls ``GetFinished`` every step, and the task per poll cost the
     sidecar a core's worth of CPU that the transfers on a small host need.
+
+    The socket is a plain (not ``zmq.asyncio``) ROUTER read without blocking when the loop
+    sees its descriptor readable: pyzmq's asyncio wrapper builds futures and re-arms its
+    handlers on every receive and send, about half of a poll's round trip in this process.
+    A ROUTER's send never blocks (a peer gone or over its HWM loses the reply), so replies are
+    sent at once.
     """
 
     def __init__(
@@ -70,7 +77,9 @@ class ControlServer:
         self._auth = auth
         self.name = name
         self._sem = asyncio.Semaphore(max_inflight)
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._fd: int | None = None
+        self._readable: asyncio.Future[None] | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._throttle = LogThrottle(log_interval_s)
@@ -103,7 +112,8 @@ class ControlServer:
             raise RuntimeError(f"{self.name}: already started on {self.endpoint}")
         if self._endpoint.startswith("ipc://"):
             _ipc_prepare(self._endpoint)
-        sock = self._ctx.socket(zmq.ROUTER)
+        # A plain socket on the asyncio context's I/O threads (see the class docstring).
+        sock: zmq.Socket[bytes] = zmq.Context.shadow(self._ctx.underlying).socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes * _HARD_CAP_FACTOR)
         try:
@@ -114,9 +124,10 @@ class ControlServer:
         # LAST_ENDPOINT carries the port the OS chose for "tcp://host:0" or "tcp://host:*".
         self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
-        self._loop_task = asyncio.get_running_loop().create_task(
-            self._serve(sock), name=f"{self.name}-recv"
-        )
+        loop = asyncio.get_running_loop()
+        fd = self._fd = cast(int, sock.getsockopt(zmq.FD))
+        loop.add_reader(fd, self._wake)
+        self._loop_task = loop.create_task(self._serve(sock), name=f"{self.name}-recv")
         log.info("%s: serving on %s", self.name, self.endpoint)
         if self._auth is None and _exposed(self.endpoint):
             log.warning(
@@ -134,14 +145,47 @@ class ControlServer:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._loop_task = None
+        if self._fd is not None:
+            asyncio.get_running_loop().remove_reader(self._fd)
+            self._fd = None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+    def _wake(self) -> None:
+        """The socket's descriptor is readable: let the receive loop look. While it is not
+        waiting (a handler runs, or ``max_inflight`` handlers do), reading ``EVENTS`` clears
+        the descriptor, or the loop would call this again on every turn; the receive loop
+        tries a receive before it waits, so nothing is missed."""
+        if self._readable is not None:
+            if not self._readable.done():
+                self._readable.set_result(None)
+        elif self._sock is not None:
+            _pending(self._sock)
+
+    async def _recv(self, sock: zmq.Socket[bytes]) -> list[bytes]:
+        """The next message, waiting on the descriptor while there is none.
+
+        ZMQ's descriptor signals edges, not levels, and any call on the socket (a send too) may
+        consume one: so ``EVENTS`` is read after every miss, before waiting, which re-arms it.
+        """
         while True:
             try:
-                frames = await sock.recv_multipart()
+                return sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            if _pending(sock):
+                continue
+            self._readable = asyncio.get_running_loop().create_future()
+            try:
+                await self._readable
+            finally:
+                self._readable = None
+
+    async def _serve(self, sock: zmq.Socket[bytes]) -> None:
+        while True:
+            try:
+                frames = await self._recv(sock)
             except zmq.ZMQError as e:  # socket or context closed under us: nothing left to serve
                 log.error("%s: receive loop stopped: %s", self.name, e)
                 return
@@ -171,7 +215,7 @@ class ControlServer:
                         # Unsealed: the frame may not have been authenticated.
                         await self._send(sock, frames[0], corr, Error(reason=reason), sealed=False)
 
-    async def _dispatch(self, sock: zmq.asyncio.Socket, frames: list[bytes]) -> None:
+    async def _dispatch(self, sock: zmq.Socket[bytes], frames: list[bytes]) -> None:
         identity = frames[0]
         if len(frames) != 3 or len(frames[1]) != 8:
             corr = frames[1] if len(frames) >= 3 and len(frames[1]) == 8 else b""
@@ -222,7 +266,7 @@ class ControlServer:
 
     async def _reject(
         self,
-        sock: zmq.asyncio.Socket,
+        sock: zmq.Socket[bytes],
         identity: bytes,
         corr: bytes,
         reason: str,
@@ -240,7 +284,7 @@ class ControlServer:
             await self._send(sock, identity, corr, Error(reason=reason), sealed=sealed)
 
     async def _handle(
-        self, sock: zmq.asyncio.Socket, identity: bytes, corr: bytes, msg: AnyMsg
+        self, sock: zmq.Socket[bytes], identity: bytes, corr: bytes, msg: AnyMsg
     ) -> None:
         kind = type(msg).__name__
         reply: Msg | None
@@ -267,7 +311,7 @@ class ControlServer:
 
     async def _send(
         self,
-        sock: zmq.asyncio.Socket,
+        sock: zmq.Socket[bytes],
         identity: bytes,
         corr: bytes,
         reply: Msg,
@@ -284,8 +328,19 @@ class ControlServer:
         if sealed and self._auth is not None:
             payload = self._auth.seal(payload)
         # ROUTER never blocks on send: a peer that left or is over its HWM just loses the reply.
-        await sock.send_multipart([identity, corr, payload])
-        self.replies += 1
+        try:
+            sock.send_multipart([identity, corr, payload], zmq.NOBLOCK)
+            self.replies += 1
+        except zmq.Again:
+            pass
+        # The send may have consumed the descriptor's edge of a message that came meanwhile.
+        if self._readable is not None and _pending(sock):
+            self._wake()
+
+
+def _pending(sock: zmq.Socket[bytes]) -> bool:
+    """A message waits to be received (reading ``EVENTS`` also re-arms the descriptor)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _ipc_prepare(endpoint: str) -> None:
