@@ -15,12 +15,14 @@ from app.cli.bench_pd import pd_command
 from app.cli.bench_pool_direct import pool_direct_command
 from app.cli.bench_routing import routing_command
 from app.cli.bench_soak import soak_command
+from app.cli.bench_tables import tables_command
 from app.cli.bench_turns import turns_command
 
 bench_app = typer.Typer(
     help="Benchmarks: the sidecar against raw Mooncake (no subcommand), P/D side by side "
     "(pd), open-loop load (load), prefill routing policies (routing), or faults under load "
-    "(faults), multi-turn (turns, chat-keys, pool-vs-direct), soak (soak).",
+    "(faults), multi-turn (turns, chat-keys, pool-vs-direct), soak (soak); the docs' tables "
+    "from the committed results (tables).",
     invoke_without_command=True,
     pretty_exceptions_enable=False,
 )
@@ -85,3 +87,4 @@ bench_app.command("turns")(turns_command)
 bench_app.command("soak")(soak_command)
 bench_app.command("chat-keys")(chat_keys_command)
 bench_app.command("pool-vs-direct")(pool_direct_command)
+bench_app.command("tables")(tables_command)
