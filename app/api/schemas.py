@@ -287,6 +287,9 @@ class RequestView(_Model):
     reported_at: float | None = Field(
         None, description="Its end told to the engine, which then has its blocks back."
     )
+    claimed_at: float | None = Field(
+        None, description="Recv: a prefill rank first claimed it (had decode's target)."
+    )
     layers: list[LayerTimelineView] | None = Field(
         None,
         description="Send, in GET /v1/requests/{id} only: each layer of each step, signalled, "

@@ -323,6 +323,11 @@ def request_view(req: Request, now: float | None = None, timeline: bool = False)
         created_at=req.created + wall,
         ended_at=None if req.finished_at is None else req.finished_at + wall,
         reported_at=None if req.reported_at is None else req.reported_at + wall,
+        claimed_at=(
+            req.claimed_at + wall
+            if isinstance(req, RecvRequest) and req.claimed_at is not None
+            else None
+        ),
         layers=layers,
         steps=steps,
     )

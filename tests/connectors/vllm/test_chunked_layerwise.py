@@ -106,7 +106,12 @@ def test_each_chunk_goes_during_its_own_step(chunked_pd: LocalPD) -> None:
     send, recv = _run(chunked_pd, PROMPT_TOKENS, salt=41)
     steps = send["steps"]
     t0 = steps[0]["began_at"]
+    # Concurrent dispatch: until decode's target reached prefill (decode's claim) the layers
+    # are held, then written at once; every layer signalled after it goes as it comes.
+    claim = recv["claimed_at"]
+    print(f"decode's blocks claimed {_ms(claim, t0)} ms after prefill's first step began")
     nexts = [s["began_at"] for s in steps[1:]] + [math.inf]
+    live = 0
     for i, (s, next_began) in enumerate(zip(steps, nexts, strict=True)):
         layers = sorted(
             (t for t in send["layers"] if t["step"] == s["step"]), key=lambda t: t["layer"]
@@ -127,12 +132,17 @@ def test_each_chunk_goes_during_its_own_step(chunked_pd: LocalPD) -> None:
         until = min(next_began, s["forward_ended_at"] + MARGIN_S)
         for t in layers:
             assert s["began_at"] <= t["signalled_at"] < until, (i, shown)
-            # Written before the next chunk began, not kept for the request's end.
-            assert t["submitted_at"] is not None and t["submitted_at"] < until, (i, shown)
-        # And while this step still computed: the first layer went before the last was
-        # signalled. The first step's layers may wait for decode's target (concurrent dispatch).
-        if i > 0:
+            if t["signalled_at"] < claim:  # held for the target: written once it came
+                assert t["submitted_at"] <= claim + MARGIN_S, (i, shown)
+            else:  # written before the next chunk began, not kept for the request's end
+                assert t["submitted_at"] < until, (i, shown)
+        if layers[0]["signalled_at"] >= claim:
+            live += 1
+            # And while this step still computed: the first layer went before the last was
+            # signalled.
             assert layers[0]["submitted_at"] < layers[-1]["signalled_at"], (i, shown)
+    # Not vacuous: the target came within the first step or two (a 1 s late one: none live).
+    assert live >= len(steps) / 2, (live, len(steps))
 
     end = steps[-1]["forward_ended_at"]
     writes = [t["landed_at"] - t["submitted_at"] for t in send["layers"]]
