@@ -8,12 +8,13 @@ several steps. The clock is the sidecars' own records (``GET /v1/requests/{id}``
 side, per step its announcement (``began_at``, vLLM's ``bind_connector_metadata``) and its
 forward's end (``forward_ended_at``, ``wait_for_save``), and per layer and step when it was
 signalled, submitted and landed; on decode's side, when the receive was admitted (its blocks
-reserved for prefill's writes), when it had all the KV, and when its end was told to the engine
-(``reported_at``: vLLM has the blocks back then).
+reserved for prefill's writes), when prefill claimed them (``claimed_at``: it had the target),
+when it had all the KV, and when its end was told to the engine (``reported_at``: vLLM has the
+blocks back then).
 
-Catches a worker that keeps every chunk's layers for the request's last step (one bulk push at
-the end): the earlier steps then have no layer of their own, and decode waits for all of them
-after prefill ended.
+Catches a worker that signals no layer during the forward (every chunk's layers at its step's
+end), and one whose layers wait for the prefill's end (a target fetch held 5 s: every layer
+written after the last step, decode pinned for the wait).
 """
 
 from __future__ import annotations
