@@ -20,12 +20,14 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 def renders() -> dict[str, Render]:
     """Table kind (what a marker names) -> what renders it from a result."""
+    from app.bench.faults.tables import phases
     from app.bench.pool.tables import vs_direct
     from app.bench.routing.tables import policies
     from app.bench.scaling.tables import lengths
     from app.bench.soak.tables import growth
 
     return {
+        "faults": phases,
         "pool-vs-direct": vs_direct,
         "routing": policies,
         "scaling": lengths,
