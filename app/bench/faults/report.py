@@ -18,11 +18,25 @@ OUTCOMES = {  # outcome -> (plot color, y offset within the phase's lane)
 }
 
 
+HEADER = (  # a phase's row, here and in docs/benchmarks.md (faults.tables)
+    "fault",
+    "sent",
+    "errors",
+    "wrong",
+    "lost",
+    "changed B (blocks / bound)",
+    "goodput back s",
+    "restart s",
+    "SLO met before / after",
+)
+
+
 def _s(v: float | None, fmt: str = ".1f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _back(r: Mapping[str, Any]) -> str:
+def back_cell(r: Mapping[str, Any]) -> str:
+    """When goodput came back after the kill, s; '-' for the control phase."""
     if r["fault"] == "none":
         return "-"
     return "not back" if r["back_s"] is None else f"{r['back_s']:.1f}"
@@ -52,17 +66,7 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         title="bench faults: one part killed (SIGKILL) under load, restarted; changed = bytes on "
         "decode outside every block a record named (blocks / blocks of unrecorded prompts)"
     )
-    for head in (
-        "fault",
-        "sent",
-        "errors",
-        "wrong",
-        "lost",
-        "changed B (blocks / bound)",
-        "goodput back s",
-        "restart s",
-        "SLO met before / after",
-    ):
+    for head in HEADER:
         table.add_column(head, justify="left" if head == "fault" else "right")
     for p in result["phases"]:
         r = p["row"]
@@ -73,7 +77,7 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
             str(r["wrong"]),
             str(r["lost"]),
             changed_cell(r),
-            _back(r),
+            back_cell(r),
             _s(r["restart_s"]),
             f"{_s(r['attainment_before'], '.0%')} / {_s(r['attainment_after'], '.0%')}",
         )

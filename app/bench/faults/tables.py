@@ -7,28 +7,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from app.bench.core.tables import Table, num
-
-HEADER = (
-    "fault",
-    "sent",
-    "errors",
-    "wrong",
-    "lost",
-    "changed B (blocks / bound)",
-    "goodput back s",
-    "restart s",
-    "SLO met before / after",
-)
+from app.bench.faults.report import HEADER, back_cell, changed_cell
 
 
 def _share(v: float | None) -> str:
     return "-" if v is None else f"{num(100 * v)}%"
-
-
-def _back(r: Mapping[str, Any]) -> str:
-    if r["fault"] == "none":
-        return "-"  # the control: nothing to come back from
-    return "not back" if r["back_s"] is None else num(r["back_s"], 1)
 
 
 def phases(result: Mapping[str, Any]) -> Table:
@@ -39,8 +22,8 @@ def phases(result: Mapping[str, Any]) -> Table:
             str(r["errors"]),
             str(r["wrong"]),
             str(r["lost"]),
-            f"{r['changed_bytes']} ({r['changed_blocks']} / ≤{r['alone_blocks']})",
-            _back(r),
+            changed_cell(r),
+            back_cell(r),
             "-" if r["restart_s"] is None else num(r["restart_s"], 1),
             f"{_share(r['attainment_before'])} / {_share(r['attainment_after'])}",
         )
