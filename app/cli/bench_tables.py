@@ -26,6 +26,7 @@ def renders() -> dict[str, Render]:
     from app.bench.routing.tables import policies
     from app.bench.scaling.tables import lengths
     from app.bench.soak.tables import growth
+    from app.bench.turns.tables import with_loaded, without_loaded
 
     return {
         "faults": phases,
@@ -35,6 +36,8 @@ def renders() -> dict[str, Render]:
         "routing": policies,
         "scaling": lengths,
         "soak": growth,
+        "turns": without_loaded,
+        "turns-loaded": with_loaded,
     }
 
 
