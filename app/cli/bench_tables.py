@@ -26,7 +26,7 @@ def renders() -> dict[str, Render]:
     from app.bench.routing.tables import policies
     from app.bench.scaling.tables import lengths
     from app.bench.soak.tables import growth
-    from app.bench.turns.tables import with_loaded, without_loaded
+    from app.bench.turns.tables import store, store_forward, with_loaded, without_loaded
 
     return {
         "faults": phases,
@@ -38,6 +38,8 @@ def renders() -> dict[str, Render]:
         "soak": growth,
         "turns": without_loaded,
         "turns-loaded": with_loaded,
+        "turns-store": store,
+        "turns-store-forward": store_forward,
     }
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from app.bench.core.store_pd import STORE_PEER
 from app.bench.core.tables import Table, num
 
 SIDECAR, AA, NO_ANSWERS, MOONCAKE = (
@@ -54,3 +55,48 @@ def with_loaded(result: Mapping[str, Any]) -> Table:
 
 def without_loaded(result: Mapping[str, Any]) -> Table:
     return _table(result, loaded=False)
+
+
+def _store_table(result: Mapping[str, Any], forward: bool) -> Table:
+    per = result["summary"]["per_turn"]
+    pair = (SIDECAR, STORE_PEER)
+
+    def both(turn: str, key: str) -> list[str]:
+        return [num(per[s][turn][key]) for s in pair]
+
+    header = [
+        "turn",
+        "new message",
+        "history",
+        "prefill computed: kv-sidecar / store peer",
+        "loaded: kv-sidecar (pool) / store peer (store)",
+        "TTFT P50 ms: kv-sidecar / store peer",
+        *(["prefill forward P50 ms"] if forward else []),
+    ]
+    rows = []
+    for turn, mine in sorted(per[SIDECAR].items(), key=lambda kv: int(kv[0])):
+        computed = both(turn, "prefill_computed")
+        if int(turn) > 1:
+            computed[0] = f"**{computed[0]}**"
+        rows.append(
+            (
+                turn,
+                num(mine["new_tokens"]),
+                num(mine["history_tokens"]),
+                " / ".join(computed),
+                " / ".join(both(turn, "prefill_loaded")),
+                " / ".join(both(turn, "ttft_p50_ms")),
+                *([" / ".join(both(turn, "p_forward_p50_ms"))] if forward else []),
+            )
+        )
+    return Table(tuple(header), tuple(rows))
+
+
+def store(result: Mapping[str, Any]) -> Table:
+    """Against the store-equipped peer (its answers through Mooncake's store)."""
+    return _store_table(result, forward=False)
+
+
+def store_forward(result: Mapping[str, Any]) -> Table:
+    """The same, with prefill's forward pass P50 on each system."""
+    return _store_table(result, forward=True)
