@@ -1,24 +1,23 @@
 """``bench load``'s result as docs/benchmarks.md shows it: a row per rate, kv-sidecar's figure
-then MooncakeConnector's in each cell (medians over the reps; the A/A pass is in the prose)."""
+then MooncakeConnector's in each cell, from each system's step at that rate (the runs in the
+docs have one rep; the A/A pass is in the prose)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from app.bench.core.slo import ATTAINMENT
 from app.bench.core.stats import MOONCAKE, SIDECAR
 from app.bench.core.tables import Table, num
+from app.errors import BenchError
 
-Row = Mapping[str, Any]  # one system's summary row at one rate
-Column = tuple[str, Callable[[Row, Row], str]]  # header, (kv-sidecar's row, mooncake's) -> cell
-
-
-def _m(r: Row, key: str) -> float:
-    return float(r[key]["median"])
+Step = Mapping[str, Any]  # one system's step at one rate
+Column = tuple[str, Callable[[Step, Step], str]]  # header, (kv-sidecar's step, mooncake's) -> cell
 
 
-def _pair(key: str, fmt: Callable[[float], str], sep: str = " / ") -> Callable[[Row, Row], str]:
-    return lambda a, b: f"{fmt(_m(a, key))}{sep}{fmt(_m(b, key))}"
+def _pair(key: str, fmt: Callable[[float], str], sep: str = " / ") -> Callable[[Step, Step], str]:
+    return lambda a, b: f"{fmt(a[key])}{sep}{fmt(b[key])}"
 
 
 def _s(ms: float) -> str:
@@ -29,25 +28,33 @@ def _share(v: float) -> str:
     return f"{num(100 * v)}%"
 
 
+def _slo_met_knee(a: Step, b: Step) -> str:
+    # Bold where both reach the knee's share: the rates the knee is read from.
+    text = f"{_share(a['attainment'])} / {_share(b['attainment'])}"
+    return f"**{text}**" if min(a["attainment"], b["attainment"]) >= ATTAINMENT else text
+
+
+def _slo_parts(a: Step, b: Step) -> str:
+    return (
+        f"{_share(a['attainment'])} / {_share(b['attainment'])} "
+        f"({_share(a['ttft_ok_share'])} / {_share(b['ttft_ok_share'])}, "
+        f"{_share(a['tpot_ok_share'])} / {_share(b['tpot_ok_share'])})"
+    )
+
+
 RATE: Column = ("rate req/s", lambda a, _: f"{a['rate']:.3g}")
 TTFT_P90: Column = ("TTFT P90 s: kv-sidecar / mooncake", _pair("ttft_p90_ms", _s))
-RATIO: Column = (
-    "ratio",
-    lambda a, b: num(_m(a, "ttft_p90_ms") / _m(b, "ttft_p90_ms"), 2),
-)
+RATIO: Column = ("ratio", lambda a, b: num(a["ttft_p90_ms"] / b["ttft_p90_ms"], 2))
+HANDOFF: Column = ("handoff ms", _pair("handoff_ms", num))
 GOODPUT: Column = ("goodput req/s", _pair("goodput_rps", lambda v: num(v, 3)))
 SLO_MET: Column = ("SLO met", _pair("attainment", _share))
-
-
-def _handoff(header: str) -> Column:
-    return (header, _pair("handoff_ms", num))
-
+CPU_PER_REQUEST: Column = ("transfer-path CPU ms a request", _pair("cpu_ms_per_request", num))
 
 SHARED = (  # the shared regime's full run
     RATE,
     TTFT_P90,
     RATIO,
-    _handoff("handoff ms: kv-sidecar / mooncake"),
+    ("handoff ms: kv-sidecar / mooncake", HANDOFF[1]),
     GOODPUT,
     SLO_MET,
     (
@@ -55,15 +62,35 @@ SHARED = (  # the shared regime's full run
         _pair("transfer_cpu_ms", lambda ms: f"{ms / 1e3:.2g}"),
     ),
 )
-TPOT = (  # the dedicated regime, every drawn token
+SPLIT = (  # the split regime's full run
     RATE,
     TTFT_P90,
     RATIO,
-    _handoff("handoff ms"),
+    HANDOFF,
+    ("TPOT P50 ms", _pair("tpot_p50_ms", lambda v: num(v, 1))),
+    GOODPUT,
+    ("SLO met (TTFT ok, TPOT ok)", _slo_parts),
+    CPU_PER_REQUEST,
+)
+FULL_LENGTH = (  # every drawn token, the split regime: where the knee is
+    RATE,
+    ("n", lambda a, _: str(a["n_requests"])),
+    TTFT_P90,
+    RATIO,
+    HANDOFF,
+    GOODPUT,
+    ("SLO met", _slo_met_knee),
+    CPU_PER_REQUEST,
+)
+TPOT = (  # every drawn token, the dedicated regime
+    RATE,
+    TTFT_P90,
+    RATIO,
+    HANDOFF,
     (
         "TPOT P50 / P90 ms: kv-sidecar; mooncake",
         lambda a, b: "; ".join(
-            f"{num(_m(r, 'tpot_p50_ms'), 1)} / {num(_m(r, 'tpot_p90_ms'), 1)}" for r in (a, b)
+            f"{num(r['tpot_p50_ms'], 1)} / {num(r['tpot_p90_ms'], 1)}" for r in (a, b)
         ),
     ),
     GOODPUT,
@@ -72,20 +99,33 @@ TPOT = (  # the dedicated regime, every drawn token
 
 
 def _rates(result: Mapping[str, Any], columns: Sequence[Column]) -> Table:
-    rows: dict[float, dict[str, Row]] = {}
-    for r in result["summary"]["rows"]:
-        rows.setdefault(r["rate"], {})[r["system"]] = r
+    by_rate: dict[float, dict[str, Step]] = {}
+    for s in result["steps"]:
+        if s["system"] in by_rate.setdefault(s["rate"], {}):
+            raise BenchError(
+                f"a table of one step per system and rate, got two of {s['system']} at "
+                f"{s['rate']} req/s (reps {result['options'].get('reps')})"
+            )
+        by_rate[s["rate"]][s["system"]] = s
     return Table(
         tuple(h for h, _ in columns),
         tuple(
             tuple(cell(by[SIDECAR], by[MOONCAKE]) for _, cell in columns)
-            for _, by in sorted(rows.items())
+            for _, by in sorted(by_rate.items())
         ),
     )
 
 
 def shared(result: Mapping[str, Any]) -> Table:
     return _rates(result, SHARED)
+
+
+def split(result: Mapping[str, Any]) -> Table:
+    return _rates(result, SPLIT)
+
+
+def full_length(result: Mapping[str, Any]) -> Table:
+    return _rates(result, FULL_LENGTH)
 
 
 def tpot(result: Mapping[str, Any]) -> Table:
