@@ -10,6 +10,7 @@ from typing import Any
 from app.bench.core.slo import ATTAINMENT
 from app.bench.core.stats import MOONCAKE, SIDECAR
 from app.bench.core.tables import Table, num
+from app.bench.core.target_path import STAGES
 from app.errors import BenchError
 
 Step = Mapping[str, Any]  # one system's step at one rate
@@ -130,3 +131,67 @@ def full_length(result: Mapping[str, Any]) -> Table:
 
 def tpot(result: Mapping[str, Any]) -> Table:
     return _rates(result, TPOT)
+
+
+AA_LABEL = {f"{SIDECAR}-aa": f"{SIDECAR} (A/A)"}
+SYSTEM_ORDER = (SIDECAR, f"{SIDECAR}-aa", MOONCAKE)
+
+
+def _rate_cell(v: float) -> str:
+    return "0" if v == 0 else num(v, 2)
+
+
+def systems(result: Mapping[str, Any]) -> Table:
+    """A row per rate and system (kv-sidecar, its A/A pass, mooncake): the step's figures."""
+    header = (
+        "rate/s",
+        "system",
+        "n",
+        "TTFT p50 / p90 ms",
+        "handoff ms",
+        "P prefill ms",
+        "P queue ms",
+        "TPOT p50 ms",
+        "thr/s",
+        "good/s",
+        "SLO met",
+        "D records not DONE",
+        "decode recomputed (est.)",
+    )
+    steps = sorted(result["steps"], key=lambda s: (s["rate"], SYSTEM_ORDER.index(s["system"])))
+    rows = tuple(
+        (
+            f"{s['rate']:.3g}",
+            AA_LABEL.get(s["system"], s["system"]),
+            str(s["n_requests"]),
+            f"{num(s['ttft_p50_ms'])} / {num(s['ttft_p90_ms'])}",
+            num(s["handoff_ms"]),
+            num(s["p_prefill_ms"]),
+            num(s["p_queue_ms"]),
+            num(s["tpot_p50_ms"], 1),
+            _rate_cell(s["throughput_rps"]),
+            _rate_cell(s["goodput_rps"]),
+            _share(s["attainment"]),
+            "-" if s["transfers_failed"] is None else str(s["transfers_failed"]),  # kv-sidecar's
+            str(s["failed_loads_est"]),
+        )
+        for s in steps
+    )
+    return Table(header, rows)
+
+
+def target(result: Mapping[str, Any]) -> Table:
+    """kv-sidecar's decode: its time to target per rate, P50 / P90 ms from the proxy's start."""
+    header = ("rate/s", "announced", "target at the proxy", "prefill's first layer submitted")
+    rows = []
+    for s in sorted(result["steps"], key=lambda s: s["rate"]):
+        if s["system"] != SIDECAR:
+            continue
+        path = s["target_path"]
+        rows.append(
+            (
+                f"{s['rate']:.3g}",
+                *(f"{num(path[k]['p50'])} / {num(path[k]['p90'])}" for k in STAGES),
+            )
+        )
+    return Table(header, tuple(rows))
