@@ -24,6 +24,7 @@ import msgspec
 from app.config import SidecarSettings
 from app.connectors.params import KV_DIGEST_MISMATCH, KV_LOAD_FAILED
 from app.connectors.vllm.config import ConnectorConfig
+from app.connectors.vllm.failed_loads import FailedLoads
 from app.connectors.vllm.fresh_blocks import attention_views, zero_blocks
 from app.connectors.vllm.metadata import Admit, Expect, KVSidecarMetadata, PoolSavesDone
 from app.connectors.vllm.pacing import IdlePollPacer
@@ -133,6 +134,7 @@ class WorkerSide:
         # Per group, the attention layers' views and kernel blocks a block, where the pool
         # stores tails: a fresh block's pages are zeroed before anything lands (fresh_blocks).
         self._zeroed: dict[int, list[tuple[Any, int]]] = {}
+        self.failed_loads = FailedLoads()  # a failed load's blocks, zeroed (failed_loads.py)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         device = kv_device(kv_caches)
@@ -155,6 +157,7 @@ class WorkerSide:
         )
         drafts = draft_layers(self.layer_index, self.vllm_config)
         self.draft_layers = frozenset(self.layer_index[n] for n in drafts)
+        self.failed_loads.register(reg, kv_caches)
         try:
             compat = self.link.register_engine(reg)
             if self.link.pool_tails:
@@ -214,6 +217,7 @@ class WorkerSide:
         self._gone_said = False
         for exp in meta.expects:
             self._recv_ids[exp.recv.request] = exp.req_id
+            self.failed_loads.expect(exp.req_id, exp.recv.block_ids, exp.computed)
             # Posted after the forward pass: no Claim can reach a rank that does not know the
             # request yet, and vLLM has zeroed the blocks by then.
             if rank == 0 and exp.router_url:
@@ -304,6 +308,7 @@ class WorkerSide:
         if self.pool is not None:
             # After the forward pass: vLLM has zeroed newly allocated blocks by now.
             for job in meta.pool_loads:
+                self.failed_loads.expect(job.req_id, job.block_ids, job.held)
                 self.pool.load(job)
             # A running request's store reads what this step's forward pass writes: on a
             # device it waits for the pass to finish (an event recorded after it).
@@ -386,6 +391,8 @@ class WorkerSide:
             self._saving -= saved
             # A request that also sends ends when both are done (below, for the send).
             sending |= saved - set(self._vllm_ids.values())
+        # Before vLLM reads the failures (and frees those blocks): see failed_loads.py.
+        self.failed_loads.ended(finished_req_ids, recving, failed)
         for sid in list(self._sent):
             rid = self._vllm_ids.get(sid, sid)
             if rid in self._vllm_finished and rid not in self._saving:

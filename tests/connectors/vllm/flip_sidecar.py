@@ -2,10 +2,13 @@
 tests.connectors.vllm.flip_sidecar --flip wire|pool --role prefill ...`` takes ``serve``'s
 flags as LocalPD passes them (``flipping`` swaps the command in).
 
-``wire``: every push write carries a flipped bit every 256 bytes of each run (the e2e fault
-sidecar's hook, ``fault_sidecar.flip_in_flight``); ``pool``: so does every object the KV pool
-stores (flipped in engine memory for the put only, then restored: the pool holds other bytes
-than the engine computed, while the page's digest, taken after the put, is of the right ones).
+``wire``: every push write lands with a bit flipped every 256 bytes of each run; ``pool``: so
+does every object the KV pool stores. Flipped in engine memory for the write only, then
+restored: what lands differs from what the engine computed, while the sender's digest (taken
+after its write) is of the right bytes. The bit is an exponent bit of a float32 or bfloat16
+value (0x40 of the 4th byte), so KV used unchecked changes answers, not only digests (the e2e
+fault sidecar's bit 0 of the 1st byte, float32's lowest mantissa bit, left every tiny model's
+greedy answers as they were).
 """
 
 from __future__ import annotations
@@ -18,15 +21,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
+
 from app.config import load_settings
 from app.service import serve
 from app.store.pool import PoolClient
 from app.store.pool_api import StoreLike
-from tests.e2e.fault_sidecar import flip_in_flight
+from app.transfer.lanes.mooncake import MooncakeEngine
 
 # serve's flags LocalPD passes (app.harness.engines.sidecar_command), as settings names.
-FLAGS = ("role", "engine-id", "ranks", "tp-size", "control-host", "control-port", "engine-ipc")
-FLAGS += ("admin-port", "port-file")
+FLAGS = (
+    *("role", "engine-id", "ranks", "tp-size", "control-host", "control-port", "engine-ipc"),
+    *("admin-port", "port-file"),
+)
 
 
 def flipping(command: Callable[..., list[str]], roles: str, flip: str) -> Callable[..., list[str]]:
@@ -45,19 +52,28 @@ def flipping(command: Callable[..., list[str]], roles: str, flip: str) -> Callab
 
 @contextmanager
 def flipped(ptrs: list[int], sizes: list[int]) -> Iterator[None]:
-    """Bit 0 of every 256th byte of each span flipped, until the block ends."""
-    cells = [
-        ctypes.c_uint8.from_address(a)
-        for ptr, n in zip(ptrs, sizes, strict=True)
-        for a in range(ptr, ptr + n, 256)
-    ]
+    """Bit 6 of the 4th byte of every 256 of each span flipped, until the block ends (each
+    byte once: coalesced runs may overlap)."""
+    addrs = {a + 3 for p, n in zip(ptrs, sizes, strict=True) for a in range(p, p + n - 3, 256)}
+    cells = [ctypes.c_uint8.from_address(a) for a in sorted(addrs)]
     for c in cells:
-        c.value ^= 1
+        c.value ^= 0x40
     try:
         yield
     finally:
         for c in cells:
-            c.value ^= 1
+            c.value ^= 0x40
+
+
+def flip_wire(engine: MooncakeEngine) -> None:
+    """Every write of ``engine`` lands flipped (``flipped`` over its source runs)."""
+    write = engine.write_sync
+
+    def flipped_write(peer: str, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> Any:
+        with flipped(src.tolist(), length.tolist()):
+            return write(peer, src, dst, length)
+
+    engine.write_sync = flipped_write  # type: ignore[method-assign]
 
 
 class FlippedPuts:
@@ -79,7 +95,7 @@ def flip_pool_puts() -> None:
     finish = PoolClient._finish_start
 
     def finish_flipped(self: PoolClient, executor: Any, store: StoreLike) -> None:
-        finish(self, executor, FlippedPuts(store))  # type: ignore[arg-type]
+        finish(self, executor, FlippedPuts(store))
 
     PoolClient._finish_start = finish_flipped  # type: ignore[method-assign]
 
@@ -94,7 +110,7 @@ def main() -> int:
     flags = {k: v for k, v in args.items() if v is not None}
     if flip == "pool":
         flip_pool_puts()
-    hook = flip_in_flight if flip == "wire" else None
+    hook = flip_wire if flip == "wire" else None
     return asyncio.run(serve(load_settings(flags, None), engine_hook=hook))
 
 

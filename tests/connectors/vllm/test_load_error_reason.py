@@ -24,6 +24,7 @@ def test_a_failed_load_names_its_reason(silent: Silent, why: str | None) -> None
         reqs = {rid: request(rid, params) for rid in ("d", "ok")}
         for req in reqs.values():
             count, _ = side.get_num_new_matched_tokens(req, 0)
+            assert count is not None  # a decode request's count is known at once
             side.update_state_after_alloc(req, Blocks(), count)
         errors = {} if why is None else {"d": why, "ok": KV_DIGEST_MISMATCH}
         # "ok" loaded: a reason named for a request that did not fail is not its reason.
