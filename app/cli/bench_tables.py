@@ -21,7 +21,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 def renders() -> dict[str, Render]:
     """Table kind (what a marker names) -> what renders it from a result."""
     from app.bench.faults.tables import phases
-    from app.bench.load.tables import full_length, shared, split, systems, target, tpot
+    from app.bench.load.tables import full_length, shaped, shared, split, systems, target, tpot
     from app.bench.pool.tables import vs_direct
     from app.bench.routing.tables import policies
     from app.bench.scaling.tables import lengths
@@ -31,6 +31,7 @@ def renders() -> dict[str, Render]:
     return {
         "faults": phases,
         "load-full-length": full_length,
+        "load-shaped": shaped,
         "load-shared": shared,
         "load-split": split,
         "load-systems": systems,

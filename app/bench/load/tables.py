@@ -83,6 +83,21 @@ FULL_LENGTH = (  # every drawn token, the split regime: where the knee is
     ("SLO met", _slo_met_knee),
     CPU_PER_REQUEST,
 )
+SHAPED = (  # the dedicated regime on a shaped link: the handoff request by request
+    RATE,
+    TTFT_P90,
+    RATIO,
+    (
+        "after P ms, P50 / P99: kv-sidecar; mooncake",
+        lambda a, b: "; ".join(
+            f"{num(r['after_p_p50_ms'])} / {num(r['after_p_p99_ms'])}" for r in (a, b)
+        ),
+    ),
+    ("layer write ms", lambda a, _: num(a["layer_write_ms"])),  # kv-sidecar's alone
+    ("TPOT P90 ms: kv-sidecar / mooncake", _pair("tpot_p90_ms", lambda v: num(v, 1))),
+    GOODPUT,
+    SLO_MET,
+)
 TPOT = (  # every drawn token, the dedicated regime
     RATE,
     TTFT_P90,
@@ -127,6 +142,10 @@ def split(result: Mapping[str, Any]) -> Table:
 
 def full_length(result: Mapping[str, Any]) -> Table:
     return _rates(result, FULL_LENGTH)
+
+
+def shaped(result: Mapping[str, Any]) -> Table:
+    return _rates(result, SHAPED)
 
 
 def tpot(result: Mapping[str, Any]) -> Table:
