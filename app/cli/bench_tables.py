@@ -26,7 +26,7 @@ def renders() -> dict[str, Render]:
     from app.bench.routing.tables import policies
     from app.bench.scaling.tables import lengths
     from app.bench.soak.tables import growth
-    from app.bench.turns.tables import store, store_forward, with_loaded, without_loaded
+    from app.bench.turns.tables import store, store_forward, tails, with_loaded, without_loaded
 
     return {
         "faults": phases,
@@ -45,6 +45,7 @@ def renders() -> dict[str, Render]:
         "turns-loaded": with_loaded,
         "turns-store": store,
         "turns-store-forward": store_forward,
+        "turns-tails": tails,
     }
 
 

@@ -18,6 +18,20 @@ SIDECAR, AA, NO_ANSWERS, MOONCAKE = (
 )
 
 
+def _computed(per: Mapping[str, Any], turn: str) -> str:
+    """Prefill computed, kv-sidecar / no answers / mooncake; kv-sidecar's in bold from turn 2."""
+    mine = num(per[SIDECAR][turn]["prefill_computed"])
+    if int(turn) > 1:
+        mine = f"**{mine}**"
+    others = (num(per[s][turn]["prefill_computed"]) for s in (NO_ANSWERS, MOONCAKE))
+    return " / ".join((mine, *others))
+
+
+def _ttft(per: Mapping[str, Any], turn: str) -> str:
+    """TTFT P50, kv-sidecar / its A/A / no answers / mooncake."""
+    return " / ".join(num(per[s][turn]["ttft_p50_ms"]) for s in (SIDECAR, AA, NO_ANSWERS, MOONCAKE))
+
+
 def _table(result: Mapping[str, Any], loaded: bool) -> Table:
     per = result["summary"]["per_turn"]
     header = [
@@ -30,20 +44,14 @@ def _table(result: Mapping[str, Any], loaded: bool) -> Table:
     ]
     rows = []
     for turn, mine in sorted(per[SIDECAR].items(), key=lambda kv: int(kv[0])):
-        computed = num(mine["prefill_computed"])
-        if int(turn) > 1:
-            computed = f"**{computed}**"
-        others = (num(per[s][turn]["prefill_computed"]) for s in (NO_ANSWERS, MOONCAKE))
         rows.append(
             (
                 turn,
                 num(mine["new_tokens"]),
                 num(mine["history_tokens"]),
-                " / ".join((computed, *others)),
+                _computed(per, turn),
                 *([num(mine["prefill_loaded"])] if loaded else []),
-                " / ".join(
-                    num(per[s][turn]["ttft_p50_ms"]) for s in (SIDECAR, AA, NO_ANSWERS, MOONCAKE)
-                ),
+                _ttft(per, turn),
             )
         )
     return Table(tuple(header), tuple(rows))
@@ -100,3 +108,30 @@ def store(result: Mapping[str, Any]) -> Table:
 def store_forward(result: Mapping[str, Any]) -> Table:
     """The same, with prefill's forward pass P50 on each system."""
     return _store_table(result, forward=True)
+
+
+def tails(result: Mapping[str, Any]) -> Table:
+    """Against MooncakeConnector with prompts' partial blocks stored too: no history column, and
+    prefill's forward pass P50 of kv-sidecar with and without answers."""
+    per = result["summary"]["per_turn"]
+    header = (
+        "turn",
+        "new message",
+        "prefill computed: kv-sidecar / no answers / mooncake",
+        "kv-sidecar loaded",
+        "TTFT P50 ms: kv-sidecar / kv-sidecar-aa / no answers / mooncake",
+        "prefill's forward P50 ms: kv-sidecar / no answers",
+    )
+    rows = []
+    for turn, mine in sorted(per[SIDECAR].items(), key=lambda kv: int(kv[0])):
+        rows.append(
+            (
+                turn,
+                num(mine["new_tokens"]),
+                _computed(per, turn),
+                num(mine["prefill_loaded"]),
+                _ttft(per, turn),
+                " / ".join(num(per[s][turn]["p_forward_p50_ms"]) for s in (SIDECAR, NO_ANSWERS)),
+            )
+        )
+    return Table(header, tuple(rows))
