@@ -368,6 +368,48 @@ def test_polled_write_slides_its_window_and_lands_byte_exact(peer: Peer, local: 
         assert (eng.submits, eng.descriptors, eng.bytes) == (n + 1, n + 1, (n + 1) * size)
 
 
+class CountingEngine:
+    """A lane's real engine, counting its ``transfer_check_status`` calls (polls)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine, self.polls = engine, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def transfer_check_status(self, tid: int) -> int:
+        self.polls += 1
+        return int(self.engine.transfer_check_status(tid))
+
+
+def test_polled_write_naps_through_what_is_in_flight(peer: Peer, local: U8) -> None:
+    """Once the lane has measured its rate, a write sleeps through most of what it has in
+    flight: a few polls beyond one per descriptor (the doubling sleeps alone restarted after
+    every landing: ~3 polls a descriptor), and every byte still lands."""
+    n, size = 32, 256 << 10
+    src = local.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    dst = peer.addr + np.arange(n, dtype=np.uint64)[::-1] * np.uint64(size)
+    with MooncakeEngine(EngineConfig(wait="poll")) as eng:
+        eng.register(local.ctypes.data, local.nbytes)
+        eng.write_sync(peer.session, src, dst, u64([size] * n))  # measures the lane's rate
+        lane = eng._lanes[peer.session]
+        assert lane.rate is not None and lane.rate > 0
+        polls = []
+        for _ in range(3):
+            peer.view[: n * size] = 0
+            counting = CountingEngine(lane.rec.engine)
+            lane.rec.engine = counting
+            try:
+                eng.write_sync(peer.session, src, dst, u64([size] * n))
+            finally:
+                lane.rec.engine = counting.engine
+            polls.append(counting.polls)
+            for i in range(n):
+                d = (n - 1 - i) * size
+                assert np.array_equal(peer.view[d : d + size], local[i * size : (i + 1) * size])
+    assert min(polls) <= n + 8, f"polls per 32-descriptor write: {polls}"
+
+
 def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
     with pytest.raises(ConfigError, match=r"1\.\.2048"):
         EngineConfig(max_descriptors_per_submit=4096)

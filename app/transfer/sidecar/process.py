@@ -60,6 +60,10 @@ from app.transfer.wire.protocol import (
 
 log = logging.getLogger(__name__)
 
+# Engine messages that never start a request: they do not wake the idle deadline watcher (an
+# engine polls GetFinished every step, and 100 times a second while decode waits for KV).
+_NO_NEW_REQUESTS = (GetFinished, EndStep, LayerReady, SidecarInfo)
+
 
 class Sidecar(SidecarCore):
     """Hosts the agents of the ranks in its pod."""
@@ -174,7 +178,8 @@ class Sidecar(SidecarCore):
     # ---- engine link -----------------------------------------------------------------------
 
     async def _on_engine(self, msg: AnyMsg, ident: bytes) -> Msg | None:
-        self._engine_spoke.set()
+        if not isinstance(msg, _NO_NEW_REQUESTS):
+            self._engine_spoke.set()  # the deadline watcher may have requests to watch now
         try:
             if isinstance(msg, LayerReady):
                 await self.send.layer_ready(msg)
