@@ -40,7 +40,8 @@ from app.bench.core.systems import (
     start_systems,
     stop_systems,
 )
-from app.bench.core.trial import line, run_trial, seed
+from app.bench.core.trial import line, seed
+from app.bench.pd.footprint import measured_trial
 from app.bench.pd.stats import Workload, summarize, trial_order
 from app.errors import ConfigError, KVSidecarError
 from app.harness.local_pd import LocalPD
@@ -88,7 +89,7 @@ def warm_up(
     for trial in trial_order(opts.workloads, [s.name for s in systems], 1):
         w = trial.workload
         system = next(s for s in systems if s.name == trial.system)
-        r = run_trial(system, prompts[w], refs[w], opts.max_tokens)
+        r = measured_trial(system, prompts[w], refs[w], opts.max_tokens)
         r |= {"link": link, "rep": -1, "workload": w.name, "system": trial.system}
         print("warm-up " + line(r), flush=True)
         out.append({k: v for k, v in r.items() if k not in ("transfer_records", "outputs")})
@@ -116,7 +117,7 @@ def run_phase(
     out = []
     for trial in trial_order(opts.workloads, list(by_name), reps):
         w = trial.workload
-        r = run_trial(by_name[trial.system], prompts[w], refs[w], opts.max_tokens)
+        r = measured_trial(by_name[trial.system], prompts[w], refs[w], opts.max_tokens)
         r |= {
             "link": link,
             "rep": trial.rep,

@@ -24,12 +24,23 @@ METRICS = (
     "transfer_cpu_ms",
     "cpu_ms_per_request",
     "cpu_s_per_gib",
+    "handoff_ms",
+    "sidecar_p_peak_rss_mib",
+    "sidecar_d_peak_rss_mib",
+    "shm_mib",
+    "pinned_ms",
 )
 
 
 # Observed on kv-sidecar only (its per-layer timeline): Mooncake's connector has no per-layer
-# writes and no view of P's forward.
-SIDECAR_ONLY = ("exposed_after_forward_ms", "layer_write_ms")
+# writes, no view of P's forward, no sidecars and no record of D's blocks pinned.
+SIDECAR_ONLY = (
+    "exposed_after_forward_ms",
+    "layer_write_ms",
+    "sidecar_p_peak_rss_mib",
+    "sidecar_d_peak_rss_mib",
+    "pinned_ms",
+)
 
 
 @dataclass(frozen=True)
