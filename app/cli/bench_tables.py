@@ -20,6 +20,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "benchmarks.md"
 
 def renders() -> dict[str, Render]:
     """Table kind (what a marker names) -> what renders it from a result."""
+    from app.bench.chat_keys.tables import templates
     from app.bench.faults.tables import phases
     from app.bench.load.tables import full_length, shaped, shared, split, systems, target, tpot
     from app.bench.pool.tables import vs_direct
@@ -29,6 +30,7 @@ def renders() -> dict[str, Render]:
     from app.bench.turns.tables import store, store_forward, tails, with_loaded, without_loaded
 
     return {
+        "chat-keys": templates,
         "faults": phases,
         "load-full-length": full_length,
         "load-shaped": shaped,
