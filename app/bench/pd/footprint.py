@@ -8,7 +8,8 @@ handoff (TTFT less the time before and during P's forward).
   of P's and D's sidecar (each with its children) during the trial: ``VmHWM`` after the
   kernel's peak was reset at the trial's start (``clear_refs`` 5).
 - ``shm_mib``: the /dev/shm files the system's processes map or hold open at the trial's end,
-  by the blocks they use (tmpfs allocates on touch): vLLM's queues, kv-sidecar's KV segments.
+  unlinked ones too, by the blocks they use (tmpfs allocates on touch): vLLM's queues, and
+  with kv-sidecar the engines' KV caches (torch shared tensors the sidecars map: not a copy).
 - ``pinned_ms`` (kv-sidecar): the longest of D sidecar's receive records, created (D's
   connector registered the blocks it allocated) → ended. Mooncake's D gets the request after
   P's answer, so its blocks are pinned for about ``exposed_ms``; no record of it is kept.
@@ -24,7 +25,7 @@ from typing import Any
 from app.bench.core.cores import descendants
 from app.bench.core.systems import SIDECAR_PROCESSES, System
 from app.bench.core.trial import run_trial
-from app.harness.proc_tree import shm_segments_of
+from app.harness.proc_tree import SHM_DIR
 
 NAN = float("nan")
 MIB = 2**20
@@ -56,15 +57,42 @@ def peak_rss_bytes(pids: Iterable[int], proc: Path = Path("/proc")) -> float:
     return float(total) if seen else NAN
 
 
-def shm_bytes(pids: Iterable[int]) -> int:
-    """Bytes of /dev/shm used by the files ``pids`` map or hold open, each file once."""
-    total = 0
-    for path in {s.path for s in shm_segments_of(pids)}:
+def _shm_held(pid: int, proc: Path) -> dict[tuple[int, int], int]:
+    """``(dev, inode)`` → bytes used of every /dev/shm file ``pid`` maps or holds open,
+    unlinked ones too (torch's shared tensors, the engines' KV caches here, are unlinked once
+    mapped, and use /dev/shm until the last mapping goes)."""
+    out: dict[tuple[int, int], int] = {}
+    base = proc / str(pid)
+    for line in (base / "maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].startswith(SHM_DIR):
+            start, end = parts[0].split("-")
+            try:  # the file itself (root may read map_files): its blocks in use
+                st = os.stat(base / "map_files" / parts[0])
+                out[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+            except OSError:  # else the mapping's length
+                major, minor = (int(x, 16) for x in parts[3].split(":"))
+                key = (os.makedev(major, minor), int(parts[4]))
+                out.setdefault(key, int(end, 16) - int(start, 16))
+    for fd in (base / "fd").iterdir():
         try:
-            total += os.stat(path).st_blocks * 512
-        except OSError:  # removed meanwhile
+            if os.readlink(fd).startswith(SHM_DIR):
+                st = os.stat(fd)
+                out[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+        except OSError:  # closed meanwhile
             continue
-    return total
+    return out
+
+
+def shm_bytes(pids: Iterable[int], proc: Path = Path("/proc")) -> int:
+    """Bytes of /dev/shm used by the files ``pids`` map or hold open, each file once."""
+    held: dict[tuple[int, int], int] = {}
+    for pid in pids:
+        try:
+            held |= _shm_held(pid, proc)
+        except OSError:  # gone, or not readable
+            continue
+    return sum(held.values())
 
 
 def pinned_ms(records: Sequence[Mapping[str, Any]]) -> float:

@@ -59,6 +59,21 @@ def test_shm_counts_the_blocks_of_a_file_held_once() -> None:
         path.unlink(missing_ok=True)
 
 
+def test_shm_counts_a_mapped_file_after_it_is_unlinked() -> None:
+    # torch's shared tensors (the engines' KV caches) are unlinked once mapped.
+    path = Path(f"/dev/shm/kvs-test-footprint-{uuid.uuid4().hex}")
+    with path.open("w+b") as f:
+        f.truncate(4 * MIB)
+        m = mmap.mmap(f.fileno(), 4 * MIB)
+    before = shm_bytes([os.getpid()])
+    m[:] = b"\1" * (4 * MIB)
+    path.unlink()
+    try:
+        assert shm_bytes([os.getpid()]) - before == 4 * MIB
+    finally:
+        m.close()
+
+
 def test_pinned_is_the_longest_receive_record() -> None:
     records = [
         {"side": "send", "created_at": 0.0, "ended_at": 9.0},
