@@ -410,6 +410,25 @@ def test_polled_write_naps_through_what_is_in_flight(peer: Peer, local: U8) -> N
     assert min(polls) <= n + 8, f"polls per 32-descriptor write: {polls}"
 
 
+def test_a_stalled_write_barely_lowers_the_lane_rate(peer: Peer, local: U8) -> None:
+    """A write that reads slow (it waited for a core, or slept past its landings) pulls the
+    rate a tenth of the way down, so the next naps do not sleep long past their landings; a
+    faster write raises it at once."""
+    n, size = 32, 256 << 10
+    src = local.ctypes.data + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    dst = peer.addr + np.arange(n, dtype=np.uint64) * np.uint64(size)
+    with MooncakeEngine(EngineConfig(wait="poll")) as eng:
+        eng.register(local.ctypes.data, local.nbytes)
+        eng.write_sync(peer.session, src, dst, u64([size] * n))
+        lane = eng._lanes[peer.session]
+        measured = lane.rate
+        assert measured is not None
+        lane._measure(n * size, 100 * n * size / measured)  # a write 100x slower
+        assert lane.rate is not None and lane.rate >= 0.85 * measured
+        lane._measure(n * size, n * size / (2 * measured))  # twice as fast
+        assert lane.rate == pytest.approx(2 * measured)
+
+
 def test_config_rejects_settings_that_poison_or_cannot_work() -> None:
     with pytest.raises(ConfigError, match=r"1\.\.2048"):
         EngineConfig(max_descriptors_per_submit=4096)

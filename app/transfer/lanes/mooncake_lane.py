@@ -49,10 +49,13 @@ _POLL_FIRST_S, _POLL_CAP_S = 20e-6, 200e-6
 # to the cap: a 32-descriptor 8 MiB layer took ~100 wake-ups with the doubling sleeps alone (the
 # sleep restarted from 20 us after every landing, ~100 us apart), ~1.5 ms of the stream thread's
 # CPU per write; with the estimate, a handful.
-_NAP_SHARE, _NAP_CAP_S = 0.75, 0.05
-# Writes of at least this many bytes update the rate (smaller ones are mostly fixed costs), and
-# each new measurement weighs this much against the running estimate.
-_RATE_MIN_BYTES, _RATE_WEIGHT = 1 << 20, 0.3
+_NAP_SHARE, _NAP_CAP_S = 0.75, 0.02
+# Writes of at least this many bytes update the rate (smaller ones are mostly fixed costs). A
+# faster write sets it, a slower one pulls it this share of the way down: too high a rate costs a
+# few more polls, too low one sleeps past landings, and a write measured after a long nap or a
+# stall on a busy host reads slow (followed at once, the estimate fed on itself: a 64k transfer
+# ended 2 s behind its forward pass on a loaded host).
+_RATE_MIN_BYTES, _RATE_SLOWER = 1 << 20, 0.1
 
 
 class Counters:
@@ -363,12 +366,12 @@ class Lane:
         return max(pause, min(_NAP_SHARE * nbytes / rate, _NAP_CAP_S))
 
     def _measure(self, nbytes: int, seconds: float) -> None:
-        """Fold one whole write's rate into the lane's estimate (racing writers may lose an
-        update: it is an estimate)."""
+        """Fold one whole write's rate into the lane's estimate, quick to rise and slow to fall
+        (racing writers may lose an update: it is an estimate)."""
         if nbytes < _RATE_MIN_BYTES or seconds <= 0:
             return
         rate, old = nbytes / seconds, self.rate
-        self.rate = rate if old is None else old + _RATE_WEIGHT * (rate - old)
+        self.rate = rate if old is None or rate > old else old + _RATE_SLOWER * (rate - old)
 
     def _finish_polled(self, landed: int, nbytes: int) -> None:
         if landed:
