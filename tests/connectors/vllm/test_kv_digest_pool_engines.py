@@ -18,8 +18,8 @@ from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, prompt
+from tests.connectors.vllm.digest_engines import counter
 from tests.connectors.vllm.flip_sidecar import flipping
-from tests.connectors.vllm.test_kv_digest_engines import counter
 
 pytestmark = pytest.mark.slow_engines
 
