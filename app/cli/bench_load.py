@@ -13,7 +13,7 @@ import typer
 from app.bench.core.cores import LOAD_REGIMES, binding
 from app.bench.core.result_file import split_host
 from app.bench.core.slo import SloFactors
-from app.bench.core.stats import SYSTEMS, parse_rate, parse_size
+from app.bench.core.stats import parse_rate, parse_size
 from app.bench.core.workload import Lengths
 from app.cli.bench_pd import LinkBurst, LinkRate, bench_console, report_run
 from app.errors import ConfigError
@@ -26,7 +26,6 @@ JSON_KEYS = (
     "slo",
     "rates",
     "service_s",
-    "aa_rate",
     "engine_dtype",
     "phases_s",
     "plot",
@@ -55,22 +54,29 @@ def load_command(
         bool,
         typer.Option(
             "--quick",
-            help="4-layer model, prompts ~256 tokens (64-1k), 3 rates of 4 s.",
+            help="4-layer model of hidden 512, prompts ~256 tokens (64-1k), 3 rates, "
+            "6 requests a system a rate.",
         ),
     ] = False,
     fractions: Annotated[
         str,
         typer.Option(help="Rates, as multiples of 1 / the unloaded service time, comma-separated."),
-    ] = "0.25,0.5,0.75,1,1.5,2",
-    duration: Annotated[float, typer.Option(help="Seconds of arrivals per rate step.")] = 60.0,
-    min_requests: Annotated[int, typer.Option(help="At least this many requests a step.")] = 8,
-    reps: Annotated[int, typer.Option(help="Passes over the ladder (min–max over them).")] = 1,
+    ] = "0.5,0.75,1,1.5,2",
+    requests: Annotated[
+        int, typer.Option(help="Requests a system sends at each rate, over its rounds.")
+    ] = 40,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            help="Interleaved rounds (ABBA blocks) per rate; two rounds of a system: its A/A."
+        ),
+    ] = 2,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and lengths.")] = 0,
     prompt_median: Annotated[int, typer.Option(help="Median prompt tokens (lognormal).")] = 1024,
     prompt_max: Annotated[int, typer.Option(help="Longest prompt (clip), tokens.")] = 8192,
     layers: Annotated[
-        int | None, typer.Option(help="Model layers (default 16; 4 with --quick).")
-    ] = None,
+        int, typer.Option(help="Model layers (4: a default run within the hour on 2 cores).")
+    ] = 4,
     dtype: Annotated[
         str, typer.Option(help="Engines' dtype: auto (float32 where bf16 is emulated), ...")
     ] = "auto",
@@ -90,9 +96,6 @@ def load_command(
     ] = "unshaped",
     rate: LinkRate = None,
     burst: LinkBurst = None,
-    aa: Annotated[
-        str, typer.Option(help="Measure this system twice at the middle rate (A/A), or 'none'.")
-    ] = SYSTEMS[0],
     out: Annotated[Path, typer.Option(help="Folder for load.json, load.png and logs.")] = Path(
         "bench-load-out"
     ),
@@ -101,16 +104,17 @@ def load_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """Open-loop load: TTFT/TPOT percentiles, goodput at an SLO and the knee, per system."""
-    if aa not in (*SYSTEMS, "none"):
-        raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
     if regime not in LOAD_REGIMES:
         raise ConfigError(f"--regime {regime!r}: expected one of {', '.join(LOAD_REGIMES)}")
     if link not in LOAD_LINKS:
         raise ConfigError(f"--link {link!r}: expected one of {', '.join(LOAD_LINKS)}")
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if reps < 1 or duration <= 0 or min_requests < 1:
-        raise ConfigError("--reps, --duration and --min-requests must be positive")
+    if rounds < 2 or requests < rounds:
+        raise ConfigError(
+            f"--rounds {rounds}, --requests {requests}: expected at least 2 rounds (the A/A) "
+            "and a request a round"
+        )
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.core.models import QUICK_MODEL
@@ -124,11 +128,9 @@ def load_command(
     opts = LoadOptions(
         lengths=dataclasses.replace(base, median=median, hi=prompt_max, lo=min(base.lo, median)),
         fractions=_fractions(fractions),
-        duration_s=duration,
-        min_requests=min_requests,
-        reps=reps,
+        requests=requests,
+        rounds=rounds,
         seed=seed,
-        aa=None if aa == "none" else aa,
         dtype=None if dtype == "auto" else dtype,
         out=str(out.resolve()),
         regime=regime,
@@ -142,16 +144,14 @@ def load_command(
             opts,
             lengths=QUICK_LENGTHS,
             fractions=(0.25, 0.5, 1.0),
-            duration_s=4.0,
-            min_requests=3,
+            requests=6,
             warmup=1,
             calibration_reps=1,
             drain_s=20.0,
             quick=True,
             model={**opts.model, **QUICK_MODEL},
         )
-    if layers is not None:
-        opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
+    opts = dataclasses.replace(opts, model={**opts.model, "num_hidden_layers": layers})
     console = bench_console(as_json)
     console.print(bound.describe())
     child = ("-m", "app.bench.load.bench")

@@ -52,24 +52,76 @@ def ratio_interval(
 ) -> Interval | None:
     """``stat(A) / stat(B)`` over the units (conversations) both have samples of, and its
     paired cluster bootstrap interval; None when they share no unit."""
+    units = sorted((u for u in a if a[u] and b.get(u)), key=repr)
+
+    def ratio(pick: Sequence[K]) -> float:
+        return _ratio(stat(_pooled(a, pick)), stat(_pooled(b, pick)))
+
+    return paired_interval(units, ratio, level, resamples, seed)
+
+
+def paired_interval(
+    units: Sequence[K],
+    statistic: Callable[[Sequence[K]], float | None],
+    level: float = LEVEL,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Interval | None:
+    """``statistic(units)`` and its percentile bootstrap interval over ``units`` drawn with
+    replacement: paired when the statistic compares two systems on the same units (requests,
+    conversations). A draw whose statistic is undefined (None: a knee neither system reached)
+    is left out, and ``resamples`` counts the defined ones; no interval when under half are.
+    None when there is no unit or the statistic is undefined over all of them."""
     if not 0 < level < 1:
         raise ConfigError(f"level must be in (0, 1), got {level}")
     if resamples < 1:
         raise ConfigError(f"resamples must be at least 1, got {resamples}")
-    units = sorted((u for u in a if a[u] and b.get(u)), key=repr)
-    if not units:
+    units = list(units)
+    point = statistic(units) if units else None
+    if point is None:
         return None
-    point = _ratio(stat(_pooled(a, units)), stat(_pooled(b, units)))
     if len(units) < 2:
         return Interval(point, None, None, level, len(units), 0)
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
         pick = [units[rng.randrange(len(units))] for _ in units]
-        draws.append(_ratio(stat(_pooled(a, pick)), stat(_pooled(b, pick))))
+        if (v := statistic(pick)) is not None:
+            draws.append(v)
+    if 2 * len(draws) < resamples:
+        return Interval(point, None, None, level, len(units), len(draws))
     draws.sort()
     tail = (1 - level) / 2
-    return Interval(point, _at(draws, tail), _at(draws, 1 - tail), level, len(units), resamples)
+    return Interval(point, _at(draws, tail), _at(draws, 1 - tail), level, len(units), len(draws))
+
+
+def unpaired_ratio_interval(
+    a: Sequence[float],
+    b: Sequence[float],
+    stat: Callable[[Sequence[float]], float] = statistics.median,
+    level: float = LEVEL,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> Interval | None:
+    """``stat(a) / stat(b)`` for two samples of different units (each arm resampled alone);
+    None when either is empty. ``units``: the smaller arm's size."""
+    if not a or not b:
+        return None
+    if not 0 < level < 1:
+        raise ConfigError(f"level must be in (0, 1), got {level}")
+    if resamples < 1:
+        raise ConfigError(f"resamples must be at least 1, got {resamples}")
+    point = _ratio(stat(a), stat(b))
+    n = min(len(a), len(b))
+    if n < 2:
+        return Interval(point, None, None, level, n, 0)
+    rng = random.Random(seed)
+    draws = sorted(
+        _ratio(stat(rng.choices(a, k=len(a))), stat(rng.choices(b, k=len(b))))
+        for _ in range(resamples)
+    )
+    tail = (1 - level) / 2
+    return Interval(point, _at(draws, tail), _at(draws, 1 - tail), level, n, resamples)
 
 
 def _ratio(x: float, y: float) -> float:

@@ -27,6 +27,31 @@ def percentile(values: Iterable[float], q: float) -> float | None:
     return vs[lo] + (vs[hi] - vs[lo]) * (pos - lo)
 
 
+# Under 100 samples the 99th percentile is the largest one or an interpolation to it: a
+# "P99" there says what one request did, so it is written and printed as the max.
+TAIL_MIN_SAMPLES = 100
+
+
+def tail_label(n: int) -> str:
+    """What the tail figure over ``n`` samples is called: ``p99`` from 100 samples, else
+    ``max``."""
+    return "p99" if n >= TAIL_MIN_SAMPLES else "max"
+
+
+def tail(values: Iterable[float]) -> tuple[str, float | None]:
+    """The tail figure of ``values`` and its name: (``p99``, P99) over at least 100 samples,
+    else (``max``, the maximum); (``max``, None) when empty."""
+    vs = [v for v in values if v == v]
+    label = tail_label(len(vs))
+    return label, (percentile(vs, 99) if label == "p99" else max(vs, default=None))
+
+
+def named_tail(p99: float | None, largest: float | None) -> tuple[str, float | None]:
+    """A report's tail figure from a result that wrote ``p99`` only over 100 samples (None
+    below) and the max always: (``p99``, P99) or (``max``, the max)."""
+    return ("p99", p99) if p99 is not None else ("max", largest)
+
+
 def fit_line(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least squares ``y = a + b x`` (b = 0 when every x is the same); b is kept ≥ 0, as a
     longer prompt never prefills faster."""

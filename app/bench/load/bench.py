@@ -4,16 +4,20 @@
 ``load.json`` to the output folder. The same systems, engines, regimes, taps and records as
 ``bench pd`` (``core.systems``, ``core.cores``, ``core.observe``). In order: warm-up (not counted);
 the unloaded run (calibration lengths one at a time, on each system), which gives the SLO and
-the service time the ladder of rates is made from; then per rate, the same seeded request
-sequence on each system, which goes first alternating rate by rate; at one rate kv-sidecar runs
-it a second time (``kv-sidecar-aa``: the A/A noise floor).
+the service time the ladder of rates is made from; then per rate, the same seeded requests on
+each system in ``rounds`` interleaved blocks (ABBA, ``core.interleave``; which system opens
+alternates rate by rate): ``requests`` a system a rate, over its rounds. Two rounds of one
+system are its A/A; their drift is printed; the ratios come with bootstrap intervals
+(``load.compare``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,34 +25,37 @@ from typing import Any
 from app.bench.core.calibrate import CALIBRATION_RUNG, calibrate, set_up
 from app.bench.core.cores import place_threads, placement_text
 from app.bench.core.host import HostRecord, host_record, links_text, stack_engines
-from app.bench.core.interleave import aa_name
+from app.bench.core.interleave import MIN_ROUNDS, abba
 from app.bench.core.link import calibration_text, set_link
 from app.bench.core.models import FULL_MODEL
 from app.bench.core.netns import child_main
-from app.bench.core.slo import Slo, SloFactors
-from app.bench.core.stats import SIDECAR, SYSTEMS
+from app.bench.core.slo import Slo, SloFactors, named_tail
+from app.bench.core.stats import SYSTEMS
 from app.bench.core.step import run_step, unloaded, wait_idle
 from app.bench.core.systems import CPU_SCOPE, System, start_systems, stop_systems
 from app.bench.core.target_path import STAGES
 from app.bench.core.workload import Lengths, Request, ladder, schedule
+from app.bench.load.compare import compare
 from app.bench.load.stats import handoff_ms, link_calibration, step_figures, summarize_steps
+from app.errors import ConfigError
 
 
 @dataclass(frozen=True)
 class LoadOptions:
     lengths: Lengths = field(default_factory=Lengths)
-    fractions: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0)  # of the unloaded rate
-    duration_s: float = 60.0  # arrivals per rate step
-    min_requests: int = 8
-    reps: int = 1
+    # Of the unloaded rate. No 0.25: its 40 requests a system would take 160 service times, a
+    # third of the hour, at a load where neither system misses.
+    fractions: tuple[float, ...] = (0.5, 0.75, 1.0, 1.5, 2.0)
+    # Per system and rate, over its rounds: 40 gives a P90 over 4 requests past it, and
+    # (with 5 rates, 4 layers, prompts ~1k) a run within the hour on 2 cores.
+    requests: int = 40
+    rounds: int = 2  # interleaved ABBA blocks per rate (at least 2: the A/A)
     seed: int = 0
     warmup: int = 2  # requests per system, not counted
     calibration_reps: int = 2  # of each calibration length, per system
     drain_s: float = 120.0  # after the last send; still running then: cancelled, not good
     request_timeout_s: float = 600.0
     sample_s: float = 0.5  # vLLM gauges' sampling period during a step
-    aa: str | None = SIDECAR
-    aa_rung: int | None = None  # which rate (index) A/A runs at; None: the middle one
     dtype: str | None = None  # vLLM --dtype; None: chosen by the CPU's flags
     quick: bool = False
     out: str = "bench-load-out"
@@ -60,6 +67,18 @@ class LoadOptions:
     slo: SloFactors = field(default_factory=SloFactors)
 
     @classmethod
+    def check(self) -> None:
+        if self.rounds < MIN_ROUNDS or self.requests < self.rounds:
+            raise ConfigError(
+                f"rounds {self.rounds}, requests {self.requests}: expected at least "
+                f"{MIN_ROUNDS} rounds (the A/A) and a request a round"
+            )
+
+    @property
+    def per_round(self) -> int:
+        return math.ceil(self.requests / self.rounds)
+
+    @classmethod
     def from_json(cls, text: str) -> LoadOptions:
         d = json.loads(text)
         d["lengths"] = Lengths(**d["lengths"])
@@ -69,7 +88,7 @@ class LoadOptions:
 
 
 def step_record(
-    opts: LoadOptions, system: System, rate: float, rung: int, rep: int, slo: Slo, requests: Any
+    opts: LoadOptions, system: System, rate: float, rung: int, round_: int, slo: Slo, requests: Any
 ) -> dict[str, Any]:
     obs = run_step(system, requests, rung, opts.drain_s, opts.sample_s, opts.request_timeout_s)
     figs = step_figures(obs["answers"], slo)
@@ -82,7 +101,8 @@ def step_record(
         {k: v for k, v in a.items() if k != "tokens"} | {"tokens": len(a.get("tokens") or ())}
         for a in obs.pop("answers")
     ]
-    rec = {"rate": rate, "rung": rung, "rep": rep, "system": system.name}
+    # "rep": the round, under the name older runs' readers know.
+    rec = {"rate": rate, "rung": rung, "rep": round_, "round": round_, "system": system.name}
     rec |= figs | {k: v for k, v in obs.items() if k != "samples"} | flat
     print(_step_text(rec), flush=True)
     return rec | {"samples": obs["samples"], "requests": answers}
@@ -92,11 +112,13 @@ def _step_text(r: dict[str, Any]) -> str:
     def f(v: float | None, fmt: str = ".0f") -> str:
         return "-" if v is None else format(v, fmt)
 
+    t_name, t_ms = named_tail(r["ttft_p99_ms"], r["ttft_max_ms"])
+    a_name, a_ms = named_tail(r["after_p_p99_ms"], r["after_p_max_ms"])
     return (
-        f"rate {r['rate']:.3g}/s rep {r['rep']} {r['system']:14} n {r['n_requests']:3} "
-        f"TTFT p50/p90/p99 {f(r['ttft_p50_ms'])}/{f(r['ttft_p90_ms'])}/{f(r['ttft_p99_ms'])} ms "
-        f"(handoff {f(r['handoff_ms'])} ms; after P p50/p99 {f(r['after_p_p50_ms'])}/"
-        f"{f(r['after_p_p99_ms'])} ms) TPOT p50/p90 {f(r['tpot_p50_ms'], '.1f')}/"
+        f"rate {r['rate']:.3g}/s round {r['round'] + 1} {r['system']:14} n {r['n_requests']:3} "
+        f"TTFT p50/p90/{t_name} {f(r['ttft_p50_ms'])}/{f(r['ttft_p90_ms'])}/{f(t_ms)} ms "
+        f"(handoff {f(r['handoff_ms'])} ms; after P p50/{a_name} {f(r['after_p_p50_ms'])}/"
+        f"{f(a_ms)} ms) TPOT p50/p90 {f(r['tpot_p50_ms'], '.1f')}/"
         f"{f(r['tpot_p90_ms'], '.1f')} ms  thr {r['throughput_rps']:.2f}/s good "
         f"{r['goodput_rps']:.2f}/s ({100 * r['attainment']:.0f}%)  D KV max "
         f"{f(r['d_kv_usage_max'], '.2f')} waiting max {f(r['d_waiting_max'])} "
@@ -130,6 +152,29 @@ def shape(
     return set_link(cal["rate_bps"], opts.burst), cal
 
 
+def rung_requests(rate: float, n: int, seed: int, lengths: Lengths) -> tuple[Request, ...]:
+    """A round's ``n`` requests at ``rate``: one seed for every rung, so the same requests
+    (index i the same lengths everywhere), closer together (``schedule``); cut at ``n``, as
+    ``schedule``'s duration (1 s here) only ever adds to it."""
+    return schedule(rate, 1.0, seed, lengths, n)[:n]
+
+
+def estimate_s(service_s: float, rates: Sequence[float], requests: int, systems: int) -> float:
+    """The rate steps' wall time, roughly: at a rate below the unloaded service rate the
+    arrivals' span, above it no faster than one request a service time (batching does better;
+    the drain is bounded apart). Measured: the unloaded service time."""
+    per = sum(requests * max(1 / r, service_s) for r in rates)
+    return systems * per
+
+
+def estimate_text(service_s: float, rates: Sequence[float], opts: LoadOptions, n: int) -> str:
+    est = estimate_s(service_s, rates, opts.requests, n)
+    return (
+        f"{opts.requests} requests a system a rate in {opts.rounds} rounds: the rate steps "
+        f"should take about {est / 60:.0f} min (from the unloaded service time)"
+    )
+
+
 def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
     # Which system goes first alternates rate by rate (and rep by rep).
     k = (rung + rep) % len(names)
@@ -137,6 +182,7 @@ def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
 
 
 def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
+    opts.check()
     out = Path(opts.out)
     work = out / "work"
     setup = set_up(opts.regime, opts.dtype, opts.lengths, opts.model, work)
@@ -167,24 +213,24 @@ def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
             + " req/s",
             flush=True,
         )
-        aa_rung = (len(rates) // 2 if opts.aa_rung is None else opts.aa_rung) if opts.aa else None
+        print(estimate_text(service, rates, opts, len(systems)), flush=True)
         by_name = {s.name: s for s in systems}
-        if opts.aa is not None:
-            by_name[aa_name(opts.aa)] = by_name[opts.aa].twin(aa_name(opts.aa))
         steps = []
-        for rep in range(opts.reps):
-            for rung, rate in enumerate(rates):
-                # One seed for every rung: the same requests, closer together (schedule).
-                reqs = schedule(rate, opts.duration_s, opts.seed, lengths, opts.min_requests)
-                names = [s.name for s in systems]
-                if rung == aa_rung and opts.aa is not None:
-                    names.append(aa_name(opts.aa))
-                for name in rung_order(names, rung, rep):
-                    wait_idle(by_name[name])
-                    steps.append(step_record(opts, by_name[name], rate, rung, rep, slo, reqs))
+        for rung, rate in enumerate(rates):
+            reqs = rung_requests(rate, opts.per_round, opts.seed, lengths)
+            opening = rung_order([s.name for s in systems], rung, 0)
+            for block in abba(opening, opts.rounds):
+                wait_idle(by_name[block.system])
+                steps.append(
+                    step_record(opts, by_name[block.system], rate, rung, block.round, slo, reqs)
+                )
         phases["steps_done"] = time.time()
-        aa = (opts.aa, aa_name(opts.aa)) if opts.aa is not None else None
-        summary = summarize_steps(steps, SYSTEMS, aa)
+        summary = summarize_steps(steps, SYSTEMS)
+        rounds = compare(steps, SYSTEMS, slo, opts.seed)
+        # The knees from the requests pooled over the rounds, not a median of the rounds'.
+        ratio = rounds["knee_ratio"]
+        summary |= {"knee": rounds["knee"], "knee_ratio": ratio and ratio["point"]}
+        summary["rounds"] = rounds
         engines = stack_engines({s.name: s.pd for s in systems})
         host = host_record(engines=engines, link=links_text([link]))
         return {
@@ -196,7 +242,6 @@ def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
             "warmup": warm,
             "service_s": service,
             "rates": list(rates),
-            "aa_rate": rates[aa_rung] if aa_rung is not None else None,
             "link": link,
             "link_calibration": link_cal,
             "slo": slo.as_dict(),

@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from app.bench.core.slo import named_tail
 from app.bench.core.stats import MOONCAKE, SIDECAR
 
 COLUMNS = (  # (figure, header, format)
@@ -53,19 +54,88 @@ def _knee(v: float | None) -> str:
     return "none (no rate met the SLO for 90%)" if v is None else f"{v:.3g} req/s"
 
 
+def interval_text(iv: dict[str, Any] | None, fmt: str = ".2f") -> str:
+    """A ratio as the docs write it: 0.42 [0.38–0.47] (the bootstrap interval); '-' for none."""
+    if iv is None:
+        return "-"
+    point = format(iv["point"], fmt)
+    if iv["low"] is None or iv["high"] is None:
+        return f"{point} [no interval: {iv['units']} request(s)]"
+    return f"{point} [{format(iv['low'], fmt)}–{format(iv['high'], fmt)}]"
+
+
+def _ms(v: float | None, fmt: str = ".0f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+RATIOS = (  # (key, printed name)
+    ("ttft_p50_ms", "TTFT P50"),
+    ("ttft_p90_ms", "TTFT P90"),
+    ("tpot_p50_ms", "TPOT P50"),
+    ("handoff_ms", "handoff"),
+    ("goodput_rps", "goodput"),
+)
+
+
+def print_rounds(rounds: dict[str, Any], console: Console) -> None:
+    """The interleaved rounds' summary: per rate and system the figures over every round's
+    requests; per rate the ratios kv-sidecar / peer and each system's A/A (round 1 / round 2)
+    with 90% bootstrap intervals over requests; the knees; the drift between rounds."""
+    table = Table(
+        title="bench load, per rate and system over its rounds (ms unless noted); the tail is "
+        "P99 from 100 requests, else the max"
+    )
+    for head in ("rate/s", "system", "n", "TTFT p50", "p90", "tail", "handoff", "TPOT p50"):
+        table.add_column(head, justify="right")
+    for head in ("thr/s", "good/s", "SLO met", "TTFT p50 by round"):
+        table.add_column(head, justify="right")
+    for r in rounds["rows"]:
+        name, value = named_tail(r["ttft_p99_ms"], r["ttft_max_ms"])
+        table.add_row(
+            f"{r['rate']:.3g}",
+            r["system"],
+            str(r["n_requests"]),
+            _ms(r["ttft_p50_ms"]),
+            _ms(r["ttft_p90_ms"]),
+            f"{name} {_ms(value)}",
+            _ms(r["handoff_ms"]),
+            _ms(r["tpot_p50_ms"], ".1f"),
+            f"{r['throughput_rps']:.2f}",
+            f"{r['goodput_rps']:.2f}",
+            f"{r['attainment']:.0%}",
+            " / ".join(_ms(v) for v in r["round_ttft_p50_ms"]),
+        )
+    console.print(table)
+    for entry in rounds["per_rate"]:
+        parts = [f"{n} {interval_text(entry['ratio'][k])}" for k, n in RATIOS if "ratio" in entry]
+        console.print(f"{entry['rate']:.3g} req/s {SIDECAR} / {MOONCAKE}: " + ", ".join(parts))
+        for system, aa in entry["aa"].items():
+            parts = [f"{n} {interval_text(aa[k])}" for k, n in RATIOS]
+            console.print(f"  A/A {system} (round 1 / round 2): " + ", ".join(parts))
+    for system, k in rounds["knee"].items():
+        console.print(f"knee {system}: {_knee(k)}")
+    console.print(
+        f"knee_ratio {SIDECAR} / {MOONCAKE}: {interval_text(rounds['knee_ratio'])} (90% "
+        "bootstrap intervals over requests, paired: the same requests on both)"
+    )
+    for system, col in rounds["drift"].items():
+        console.print(
+            f"drift between rounds, {system} (TTFT P50 / round 1's, geometric mean over "
+            "rates): " + " / ".join(_ms(v, ".2f") for v in col)
+        )
+
+
 def print_summary(result: dict[str, Any], console: Console) -> None:
     """Per rate and system the step's figures (ms unless noted; median (min–max) over reps),
-    then each system's knee, the knee ratio and the A/A ratios."""
+    then each system's knee, the knee ratio and the A/A ratios; runs in interleaved rounds
+    print their rounds' summary instead (``print_rounds``)."""
     summary = result["summary"]
-    console.print(result["engine_dtype"]["text"])
-    console.print(result["slo"]["text"])
-    if (link := _link_text(result)) is not None:
-        console.print(f"rate steps on {link}")
-    console.print(
-        f"unloaded service time {1e3 * result['service_s']:.0f} ms; rates: "
-        + ", ".join(f"{r:.3g}" for r in result["rates"])
-        + " req/s"
-    )
+    if "rounds" in summary:
+        _preamble(result, console)
+        print_rounds(summary["rounds"], console)
+        console.print(result["binding"]["text"])
+        return
+    _preamble(result, console)
     table = Table(
         title=f"bench load ({result['binding']['regime']} cores): per rate step; handoff = "
         "TTFT − P's prefill time (mean per request); after P = P's answer back → first token, per "
@@ -97,6 +167,18 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
             f"floor): {', '.join(parts) or '-'}"
         )
     console.print(result["binding"]["text"])
+
+
+def _preamble(result: dict[str, Any], console: Console) -> None:
+    console.print(result["engine_dtype"]["text"])
+    console.print(result["slo"]["text"])
+    if (link := _link_text(result)) is not None:
+        console.print(f"rate steps on {link}")
+    console.print(
+        f"unloaded service time {1e3 * result['service_s']:.0f} ms; rates: "
+        + ", ".join(f"{r:.3g}" for r in result["rates"])
+        + " req/s"
+    )
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
