@@ -66,6 +66,14 @@ def turns_command(
             help="Also run kv-sidecar without answers and MooncakeConnector without a store.",
         ),
     ] = False,
+    api: Annotated[
+        str,
+        typer.Option(
+            help="completions: each turn's prompt as token ids; chat: /v1/chat/completions with "
+            "the conversation's messages as text, every engine with the tiny tokenizer and chat "
+            "template."
+        ),
+    ] = "completions",
     out: Annotated[Path, typer.Option(help="Folder for turns.json, turns.png and logs.")] = (
         Path("bench-turns-out")
     ),
@@ -112,6 +120,7 @@ def turns_command(
         think_s,
         systems=(*HEADLINE, *(ABLATIONS if ablations else ())),
         rounds=rounds,
+        api=api,
     )
     result, host = run(opts, echo=console.print)
     record = write_result(out / "turns.json", result, host)

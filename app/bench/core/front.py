@@ -5,7 +5,8 @@
 (``examples/online_serving/disaggregated_serving/mooncake_connector``): each completion goes at
 once to P (``max_tokens=1``, ``do_remote_decode``) and to D (``do_remote_prefill`` with P's
 bootstrap address and engine id, one ``transfer_id`` for both); D's answer, streamed or not, is
-the client's.
+the client's. Chat completions (``/v1/chat/completions``) take the same flow, each engine
+rendering the messages itself.
 
 ``python -m app.bench.core.front tap --upstream URL --port-file F`` forwards everything to one
 engine and notes, per POST, when it arrived and when the engine's answer was back
@@ -65,17 +66,20 @@ def mooncake_app(prefill: str, decode: str, bootstrap: str, engine_id: str) -> S
     client = _client()
     background: set[asyncio.Task[None]] = set()
 
-    async def to_prefill(body: dict[str, Any], transfer_id: str) -> None:
+    async def to_prefill(path: str, body: dict[str, Any], transfer_id: str) -> None:
         body = {**body, "max_tokens": 1, "stream": False}
         body.pop("stream_options", None)
+        body.pop("max_completion_tokens", None)
         body["kv_transfer_params"] = {"do_remote_decode": True, "transfer_id": transfer_id}
-        r = await client.post(f"{prefill}/v1/completions", json=body)
+        r = await client.post(f"{prefill}{path}", json=body)
         await r.aclose()
 
     async def completions(request: Request) -> Response:
+        # Chat completions take the same flow: each engine renders the messages itself.
+        path = request.url.path
         body = await request.json()
         transfer_id = uuid.uuid4().hex
-        task = asyncio.create_task(to_prefill(body, transfer_id))
+        task = asyncio.create_task(to_prefill(path, body, transfer_id))
         background.add(task)
         task.add_done_callback(background.discard)
         body["kv_transfer_params"] = {
@@ -84,7 +88,7 @@ def mooncake_app(prefill: str, decode: str, bootstrap: str, engine_id: str) -> S
             "remote_engine_id": engine_id,
             "transfer_id": transfer_id,
         }
-        req = client.build_request("POST", f"{decode}/v1/completions", json=body)
+        req = client.build_request("POST", f"{decode}{path}", json=body)
         upstream = await client.send(req, stream=True)
         if not body.get("stream"):
             content = await upstream.aread()
@@ -107,6 +111,7 @@ def mooncake_app(prefill: str, decode: str, bootstrap: str, engine_id: str) -> S
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", completions, methods=["POST"]),
             Route("/health", health),
         ]
     )

@@ -26,7 +26,7 @@ import dataclasses
 import os
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +41,15 @@ from app.bench.core.stats import MOONCAKE, SIDECAR
 from app.bench.core.store_pd import STORE_PEER, MooncakeStorePD
 from app.bench.core.systems import MooncakePD, System, start_mooncake_front
 from app.bench.core.trial import stream
+from app.bench.turns.chat import (
+    APIS,
+    Chat,
+    answered,
+    prefix_kept,
+    stream_chat,
+    template_tokens,
+    user_turn,
+)
 from app.bench.turns.stages import prefill_forward_ms, sidecar_stages
 from app.bench.turns.summary import ABLATIONS, BLOCK, HEADLINE, summarize
 from app.bench.turns.workload import Message, TurnsWorkload, conversations, in_turn_order
@@ -67,8 +76,13 @@ class TurnsOptions:
     # The headline: kv-sidecar against the store-equipped peer; ABLATIONS may join.
     systems: tuple[str, ...] = HEADLINE
     rounds: int = 2  # of each system, interleaved (interleave.abba); 2 rounds: the A/A
+    # completions: token ids, no tokenizer on the engines; chat: the messages as text, every
+    # engine of every system with the tiny tokenizer and chat template (turns.chat).
+    api: str = "completions"
 
     def __post_init__(self) -> None:
+        if self.api not in APIS:
+            raise ConfigError(f"api must be one of {', '.join(APIS)}, got {self.api!r}")
         unknown = [s for s in self.systems if s not in TURN_SYSTEMS]
         if unknown:
             raise ConfigError(f"systems must be among {', '.join(TURN_SYSTEMS)}, got {unknown}")
@@ -107,22 +121,32 @@ def _settled(system: System, before: dict[str, float], prompt_tokens: int) -> di
         time.sleep(0.1)
 
 
-def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) -> dict[str, Any]:
-    """One turn through ``system``'s front door, and what prefill did for it."""
+Send = Callable[[httpx.AsyncClient], Awaitable[dict[str, Any]]]
+
+
+def run_turn(
+    system: System, send: Send, m: Message, w: TurnsWorkload, prompt_tokens: int | None = None
+) -> dict[str, Any]:
+    """One turn through ``system``'s front door (``send``: a completion of token ids or a chat
+    completion), and what prefill did for it; ``prompt_tokens``: the prompt's length where the
+    answer does not say it."""
     before = _counters(system)
     t0 = time.time()
 
     async def go() -> dict[str, Any]:
         async with httpx.AsyncClient(timeout=600, trust_env=False) as client:
-            return await stream(client, system.front, prompt, w.answer_tokens, ignore_eos=True)
+            return await send(client)
 
     got = asyncio.run(go())
+    n = got.get("prompt_tokens") or prompt_tokens
+    if n is None:
+        raise BenchError(f"{system.name}: turn {m.turn}'s answer did not say its prompt's length")
     if got["first"] is None or len(got["tokens"]) != w.answer_tokens:
         raise BenchError(
             f"{system.name}: turn {m.turn} of conversation {m.conversation} "
             f"answered {len(got['tokens'])} tokens, expected {w.answer_tokens}"
         )
-    after = _settled(system, before, len(prompt))
+    after = _settled(system, before, n)
     delta = {k: after[k] - before[k] for k in after}
     moved = system.transfers(t0, time.time() + 1)
     forward = prefill_forward_ms(system.prefill_steps(got["sent"], got["last"]))
@@ -136,9 +160,9 @@ def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) ->
         "conversation": m.conversation,
         "turn": m.turn,
         "long": m.long,
-        "prompt_tokens": len(prompt),
+        "prompt_tokens": n,
         "new_tokens": len(m.tokens),
-        "history_tokens": len(prompt) - len(m.tokens),
+        "history_tokens": n - len(m.tokens),
         "ttft_ms": ttft_ms,
         "p_forward_ms": forward,
         "ttft_minus_forward_ms": None if forward is None else ttft_ms - forward,
@@ -149,6 +173,8 @@ def run_turn(system: System, prompt: list[int], m: Message, w: TurnsWorkload) ->
         "pool_bytes": delta.get("pool_bytes"),
         "kv_bytes": moved["bytes"],
         "answer": list(got["tokens"]),
+        "answer_text": got.get("text"),
+        "prompt_ids": got.get("prompt_ids"),
     }
 
 
@@ -158,18 +184,44 @@ def run_workload(
     w: TurnsWorkload,
     think_s: float,
     echo: Callable[[str], None],
+    api: str = "completions",
 ) -> list[dict[str, Any]]:
-    """Every message in order, each conversation's prompt growing by its own answers."""
+    """Every message in order, each conversation's prompt growing by its own answers: as
+    token ids (completions) or as messages whose earlier answers are the text streamed (chat,
+    ``turns.chat``; the rows then count the template's tokens and check the prefix kept)."""
     history: dict[int, list[int]] = {}
+    chats: dict[int, Chat] = {}
+    previous: dict[int, dict[str, Any]] = {}
     rows = []
     for m in messages:
         time.sleep(think_s)
-        prompt = [*history.get(m.conversation, []), *m.tokens]
-        row = run_turn(system, prompt, m, w)
-        history[m.conversation] = [*prompt, *row["answer"]]
+        if api == "chat":
+            sent = user_turn(chats.get(m.conversation, []), m)
+
+            def send_chat(c: httpx.AsyncClient, sent: Chat = sent) -> Awaitable[dict[str, Any]]:
+                return stream_chat(c, system.front, sent, w.answer_tokens)
+
+            row = run_turn(system, send_chat, m, w)
+            before = previous.get(m.conversation)
+            row["template_tokens"] = template_tokens(row["prompt_tokens"], len(m.tokens), before)
+            row["prefix_kept"] = prefix_kept(row["prompt_ids"], before)
+            chats[m.conversation] = answered(sent, row["answer_text"] or "")
+            previous[m.conversation] = dict(row)
+        else:
+            prompt = [*history.get(m.conversation, []), *m.tokens]
+
+            def send_ids(c: httpx.AsyncClient, p: list[int] = prompt) -> Awaitable[dict[str, Any]]:
+                return stream(c, system.front, p, w.answer_tokens, ignore_eos=True)
+
+            row = run_turn(system, send_ids, m, w, len(prompt))
+            history[m.conversation] = [*prompt, *row["answer"]]
+        # The ids and text are the next turn's to check; the row keeps the answer's ids.
+        row.pop("answer_text")
+        row.pop("prompt_ids")
         echo(
-            f"{system.name:22} conv {m.conversation} turn {m.turn}: {len(prompt):5} tokens "
-            f"(new {len(m.tokens):4})  TTFT {row['ttft_ms']:7.0f} ms  prefill computed "
+            f"{system.name:22} conv {m.conversation} turn {m.turn}: "
+            f"{row['prompt_tokens']:5} tokens (new {len(m.tokens):4})  "
+            f"TTFT {row['ttft_ms']:7.0f} ms  prefill computed "
             f"{row['prefill_computed']:5.0f} cached {row['prefill_cached']:5.0f} loaded "
             f"{row['prefill_loaded']:5.0f}"
         )
@@ -223,11 +275,21 @@ def run(
     """The whole bench: in every block of the interleaved schedule one system up, warmed up,
     measured, down; then the summary."""
     from app.harness.tiny_models import write_tiny_model
+    from app.harness.tiny_tokenizer import write_tiny_tokenizer
 
     w = opts.workload
     work = opts.out / "work"
-    model = write_tiny_model(work / "model", "llama", overrides=opts.model)
-    max_len = -(-(w.longest_prompt + w.answer_tokens + 1) // BLOCK) * BLOCK
+    chat = opts.api == "chat"
+    # With chat, every engine of every system starts with the tokenizer and template (no
+    # --skip-tokenizer-init: engines.vllm_command), in a folder of its own.
+    model = write_tiny_model(
+        work / ("model-chat" if chat else "model"), "llama", overrides=opts.model
+    )
+    if chat:
+        write_tiny_tokenizer(model)
+    # The template's markers: 3 tokens at turn 1, 4 at every later turn (turns.chat).
+    markers = 4 * w.turns if chat else 0
+    max_len = -(-(w.longest_prompt + markers + w.answer_tokens + 1) // BLOCK) * BLOCK
     if max_len > int(opts.model.get("max_position_embeddings", max_len)):
         raise BenchError(
             f"the longest conversation takes {max_len} tokens; the model holds "
@@ -264,15 +326,18 @@ def run(
         try:
             groups = {"bench client": [os.getpid()], **system.process_groups()}
             place_threads(groups, b)
-            run_workload(system, in_turn_order(conversations(warm, salt=99)), warm, 0.0, echo)
+            warmup = in_turn_order(conversations(warm, salt=99))
+            run_workload(system, warmup, warm, 0.0, echo, opts.api)
             placements[tag] = place_threads(groups, b)  # threads started by the first turns
-            got = run_workload(system, in_turn_order(conversations(w)), w, opts.think_s, echo)
+            measured = in_turn_order(conversations(w))
+            got = run_workload(system, measured, w, opts.think_s, echo, opts.api)
             rows += [{**r, "round": block.round} for r in got]
         finally:
             system.pd.close()
         phases[f"{tag}_s"] = round(time.monotonic() - t0, 1)
     return {
         "bench": "turns",
+        "api": opts.api,
         "workload": dataclasses.asdict(w),
         "model": opts.model,
         "dtype": opts.dtype,

@@ -63,7 +63,8 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     for name, iv in s.get("aa_round_2_over_1", {}).items():
         console.print(f"A/A, {name} round 2 / round 1, TTFT P50 at turns >= 3: {interval(iv)}")
     console.print(
-        "turns >= 3 where prefill computed more than the new message and one block: "
+        "turns >= 3 where prefill computed more than the new message (and the chat template's "
+        "markers) and one block: "
         + ", ".join(f"{k} {v}" for k, v in s["computed_over_new_plus_block"].items())
     )
     for pair, by_turn in s.get("computed_at_most", {}).items():
@@ -73,6 +74,12 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         )
     _print_drift(s.get("drift", {}), console)
     _print_stages(s["per_turn"], w["turns"], console)
+    for name, k in s.get("prefix_kept", {}).items():
+        if k["checked"]:
+            console.print(
+                f"chat: {name}'s prompt kept the previous prompt and answer's ids as generated: "
+                f"{k['kept']} of {k['checked']} turns"
+            )
     eq = s["answers_equal"]
     console.print(
         f"answers alike on every system and round: {eq['equal']} of {eq['compared']} turns"

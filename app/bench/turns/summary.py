@@ -55,6 +55,7 @@ def _per_turn(mine: Sequence[dict[str, Any]], turns: int) -> dict[str, Any]:
             "ttft_p50_ms": quantile(ttft, 0.5),
             "ttft_p90_ms": quantile(ttft, 0.9),
             "new_tokens": _mean(r["new_tokens"] for r in at),
+            "template_tokens": _mean(r.get("template_tokens", 0) for r in at),
             "history_tokens": _mean(r["history_tokens"] for r in at),
             "prefill_computed": _mean(r["prefill_computed"] for r in at),
             "prefill_cached": _mean(r["prefill_cached"] for r in at),
@@ -107,11 +108,14 @@ def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any
     def first(n: str) -> list[dict[str, Any]]:
         return [r for r in of[n] if r["turn"] == 1]
 
+    # The bound: the new message, the chat template's markers of this turn (``turns.chat``;
+    # none on the completions path) and one block.
     over = [
         {k: r[k] for k in ("system", "conversation", "turn", "new_tokens", "prefill_computed")}
-        | {"round": _round(r)}
+        | {"round": _round(r), "template_tokens": r.get("template_tokens", 0)}
         for r in rows
-        if r["turn"] >= LATE and r["prefill_computed"] > r["new_tokens"] + BLOCK
+        if r["turn"] >= LATE
+        and r["prefill_computed"] > r["new_tokens"] + r.get("template_tokens", 0) + BLOCK
     ]
     drifts = {n: drift(of[n]) for n in names}
     aa = {n: d["rounds"][1]["over_first"] for n, d in drifts.items() if len(d["rounds"]) > 1}
@@ -143,6 +147,13 @@ def summarize(rows: Sequence[dict[str, Any]], w: TurnsWorkload) -> dict[str, Any
             default=None,
         ),
         "answers_equal": answers_equal(rows, names),
+        "prefix_kept": {
+            n: {
+                "kept": sum(1 for r in of[n] if r.get("prefix_kept") is True),
+                "checked": sum(1 for r in of[n] if r.get("prefix_kept") is not None),
+            }
+            for n in names
+        },
     }
 
 
