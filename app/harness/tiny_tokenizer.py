@@ -59,9 +59,11 @@ def write_tiny_tokenizer(model: Path) -> Path:
     # Joins words with one space (no "##" word pieces here; no clean-up of punctuation).
     tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     tok.save(str(model / "tokenizer.json.tmp"))
+    # No "unk_token" here: transformers would make <unk> (id 0) special, and vLLM, skipping
+    # special tokens in an answer's text by default, would drop it from an answer sent back.
+    # The WordLevel model still maps unknown words to it.
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "unk_token": UNK,
         "model_max_length": int(model_config["max_position_embeddings"]),
         "chat_template": CHAT_TEMPLATE,
     }
