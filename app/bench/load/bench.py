@@ -25,7 +25,7 @@ from typing import Any
 from app.bench.core.calibrate import CALIBRATION_RUNG, calibrate, set_up
 from app.bench.core.cores import place_threads, placement_text
 from app.bench.core.host import HostRecord, host_record, links_text, stack_engines
-from app.bench.core.interleave import MIN_ROUNDS, abba
+from app.bench.core.interleave import MIN_ROUNDS, Block, abba
 from app.bench.core.link import calibration_text, set_link
 from app.bench.core.models import FULL_MODEL
 from app.bench.core.netns import child_main
@@ -66,7 +66,6 @@ class LoadOptions:
     burst: int | None = None
     slo: SloFactors = field(default_factory=SloFactors)
 
-    @classmethod
     def check(self) -> None:
         if self.rounds < MIN_ROUNDS or self.requests < self.rounds:
             raise ConfigError(
@@ -175,6 +174,12 @@ def estimate_text(service_s: float, rates: Sequence[float], opts: LoadOptions, n
     )
 
 
+def run_order(names: list[str], rungs: int, rounds: int) -> list[tuple[int, Block]]:
+    """The rate steps in run order: rung by rung, each in ABBA blocks of ``rounds`` rounds
+    (``core.interleave``), the opening system alternating rung by rung."""
+    return [(rung, b) for rung in range(rungs) for b in abba(rung_order(names, rung, 0), rounds)]
+
+
 def rung_order(names: list[str], rung: int, rep: int) -> list[str]:
     # Which system goes first alternates rate by rate (and rep by rep).
     k = (rung + rep) % len(names)
@@ -216,14 +221,13 @@ def run(opts: LoadOptions) -> tuple[dict[str, Any], HostRecord]:
         print(estimate_text(service, rates, opts, len(systems)), flush=True)
         by_name = {s.name: s for s in systems}
         steps = []
-        for rung, rate in enumerate(rates):
+        for rung, block in run_order([s.name for s in systems], len(rates), opts.rounds):
+            rate = rates[rung]
             reqs = rung_requests(rate, opts.per_round, opts.seed, lengths)
-            opening = rung_order([s.name for s in systems], rung, 0)
-            for block in abba(opening, opts.rounds):
-                wait_idle(by_name[block.system])
-                steps.append(
-                    step_record(opts, by_name[block.system], rate, rung, block.round, slo, reqs)
-                )
+            wait_idle(by_name[block.system])
+            steps.append(
+                step_record(opts, by_name[block.system], rate, rung, block.round, slo, reqs)
+            )
         phases["steps_done"] = time.time()
         summary = summarize_steps(steps, SYSTEMS)
         rounds = compare(steps, SYSTEMS, slo, opts.seed)

@@ -21,7 +21,7 @@ from app.errors import ConfigError
 
 @dataclass(frozen=True)
 class TurnsWorkload:
-    conversations: int = 6
+    conversations: int = 12  # issue 52: the bootstrap resamples conversations; 12 at least
     turns: int = 4
     first_tokens: int = 1536
     short: tuple[int, int] = (16, 64)  # a follow-up's tokens, lowest and highest

