@@ -83,3 +83,13 @@ def test_the_knee_ratio_comes_with_its_interval() -> None:
     iv = s["knee_ratio"]
     assert (iv["point"], iv["low"], iv["high"]) == (2.0, 2.0, 2.0)
     assert s["per_rate"][1]["ratio"]["ttft_p50_ms"]["point"] == pytest.approx(0.0525 / 0.5)
+
+
+def test_a_knee_decided_by_one_request_has_a_wide_interval() -> None:
+    # At 2/s A meets the SLO on 9 of 10 requests (90%: its knee), but a draw holding request 9
+    # twice or more falls under 90%: the knee ratio's interval reaches down to 1.
+    slow = [0.5] * 10
+    a_at_2 = A_TTFT[:9] + [0.5]
+    s = compare(_steps(1.0, A_TTFT, B_TTFT) + _steps(2.0, a_at_2, slow), (A, B), SLO)
+    iv = s["knee_ratio"]
+    assert (iv["point"], iv["low"], iv["high"]) == (2.0, 1.0, 2.0)
