@@ -41,6 +41,7 @@ from app.bench.core.systems import (
     stop_systems,
 )
 from app.bench.core.trial import line, seed
+from app.bench.pd.engine_deaths import engine_deaths
 from app.bench.pd.footprint import measured_trial
 from app.bench.pd.stats import Workload, summarize, trial_order
 from app.errors import ConfigError, KVSidecarError
@@ -277,6 +278,8 @@ def main(argv: list[str] | None = None) -> None:
         # A run that cannot finish (a prompt too slow for its wait, an engine gone) says why in
         # one line, for the command to print; the engines' logs have the rest.
         why = one_line(e)
+        if deaths := engine_deaths(Path(opts.out) / "work"):  # an engine gone says why: its log
+            why = f"{why}; {'; '.join(deaths)}"
         (Path(opts.out) / FAILURE).write_text(why + "\n")
         print(f"bench pd did not finish: {why}", file=sys.stderr, flush=True)
         sys.exit(2)
