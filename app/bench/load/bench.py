@@ -158,19 +158,27 @@ def rung_requests(rate: float, n: int, seed: int, lengths: Lengths) -> tuple[Req
     return schedule(rate, 1.0, seed, lengths, n)[:n]
 
 
-def estimate_s(service_s: float, rates: Sequence[float], requests: int, systems: int) -> float:
+# A step's own cost past its requests (waiting for idle engines, reading the gauges and the
+# transfer records): ~4.6 s a step in a --quick run on the loaded 2-core host.
+STEP_OVERHEAD_S = 5.0
+
+
+def estimate_s(
+    service_s: float, rates: Sequence[float], requests: int, systems: int, rounds: int = 2
+) -> float:
     """The rate steps' wall time, roughly: at a rate below the unloaded service rate the
     arrivals' span, above it no faster than one request a service time (batching does better;
-    the drain is bounded apart). Measured: the unloaded service time."""
+    the drain is bounded apart), and each step's overhead. Measured: the unloaded service
+    time."""
     per = sum(requests * max(1 / r, service_s) for r in rates)
-    return systems * per
+    return systems * (per + len(rates) * rounds * STEP_OVERHEAD_S)
 
 
 def estimate_text(service_s: float, rates: Sequence[float], opts: LoadOptions, n: int) -> str:
-    est = estimate_s(service_s, rates, opts.requests, n)
+    est = estimate_s(service_s, rates, opts.requests, n, opts.rounds)
     return (
         f"{opts.requests} requests a system a rate in {opts.rounds} rounds: the rate steps "
-        f"should take about {est / 60:.0f} min (from the unloaded service time)"
+        f"should take about {est:.0f} s ({est / 60:.0f} min; from the unloaded service time)"
     )
 
 

@@ -5,7 +5,7 @@ the same seeded requests in every round and for every system. So a request index
 both systems (and both rounds of one system) share: the ratios' intervals are paired bootstrap
 intervals over request indices (``core.bootstrap``), each index's answers of every round
 drawn together. Per rate: the figures pooled over the rounds, each ratio kv-sidecar / peer with
-its interval, each system's A/A (round 1 / round 2, the same work apart in time), and per
+its interval, each system's A/A (round 2 / round 1, the same work apart in time), and per
 system the drift between rounds; over the ladder, the knee ratio's interval.
 """
 
@@ -159,7 +159,7 @@ def compare(
     steps: Sequence[Step], systems: Sequence[str], slo: Slo, seed: int = 0
 ) -> dict[str, Any]:
     """The rounds' summary: per rate and system the pooled figures and each round's TTFT P50;
-    per rate kv-sidecar / peer with intervals and every system's A/A (round 1 / round 2); the
+    per rate kv-sidecar / peer with intervals and every system's A/A (round 2 / round 1); the
     knees from pooled attainment, their ratio with its interval; the drift between rounds."""
     rates = sorted({float(st["rate"]) for st in steps})
     at = {
@@ -185,7 +185,7 @@ def compare(
         for name in systems:
             blocks = list(by_round(at[(rate, name)]).values())
             if len(blocks) >= 2:
-                entry["aa"][name] = ratios(blocks[0], blocks[1], slo, seed)
+                entry["aa"][name] = ratios(blocks[1], blocks[0], slo, seed)
         per_rate.append(entry)
     knees = {
         name: knee((r["rate"], r["attainment"]) for r in rows if r["system"] == name)

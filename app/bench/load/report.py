@@ -79,7 +79,7 @@ RATIOS = (  # (key, printed name)
 
 def print_rounds(rounds: dict[str, Any], console: Console) -> None:
     """The interleaved rounds' summary: per rate and system the figures over every round's
-    requests; per rate the ratios kv-sidecar / peer and each system's A/A (round 1 / round 2)
+    requests; per rate the ratios kv-sidecar / peer and each system's A/A (round 2 / round 1)
     with 90% bootstrap intervals over requests; the knees; the drift between rounds."""
     table = Table(
         title="bench load, per rate and system over its rounds (ms unless noted); the tail is "
@@ -111,7 +111,7 @@ def print_rounds(rounds: dict[str, Any], console: Console) -> None:
         console.print(f"{entry['rate']:.3g} req/s {SIDECAR} / {MOONCAKE}: " + ", ".join(parts))
         for system, aa in entry["aa"].items():
             parts = [f"{n} {interval_text(aa[k])}" for k, n in RATIOS]
-            console.print(f"  A/A {system} (round 1 / round 2): " + ", ".join(parts))
+            console.print(f"  A/A {system} (round 2 / round 1): " + ", ".join(parts))
     for system, k in rounds["knee"].items():
         console.print(f"knee {system}: {_knee(k)}")
     console.print(

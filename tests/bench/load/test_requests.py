@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from app.bench.core.workload import Lengths
-from app.bench.load.bench import LoadOptions, estimate_s, rung_requests
+from app.bench.load.bench import STEP_OVERHEAD_S, LoadOptions, estimate_s, rung_requests
 from app.errors import ConfigError
 
 
@@ -33,5 +33,6 @@ def test_fewer_than_two_rounds_or_a_round_without_a_request_is_refused() -> None
 
 
 def test_the_estimate_is_the_arrivals_span_or_a_service_time_a_request() -> None:
-    # Service 2 s: 0.25/s spans 4 s a request, 1/s is past the service rate (2 s a request).
-    assert estimate_s(2.0, (0.25, 1.0), 10, 2) == 2 * (10 * 4 + 10 * 2)
+    # Service 2 s: 0.25/s spans 4 s a request, 1/s is past the service rate (2 s a request);
+    # and 2 rates x 2 rounds of steps' overhead, per system.
+    assert estimate_s(2.0, (0.25, 1.0), 10, 2) == 2 * (10 * 4 + 10 * 2 + 4 * STEP_OVERHEAD_S)
