@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from app.bench.core.bootstrap import Interval, paired_interval
-from app.bench.core.slo import Slo, judge, percentile
+from app.bench.core.slo import Slo, judge, percentile, timings
 from app.bench.load.stats import knee, knee_ratio, step_figures
 
 Step = Mapping[str, Any]
@@ -108,6 +108,29 @@ def ratios(
 
 def _as_dict(iv: Interval | None) -> dict[str, Any] | None:
     return None if iv is None else iv.as_dict()
+
+
+def ttft_interval(a: Sequence[Step], b: Sequence[Step], q: float) -> Interval | None:
+    """A's TTFT ``q``-th percentile / B's over their steps' requests, paired over request
+    indices (no SLO needed: for the docs' tables of runs that ran a rate once)."""
+    ta, tb = (_ttfts(steps) for steps in (a, b))
+    units = sorted(set(ta) & set(tb))
+
+    def ratio(pick: Sequence[int]) -> float | None:
+        xa = [t for i in pick for t in ta[i]]
+        xb = [t for i in pick for t in tb[i]]
+        return _div(percentile(xa, q), percentile(xb, q))
+
+    return paired_interval(units, ratio)
+
+
+def _ttfts(steps: Sequence[Step]) -> dict[int, list[float]]:
+    out: dict[int, list[float]] = {}
+    for st in steps:
+        for a in answers(st):
+            if (t := timings(a)["ttft_s"]) is not None:
+                out.setdefault(int(a["index"]), []).append(t)
+    return out
 
 
 def pooled(steps: Sequence[Step], slo: Slo) -> dict[str, Any]:

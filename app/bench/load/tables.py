@@ -11,6 +11,7 @@ from app.bench.core.slo import ATTAINMENT
 from app.bench.core.stats import MOONCAKE, SIDECAR
 from app.bench.core.tables import Table, num
 from app.bench.core.target_path import STAGES
+from app.bench.load.compare import ttft_interval
 from app.errors import BenchError
 
 Step = Mapping[str, Any]  # one system's step at one rate
@@ -45,7 +46,18 @@ def _slo_parts(a: Step, b: Step) -> str:
 
 RATE: Column = ("rate req/s", lambda a, _: f"{a['rate']:.3g}")
 TTFT_P90: Column = ("TTFT P90 s: kv-sidecar / mooncake", _pair("ttft_p90_ms", _s))
-RATIO: Column = ("ratio", lambda a, b: num(a["ttft_p90_ms"] / b["ttft_p90_ms"], 2))
+
+
+def _ratio(a: Step, b: Step) -> str:
+    """TTFT P90 kv-sidecar / mooncake and its 90% interval, paired over the step's requests."""
+    iv = ttft_interval([a], [b], 90)
+    point = num(a["ttft_p90_ms"] / b["ttft_p90_ms"], 2)
+    if iv is None or iv.low is None or iv.high is None:
+        return point
+    return f"{point} [{num(iv.low, 2)}–{num(iv.high, 2)}]"
+
+
+RATIO: Column = ("ratio [90%]", _ratio)
 HANDOFF: Column = ("handoff ms", _pair("handoff_ms", num))
 GOODPUT: Column = ("goodput req/s", _pair("goodput_rps", lambda v: num(v, 3)))
 SLO_MET: Column = ("SLO met", _pair("attainment", _share))

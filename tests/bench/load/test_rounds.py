@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from app.bench.core.slo import Slo
-from app.bench.load.compare import compare
+from app.bench.load.compare import compare, ttft_interval
 
 A, B = "kv-sidecar", "mooncake"
 SLO = Slo(prefill_a_s=0.1, prefill_b_s=0.0, tpot_s=0.02)  # TTFT <= 0.3 s, TPOT <= 30 ms
@@ -93,3 +93,11 @@ def test_a_knee_decided_by_one_request_has_a_wide_interval() -> None:
     s = compare(_steps(1.0, A_TTFT, B_TTFT) + _steps(2.0, a_at_2, slow), (A, B), SLO)
     iv = s["knee_ratio"]
     assert (iv["point"], iv["low"], iv["high"]) == (2.0, 1.0, 2.0)
+
+
+def test_a_single_steps_ttft_ratio_gets_its_paired_interval() -> None:
+    # The docs' tables of runs made before the rounds: one step a system, no SLO needed.
+    a, b = _step(1.0, A, 0, A_TTFT), _step(1.0, B, 0, B_TTFT)
+    iv = ttft_interval([a], [b], 90)
+    assert iv is not None and iv.units == 10
+    assert (iv.point, iv.low, iv.high) == pytest.approx((0.5, 0.5, 0.5))
