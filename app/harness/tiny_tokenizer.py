@@ -9,7 +9,8 @@ conversation's prefix hit for reasons of its own. No token is special, since vLL
 tokens from an answer's text, which would break that round trip.
 
 Engines keep ``--skip-tokenizer-init`` unless their model folder holds a tokenizer
-(``has_tokenizer``; engines.vllm_command): only the tests that write one start engines with it.
+(``has_tokenizer``; engines.vllm_command): the tests that write one and ``bench turns --api chat``
+start engines with it.
 """
 
 from __future__ import annotations
