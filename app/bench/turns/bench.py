@@ -17,6 +17,10 @@ one, ...; each turn's prompt is the history the system itself answered plus the 
 on prefill the prompt tokens it computed, took from its prefix cache and loaded through its
 connector; the pool's bytes loaded (kv-sidecar) and the KV bytes prefill sent to decode. Two
 rounds of one system are its A/A; the summary is ``turns.summary``'s.
+
+``api="chat"`` (``--api chat``) sends every turn as ``/v1/chat/completions`` with the
+conversation's messages as text, the answers as streamed (``turns.chat``), every engine of every
+system with the tiny tokenizer and chat template; rows then count the template's markers.
 """
 
 from __future__ import annotations
