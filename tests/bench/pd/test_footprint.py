@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -32,15 +34,22 @@ def test_peak_rss_sums_each_process_high_water_mark(tmp_path: Path) -> None:
 
 
 def test_reset_resets_the_peak_of_a_live_process() -> None:
-    # A real process: this one. After touching 64 MiB and dropping it, the peak stays up
-    # until reset; reset brings it back to about the current resident set.
-    me = [os.getpid()]
-    block = bytearray(64 * MIB)
-    block[::4096] = b"x" * len(block[::4096])
-    before = peak_rss_bytes(me)
-    del block
-    reset_peak_rss(me)
-    after = peak_rss_bytes(me)
+    # A real process of its own (a pytest worker's peak may come from an earlier test): it
+    # touches 64 MiB and drops it; its peak stays up until reset, then is about its resident set.
+    code = (
+        "import sys; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); del b; "
+        "print('ready', flush=True); sys.stdin.read()"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        before = peak_rss_bytes([child.pid])
+        reset_peak_rss([child.pid])
+        after = peak_rss_bytes([child.pid])
+    finally:
+        child.communicate("", timeout=30)
     assert before - after > 32 * MIB, (before, after)
 
 
