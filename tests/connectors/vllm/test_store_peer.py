@@ -12,12 +12,14 @@ import itertools
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from app.bench.core.store_pd import STORE_PEER, MooncakeStorePD
 from app.bench.core.systems import System
+from app.bench.core.trial import stream
 from app.bench.turns.bench import BLOCK, run_turn, start
 from app.bench.turns.workload import Message, TurnsWorkload
 from app.harness.tiny_models import write_tiny_model
@@ -81,7 +83,12 @@ def test_three_turns_answer_as_one_engine_and_load_decodes_answer(
         one = pd.completion(pd.prefill.url, y, GEN + 1, cache_salt=salt, ignore_eos=True)
         reference = list(one["choices"][0]["token_ids"])
         x = [*y, reference[0]]
-        row = run_turn(peer, x, Message(0, turn, tuple(x[len(history) :]), turn == 1), w)
+        m = Message(0, turn, tuple(x[len(history) :]), turn == 1)
+
+        async def send(c: httpx.AsyncClient, p: list[int] = x) -> dict[str, Any]:
+            return await stream(c, peer.front, p, GEN, ignore_eos=True)
+
+        row = run_turn(peer, send, m, w, len(x))
         assert row["answer"] == reference[1:], f"turn {turn}: the pair answered otherwise"
         rows.append(row)
         history = [*x, *row["answer"]]
