@@ -276,10 +276,16 @@ def whole_block_lengths(groups: list[dict[str, object]], limit: int) -> list[int
     return sorted({kb + 5, min(2 * kb + kb // 3, limit)})
 
 
+def request_entry(admin: str, rid: str, side: str) -> dict[str, Any]:
+    """The sidecar's one record of ``rid`` on ``side`` (``GET /v1/requests/{id}``)."""
+    r = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10)
+    r.raise_for_status()
+    (entry,) = [e for e in r.json()["entries"] if e["side"] == side]
+    return dict(entry)
+
+
 def block_ids(admin: str, rid: str, side: str) -> list[list[int]]:
-    entries = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10).json()["entries"]
-    (entry,) = [e for e in entries if e["side"] == side]
-    return [g["block_ids"] for g in entry["groups"]]
+    return [g["block_ids"] for g in request_entry(admin, rid, side)["groups"]]
 
 
 class TargetCatcher:

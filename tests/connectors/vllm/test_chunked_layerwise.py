@@ -26,12 +26,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
-from tests.connectors.vllm.conftest import DEEP_LLAMA, engines_up, prompt
+from tests.connectors.vllm.conftest import DEEP_LLAMA, engines_up, prompt, request_entry
 
 pytestmark = pytest.mark.slow_engines
 
@@ -70,20 +69,13 @@ def chunked_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         yield stack
 
 
-def _entry(admin: str, rid: str, side: str) -> dict[str, Any]:
-    r = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10)
-    r.raise_for_status()
-    (entry,) = [e for e in r.json()["entries"] if e["side"] == side]
-    return dict(entry)
-
-
 def _settled(stack: LocalPD, rid: str, timeout_s: float = 30.0) -> tuple[dict[str, Any], ...]:
     """Prefill's send once every step's forward ended, and decode's receive once its end was
     told to its engine (decode may answer before prefill's last forward ends)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        send = _entry(stack.prefill.admin, rid, "send")
-        recv = _entry(stack.decode.admin, rid, "recv")
+        send = request_entry(stack.prefill.admin, rid, "send")
+        recv = request_entry(stack.decode.admin, rid, "recv")
         ended = all(s["forward_ended_at"] is not None for s in send["steps"])
         if ended and recv["reported_at"] is not None:
             return send, recv

@@ -13,7 +13,6 @@ alone; neither sidecar expires anything.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
@@ -21,7 +20,7 @@ import pytest
 from app.harness.engines import MAX_MODEL_LEN, prompt_tokens_by_source
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
-from tests.connectors.vllm.conftest import DEEP_LLAMA, engines_up, prompt
+from tests.connectors.vllm.conftest import DEEP_LLAMA, engines_up, prompt, request_entry
 
 pytestmark = pytest.mark.slow_engines
 
@@ -59,13 +58,6 @@ def slow_pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPD]:
         yield stack
 
 
-def _entry(admin: str, rid: str, side: str) -> dict[str, Any]:
-    r = httpx.get(f"{admin}/v1/requests/{rid}", timeout=10)
-    r.raise_for_status()
-    (entry,) = [e for e in r.json()["entries"] if e["side"] == side]
-    return dict(entry)
-
-
 def _expired(admin: str) -> int:
     return int(httpx.get(f"{admin}/v1/status", timeout=10).json()["expired"])
 
@@ -77,8 +69,8 @@ def test_a_prefill_slower_than_the_idle_bounds_lands(slow_pd: LocalPD) -> None:
     out = slow_pd.completion(slow_pd.proxy, p, MAX_TOKENS, timeout_s=300)
     assert list(out["choices"][0]["token_ids"]) == reference
     rid = out["kv_transfer_params"]["kv_sidecar_request_id"]
-    send = _entry(slow_pd.prefill.admin, rid, "send")
-    recv = _entry(slow_pd.decode.admin, rid, "recv")
+    send = request_entry(slow_pd.prefill.admin, rid, "send")
+    recv = request_entry(slow_pd.decode.admin, rid, "recv")
     assert (send["state"], recv["state"]) == ("DONE", "DONE"), (send["error"], recv["error"])
     # Not vacuous: the transfer outlasted both idle bounds (a fixed deadline would have ended
     # it), in many chunks.
