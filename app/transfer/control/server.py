@@ -26,6 +26,9 @@ from app.transfer.control.framing import (
 from app.transfer.wire.auth import UNAUTHENTICATED_REASON, FrameAuth
 from app.transfer.wire.protocol import AnyMsg, Error, Msg, decode, describe, encode
 
+# Frames the receive loop reads before it gives the event loop a turn.
+_FAIR_BATCH = 32
+
 
 class ControlServer:
     """ROUTER that decodes each frame and answers through ``handler``, one task per message.
@@ -184,6 +187,10 @@ class ControlServer:
 
     async def _serve(self, sock: zmq.Socket[bytes]) -> None:
         while True:
+            if self.frames % _FAIR_BATCH == _FAIR_BATCH - 1:
+                # Frames that wait are read without yielding: a flood would hold the loop the
+                # transfers, the admin API and same-process clients share.
+                await asyncio.sleep(0)
             try:
                 frames = await self._recv(sock)
             except zmq.ZMQError as e:  # socket or context closed under us: nothing left to serve
