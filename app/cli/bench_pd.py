@@ -65,6 +65,14 @@ def pd_command(
         str,
         typer.Option(help="Measure this system twice per round (A/A: the noise floor), or 'none'."),
     ] = SYSTEMS[0],
+    digest: Annotated[
+        str,
+        typer.Option(
+            help="Compare kv-sidecar with itself at these kv_digest.share values instead of "
+            "with MooncakeConnector, e.g. 0,0.125,1: each arm against the first (handoff "
+            "difference, CPU per GB ratio, with intervals). Unshaped link only."
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print the summary as JSON.")] = False,
 ) -> None:
     """P/D side by side: TTFT, P start delay, prefill, exposed transfer and bytes, per system."""
@@ -72,6 +80,9 @@ def pd_command(
         raise ConfigError(f"--link {link!r}: expected one of {', '.join(LINKS)}")
     if reps < 1:
         raise ConfigError("--reps must be at least 1")
+    shares = parse_shares(digest)
+    if shares and link != "unshaped":
+        raise ConfigError("--digest compares kv-sidecar with itself: give --link unshaped")
     if aa not in (*SYSTEMS, "none"):
         raise ConfigError(f"--aa {aa!r}: expected one of {', '.join(SYSTEMS)} or none")
     if regime not in REGIMES:
@@ -79,7 +90,7 @@ def pd_command(
     bound = binding(regime, os.sched_getaffinity(0))  # fails here if the machine cannot
     # Heavy imports inside the command: see app/cli/main.py.
     from app.bench.core.models import QUICK_MODEL
-    from app.bench.pd.bench import PDOptions
+    from app.bench.pd.bench import PDOptions, digest_name
     from app.bench.pd.netns import run_in_namespace
     from app.bench.pd.report import plot, print_summary
 
@@ -93,7 +104,10 @@ def pd_command(
         out=str(out.resolve()),
         regime=regime,
         aa=None if aa == "none" else aa,
+        digest=shares,
     )
+    if shares and opts.aa is not None:  # the A/A of the digest arms: the base arm twice
+        opts = dataclasses.replace(opts, aa=digest_name(shares[0]))
     if quick:
         opts = dataclasses.replace(
             opts,
@@ -112,6 +126,21 @@ def pd_command(
     result, host = split_host(run_in_namespace(opts))
     keys = ("summary", "links", "calibration", "not_counted", "plot", "binding")
     report_run(result, host, out / "pd", (plot, print_summary), console, as_json, keys)
+
+
+def parse_shares(text: str) -> tuple[float, ...]:
+    """``--digest 0,0.125,1``: at least two distinct shares in [0, 1] (empty: none)."""
+    if not text.strip():
+        return ()
+    try:
+        shares = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(f"--digest {text!r}: expected shares such as 0,0.125,1") from None
+    if len(set(shares)) != len(shares) or len(shares) < 2:
+        raise ConfigError(f"--digest {text!r}: expected at least two distinct shares")
+    if not all(0.0 <= x <= 1.0 for x in shares):
+        raise ConfigError(f"--digest {text!r}: each share is between 0 and 1")
+    return shares
 
 
 def bench_console(as_json: bool) -> Console:

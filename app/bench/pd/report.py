@@ -8,7 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from app.bench.core.stats import MOONCAKE, SIDECAR
+from app.bench.core.stats import SYSTEMS
 
 
 def _fmt(v: float | None, metric: str) -> str:
@@ -36,15 +36,17 @@ def _ratio_cell(ratio: float | None, sp: dict[str, Any]) -> str:
 
 
 def print_summary(result: dict[str, Any], console: Console) -> None:
-    """Per system median (min–max) over its counted trials and n; the ratio kv-sidecar /
-    mooncake of the medians (in brackets: the range of the per-repetition ratios); the A/A
-    ratio (one system against itself: the noise floor), per link and workload."""
+    """Per system median (min–max) over its counted trials and n; the ratio first system /
+    second of the medians (in brackets: the range of the per-repetition ratios); the A/A
+    ratio (one system against itself: the noise floor), per link and workload; with digest
+    arms, each arm against the first."""
     opts = result["options"]
     aa = result.get("aa")
-    systems = [SIDECAR, MOONCAKE, *([aa[1]] if aa else [])]
+    compared = result.get("systems", SYSTEMS)
+    systems = [*compared, *([aa[1]] if aa else [])]
     table = Table(
         title=f"bench pd ({result['binding']['regime']} cores): median (min–max) over "
-        f"{opts['reps']} reps, ms unless noted; ratio = {SIDECAR} / {MOONCAKE}"
+        f"{opts['reps']} reps, ms unless noted; ratio = {compared[0]} / {compared[1]}"
         + (f"; A/A = {aa[0]} / {aa[1]} (noise floor)" if aa else "")
     )
     cols = ["link", "workload", "metric", *systems, "ratio", *(["A/A"] if aa else []), "n"]
@@ -66,8 +68,26 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
                 f"shaped link: {link['rate_bps'] / 1e6:.1f} Mbit/s, burst {link['burst']} B, "
                 f"latency {link['latency_ms']} ms"
             )
+    for row in result.get("digest") or ():
+        console.print(digest_line(row))
     for t in result["not_counted"]:
         console.print(f"[red]not counted[/red]: {t}")
+
+
+def digest_line(row: dict[str, Any]) -> str:
+    """One arm's figure against the base arm, with its interval."""
+    iv = row["interval"]
+    op = "-" if row["how"] == "difference" else "/"
+    head = f"{row['link']} {row['workload']} {row['metric']}: {row['system']} {op} {row['base']}"
+    if iv is None:
+        return f"{head}: no paired repetition"
+    fmt = ".1f" if row["how"] == "difference" else ".3f"
+    span = (
+        f" [{iv['low']:{fmt}}, {iv['high']:{fmt}}] ({iv['level']:.0%}, {iv['units']} reps)"
+        if iv["low"] is not None
+        else f" (no interval: {iv['units']} rep)"
+    )
+    return f"{head} = {iv['point']:{fmt}}{span}"
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
@@ -86,7 +106,8 @@ def plot(result: dict[str, Any], path: Path) -> Path:
         (axes[1], "exposed_ms", "exposed transfer: P done -> KV landed at D (ms)"),
     ):
         for link, style in (("unshaped", "-"), ("shaped", "--")):
-            for system, color in ((SIDECAR, "C0"), (MOONCAKE, "C3")):
+            for i, system in enumerate(result.get("systems", SYSTEMS)):
+                color = f"C{3 * i % 10}"
                 pts = {
                     r["workload"]: r["spread"][system]
                     for r in rows

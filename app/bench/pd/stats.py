@@ -3,10 +3,12 @@ summary with its paired ratios and A/A."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from app.bench.core.bootstrap import paired_interval
 from app.bench.core.stats import spread
 from app.errors import ConfigError
 
@@ -105,10 +107,7 @@ def paired_ratios(mine: Sequence[Mapping[str, Any]], a: str, b: str, metric: str
     """``a``'s value over ``b``'s, per repetition where both trials counted: the spread of the
     ratio itself, not only the ratio of the medians."""
 
-    def values(system: str) -> dict[int, float]:
-        return {t["rep"]: float(t[metric]) for t in mine if t["counted"] and t["system"] == system}
-
-    va, vb = values(a), values(b)
+    va, vb = _by_rep(mine, a, metric), _by_rep(mine, b, metric)
     ratios = (_ratio(va[rep], vb[rep]) for rep in sorted(va.keys() & vb.keys()))
     return [r for r in ratios if r is not None]
 
@@ -147,3 +146,50 @@ def summarize(
                 }
             rows.append(row)
     return rows
+
+
+# ``--digest``'s comparisons: the handoff as a difference (the issue's bound is in ms), the
+# transfer path's CPU per GB as a ratio (its bound is a share).
+DIGEST_FIGURES = {"handoff_ms": "difference", "cpu_s_per_gib": "ratio"}
+
+
+def against_base(
+    trials: Sequence[Mapping[str, Any]], base: str, others: Sequence[str]
+) -> list[dict[str, Any]]:
+    """Per (link, workload, system of ``others``, figure of ``DIGEST_FIGURES``): its median less
+    (or over) ``base``'s, with a 90% bootstrap interval over repetitions resampled in pairs (a
+    repetition's trials of every system ran back to back)."""
+    rows: list[dict[str, Any]] = []
+    for link, workload in dict.fromkeys((t["link"], t["workload"]) for t in trials):
+        mine = [t for t in trials if t["link"] == link and t["workload"] == workload]
+        for other in others:
+            for metric, how in DIGEST_FIGURES.items():
+                a, b = _by_rep(mine, other, metric), _by_rep(mine, base, metric)
+
+                def stat(
+                    reps: Sequence[int],
+                    a: dict[int, float] = a,
+                    b: dict[int, float] = b,
+                    how: str = how,
+                ) -> float | None:
+                    x = statistics.median(a[r] for r in reps)
+                    y = statistics.median(b[r] for r in reps)
+                    return x - y if how == "difference" else _ratio(x, y)
+
+                iv = paired_interval(sorted(a.keys() & b.keys()), stat)
+                rows.append(
+                    {
+                        "link": link,
+                        "workload": workload,
+                        "system": other,
+                        "base": base,
+                        "metric": metric,
+                        "how": how,
+                        "interval": iv.as_dict() if iv is not None else None,
+                    }
+                )
+    return rows
+
+
+def _by_rep(mine: Sequence[Mapping[str, Any]], system: str, metric: str) -> dict[int, float]:
+    return {t["rep"]: float(t[metric]) for t in mine if t["counted"] and t["system"] == system}

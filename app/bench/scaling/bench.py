@@ -27,11 +27,16 @@ length (the median of ``reps``):
 Each curve gets a least-squares slope in log-log space over the lengths from 4k (shorter ones
 are dominated by fixed costs): 1 is linear, 0 flat. The JSON carries the host it ran on
 (``result_file.write_result``).
+
+``--baseline FILE.json`` compares this run's CPU per GB with an earlier run's, length by length,
+and exits 3 when any is more than ``--limit`` (1.2: 20%) above it: the regression check of the
+transfer path's CPU (run both on one quiet host; the JSONs name their hosts).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -371,6 +376,43 @@ def write(result: dict[str, Any], path: Path) -> dict[str, Any]:
     return write_result(path, result, host_record(engines={}, link=NO_LINK))
 
 
+REGRESSION_LIMIT = 1.2  # CPU per GB more than 20% above the baseline's: a regression
+
+
+def against_baseline(
+    baseline: Sequence[dict[str, Any]], rows: Sequence[dict[str, Any]], limit: float
+) -> list[dict[str, Any]]:
+    """Per length both runs measured: CPU per GB now, then, their ratio and whether it is over
+    ``limit``."""
+    then = {int(r["tokens"]): float(r["cpu_s_per_gb"]) for r in baseline}
+    out = []
+    for r in rows:
+        n = int(r["tokens"])
+        if n in then and then[n] > 0:
+            ratio = float(r["cpu_s_per_gb"]) / then[n]
+            out.append(
+                {
+                    "tokens": n,
+                    "cpu_s_per_gb": r["cpu_s_per_gb"],
+                    "baseline_cpu_s_per_gb": then[n],
+                    "ratio": round(ratio, 3),
+                    "regressed": ratio > limit,
+                }
+            )
+    return out
+
+
+def baseline_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of an earlier ``bench scaling`` JSON; a ``BenchError`` saying what is wrong."""
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BenchError(f"--baseline {path}: expected a bench scaling JSON ({e!r})") from None
+    if not isinstance(rows, list) or not all("cpu_s_per_gb" in r for r in rows):
+        raise BenchError(f"--baseline {path}: its rows carry no cpu_s_per_gb")
+    return rows
+
+
 def parse_tokens(text: str) -> int:
     """``4096``, ``4k`` (4096) or ``128K``: a prompt length in tokens."""
     t = text.strip().lower()
@@ -394,6 +436,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fill", action="store_true", help="fill at P and check every byte at D")
     ap.add_argument("--out", default="bench-scaling.json")
     ap.add_argument("--plot", action="store_true", help="a PNG beside the JSON (matplotlib)")
+    ap.add_argument("--baseline", type=Path, help="an earlier run's JSON: exit 3 on a regression")
+    ap.add_argument("--limit", type=float, default=REGRESSION_LIMIT, help="CPU/GB ratio allowed")
     a = ap.parse_args(argv)
     opts = ScalingOptions(
         lengths=tuple(parse_tokens(x) for x in a.lengths.split(",") if x),
@@ -406,15 +450,36 @@ def main(argv: list[str] | None = None) -> None:
         fill=a.fill,
     )
     try:
+        before = baseline_rows(a.baseline) if a.baseline is not None else None
         result = run(opts)
     except BenchError as e:
         print(f"bench scaling did not finish: {e}", file=sys.stderr)
         sys.exit(2)
+    if before is not None:
+        result["baseline"] = {
+            "file": str(a.baseline),
+            "limit": a.limit,
+            "rows": against_baseline(before, result["rows"], a.limit),
+        }
     out = Path(a.out)
     written = write(result, out)
     print(f"figures: {out}", file=sys.stderr)
     if a.plot:
         print(f"plot: {plot(written, out.with_suffix('.png'))}", file=sys.stderr)
+    if before is not None:
+        compared = result["baseline"]["rows"]
+        for c in compared:
+            flag = "REGRESSED" if c["regressed"] else "ok"
+            print(
+                f"{c['tokens']:>6} tokens: {c['cpu_s_per_gb']:.3f} CPU s/GB against "
+                f"{c['baseline_cpu_s_per_gb']:.3f}: x{c['ratio']:.2f} {flag}",
+                file=sys.stderr,
+            )
+        if not compared:
+            print("bench scaling: no length in common with the baseline", file=sys.stderr)
+            sys.exit(2)
+        if any(c["regressed"] for c in compared):
+            sys.exit(3)
 
 
 if __name__ == "__main__":

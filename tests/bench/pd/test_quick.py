@@ -114,3 +114,21 @@ def test_quick_run_compares_both_systems(tmp_path: Path) -> None:
             else:
                 assert set(g["threads"]) == {"1"}, g
     _check_trials(result)
+
+
+@pytest.mark.timeout(900)
+def test_quick_digest_arms_differ_only_in_the_digest(tmp_path: Path) -> None:
+    """``--digest 0,1``: two kv-sidecar pairs, the second digesting every request: its
+    records say so (P sent digests, D's matched), the first's computed none; outputs equal;
+    the handoff's difference and CPU per GB's ratio carry the arms' names."""
+    result = _run(tmp_path / "out", "--digest", "0,1", "--link", "unshaped", "--aa", "none")
+    assert result["systems"] == ["digest-0", "digest-1"]
+    for t in result["trials"]:
+        assert t["counted"] and t["outputs_equal"], t
+        want = {"send": "sent", "recv": "ok"} if t["system"] == "digest-1" else {}
+        got = {r["side"]: r["digest"] for r in t["transfer_records"]}
+        assert got == {side: want.get(side, "off") for side in ("send", "recv")}, got
+    rows = {r["metric"]: r for r in result["digest"]}
+    assert set(rows) == {"handoff_ms", "cpu_s_per_gib"}
+    assert all(r["system"] == "digest-1" and r["base"] == "digest-0" for r in rows.values())
+    assert rows["handoff_ms"]["interval"]["units"] == 1

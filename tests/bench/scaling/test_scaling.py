@@ -65,3 +65,40 @@ def test_a_run_at_two_lengths(tmp_path: Path) -> None:
     assert long["descriptors"] > 2 * short["descriptors"]  # one a block run a layer: ~4x
     assert long["bytes"] == 4 * short["bytes"]
     assert short["rss_anon_added_mib_prefill"] == 0  # above the shortest length's own peak
+
+
+def test_against_baseline_flags_what_grew_past_the_limit() -> None:
+    before = [{"tokens": 1024, "cpu_s_per_gb": 1.0}, {"tokens": 4096, "cpu_s_per_gb": 0.5}]
+    now = [
+        {"tokens": 1024, "cpu_s_per_gb": 1.19},
+        {"tokens": 4096, "cpu_s_per_gb": 0.61},
+        {"tokens": 8192, "cpu_s_per_gb": 9.0},  # not in the baseline: not compared
+    ]
+    rows = scaling.against_baseline(before, now, 1.2)
+    assert [(r["tokens"], r["ratio"], r["regressed"]) for r in rows] == [
+        (1024, 1.19, False),
+        (4096, 1.22, True),
+    ]
+
+
+def test_a_baseline_that_is_not_a_scaling_run_is_refused_before_the_run(tmp_path: Path) -> None:
+    bad = tmp_path / "b.json"
+    bad.write_text('{"rows": [{"tokens": 1024}]}')
+    with pytest.raises(SystemExit) as e:
+        scaling.main(["--lengths", "256", "--baseline", str(bad), "--out", str(tmp_path / "o")])
+    assert e.value.code == 2
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_run_against_a_baseline_exits_3_on_a_regression(tmp_path: Path) -> None:
+    """One real run at 256 tokens against a baseline 1000x cheaper: a regression, exit 3, the
+    comparison in the JSON."""
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"rows": [{"tokens": 256, "cpu_s_per_gb": 1e-3}]}))
+    out = tmp_path / "now.json"
+    args = ["--lengths", "256", "--reps", "1", "--compute-ms", "1", "--out", str(out)]
+    with pytest.raises(SystemExit) as e:
+        scaling.main([*args, "--baseline", str(base)])
+    assert e.value.code == 3
+    (row,) = json.loads(out.read_text())["baseline"]["rows"]
+    assert row["tokens"] == 256 and row["regressed"] and row["ratio"] > 1.2
