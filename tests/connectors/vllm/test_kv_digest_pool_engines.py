@@ -18,14 +18,13 @@ from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
 from tests.conftest import wait_for
 from tests.connectors.vllm.conftest import engines_up, prompt
-from tests.connectors.vllm.digest_engines import counter
+from tests.connectors.vllm.digest_engines import TRIALS, counter
 from tests.connectors.vllm.flip_sidecar import flipping
 
 pytestmark = pytest.mark.slow_engines
 
-TRIALS = 20
 MAX_TOKENS = 6
-LENGTHS = [60 + 17 * i for i in range(TRIALS)]  # each at least one whole block
+LENGTHS = [60 + 17 * (i % 20) for i in range(TRIALS)]  # each at least one whole block
 
 
 @pytest.fixture(scope="module")
