@@ -20,18 +20,19 @@ import logging
 import os
 import secrets
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
 import numpy as np
 
 from app.devices import CpuEvent, Event
+from app.devices.bell import Bell, BellWatch
 from app.devices.events import DEFAULT_SLOTS, EngineRing
 from app.devices.fdpass import FdServer
 from app.devices.shm import SHM_DIR
 from app.devices.spec import FdSource
+from app.engine_link.signals import LayerSignals
 from app.engine_link.sync_client import SyncClient
 from app.errors import KVSidecarError
 from app.kvcache.engine_spec import EngineRegistration
@@ -108,9 +109,11 @@ class EngineLink:
         self.pool_tails = False
         # The waiter thread sends too, and a ZMQ socket is not thread-safe.
         self._lock = threading.Lock()
-        self._signals = _Signals(self._notify)
+        self._signals = LayerSignals(self._notify)
         self._registered: _Registered | None = None  # what ``reregister`` sends again
         self._registered_on = 0  # the connection (``client.connects``) it was registered on
+        # The finished bell of the current registration (none until one was mapped).
+        self.bell = BellWatch(None)
 
     @property
     def sidecar_gone(self) -> bool:
@@ -173,11 +176,28 @@ class EngineLink:
         return compat
 
     def _register(self, registration: EngineRegistration, timeout_s: float) -> str:
-        reply = self._call(RegisterEngine(registration=registration), timeout_s)
+        # A fresh bell each registration; its name goes once the sidecar mapped it, or failed.
+        bell = Bell.create(self.shm_prefix)
+        registration = msgspec.structs.replace(registration, bell=bell.name)
+        try:
+            reply = self._call(RegisterEngine(registration=registration), timeout_s)
+        except BaseException:
+            bell.close()
+            raise
+        finally:
+            bell.unlink()
         assert isinstance(reply, Reply)
         self.epoch = str(reply.data.get("epoch", ""))
         self.control_port = int(reply.data.get("control_port") or 0)
         self.pool_tails = bool(reply.data.get("pool_tails", False))
+        old = self.bell.bell
+        if reply.data.get("bell"):
+            self.bell = BellWatch(bell)
+        else:  # not mapped: ask every time, as without a bell
+            bell.close()
+            self.bell = BellWatch(None)
+        if old is not None:
+            old.close()
         return str(reply.data.get("compat_hash", ""))
 
     def reregister(self, timeout_s: float = 30.0) -> bool:
@@ -324,7 +344,13 @@ class EngineLink:
         msg = LayerReady(rank=self.rank, step=step, layer=layer, at_step_end=at_step_end)
         self._signals.put(msg, event)
 
+    def may_have_finished(self) -> bool:
+        """Whether a ``get_finished`` may find something: the sidecar rang this rank's bell
+        since the last, or ``bell.SAFETY_S`` passed (always true without a bell)."""
+        return self.bell.due()
+
     def get_finished(self) -> FinishedRequests:
+        self.bell.asking()
         reply = self._call(GetFinished(rank=self.rank))
         assert isinstance(reply, Finished)
         return FinishedRequests(
@@ -431,6 +457,9 @@ class EngineLink:
             self.client.close()
         if self.ring is not None:
             self.ring.close(unlink=unlink)
+        if self.bell.bell is not None:
+            self.bell.bell.close()
+            self.bell = BellWatch(None)
 
 
 @dataclass
@@ -467,71 +496,6 @@ def _wire_runs(runs: Sequence[KeyRun]) -> list[tuple[int, list[object]]]:
 def _wire_ids(block_ids: Sequence[np.ndarray] | Sequence[Sequence[int]]) -> list[list[int]]:
     """Block ids per group as the wire carries them (lists), from arrays or lists."""
     return [b.tolist() if isinstance(b, np.ndarray) else [int(x) for x in b] for b in block_ids]
-
-
-class _Signals:
-    """A rank's ``LayerReady`` messages, in the order the engine signalled them. One whose
-    event is not complete yet waits in a thread (not in the caller), and every later message
-    queues behind it."""
-
-    def __init__(self, send: Callable[[LayerReady], None]) -> None:
-        self._send = send
-        self._cond = threading.Condition()
-        # The head stays queued while it is sent, so that a caller never overtakes it.
-        self._queue: deque[tuple[LayerReady, Event | None]] = deque()
-        self._thread: threading.Thread | None = None
-        self._closed = False
-
-    def put(self, msg: LayerReady, event: Event | None) -> None:
-        complete = event is None or isinstance(event, CpuEvent) or event.query()
-        with self._cond:
-            if self._closed:
-                raise KVSidecarError("the engine link is closed")
-            if complete and not self._queue:
-                queued = False
-            else:
-                self._queue.append((msg, None if complete else event))
-                if self._thread is None:
-                    self._thread = threading.Thread(
-                        target=self._run, name="kvs-layer-ready", daemon=True
-                    )
-                    self._thread.start()
-                self._cond.notify()
-                queued = True
-        if not queued:
-            self._send(msg)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if self._closed:
-                    return
-                msg, event = self._queue[0]
-            try:
-                if event is not None:
-                    event.synchronize()
-                with self._cond:
-                    if self._closed:
-                        return  # the link closed while the event was pending
-                self._send(msg)
-            except Exception:
-                # Not signalled: the layer's requests end at the sidecar's deadline.
-                log.exception("layer %d of step %d not signalled", msg.layer, msg.step)
-            with self._cond:
-                self._queue.popleft()
-
-    def close(self, timeout_s: float = 1.0) -> None:
-        """Stop the thread; messages still waiting for their events are dropped."""
-        with self._cond:
-            self._closed = True
-            dropped = len(self._queue)
-            self._cond.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-        if dropped:
-            log.warning("engine link closed with %d layer signal(s) still waiting", dropped)
 
 
 __all__ = ["CpuEvent", "EngineLink", "EngineLinkError", "FinishedRequests"]

@@ -125,6 +125,8 @@ class EngineRegistration(msgspec.Struct):
     memory_fds: FdSource | None = None
     # The engine's speculative decoding settings ("" when off): both sides must run the same.
     speculative: Name = ""
+    # The /dev/shm name of the rank's finished bell (app.devices.bell); None: none.
+    bell: Name | None = None
     # The KV pool (app.store): which weights and KV dtypes computed this KV (a digest of the
     # checkpoint's identity, "" when unknown), and the groups whose last matched block vLLM's
     # prefix cache drops under EAGLE/MTP (empty: no drop).

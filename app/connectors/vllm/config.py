@@ -81,10 +81,11 @@ class ConnectorConfig:
     # Decode also stores what a request computed, its answer included, for the conversation's
     # next turn (``pool_save_answers``).
     save_answers: bool = False
-    # While a request runs, store every k-th lcm block boundary it crosses (0, the default: only
-    # when it finishes, which a window or a Mamba state has mostly given back by then; off until
-    # its step time is measured on a quiet host, docs/benchmarks.md): ``pool_save_every``.
-    save_every: int = 0
+    # While a request runs, store every k-th lcm block boundary it crosses (0: only when it
+    # finishes, which a window or a Mamba state has mostly given back by then). On (1) by
+    # default: decode's step time with it was no slower than without on a quiet host
+    # (docs/benchmarks.md, "Running pool stores: cost"): ``pool_save_every``.
+    save_every: int = 1
     # "sidecar": a container next to the engine; "in_process": the worker hosts the agent
     agent: str = "sidecar"
     role: Role = "both"  # the sidecar role of this instance (from vLLM's kv_role)
@@ -162,7 +163,7 @@ class ConnectorConfig:
                 '"pool_save_answers" stores decode\'s answers in the KV pool; set "pool": true '
                 "as well (a Mooncake master and the pool on the sidecars)"
             )
-        save_every = extra.get("pool_save_every", 0)
+        save_every = extra.get("pool_save_every", 1)
         if not isinstance(save_every, int) or isinstance(save_every, bool) or save_every < 0:
             raise ConfigError(
                 f'"pool_save_every" is how many block boundaries a running request crosses '

@@ -355,7 +355,8 @@ class WorkerSide:
         whole-request recompute is right for every model."""
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
         fin = FinishedRequests([], [], [])  # what the sidecar is not asked for now waits for it
-        if self._pacer.due(self._forward):
+        # A step without a forward pass asks only when the sidecar rang (app.devices.bell).
+        if self._pacer.due(self._forward) and (self._forward or self.link.may_have_finished()):
             try:
                 fin = self.link.get_finished()
             except SidecarGone as e:

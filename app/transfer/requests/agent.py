@@ -18,12 +18,13 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 import numpy as np
 
+from app.devices.bell import Bell
 from app.devices.events import Gate, SidecarRing
 from app.devices.memory import ImportedMemory
 from app.errors import ProtocolError
@@ -104,6 +105,13 @@ class Request:
     idle_s: float = 0.0
     cap: float = math.inf
     progressed_at: float | None = None
+    # The agent's ``ring``: moves the engine's finished bell when this request may have become
+    # reportable (app.devices.bell).
+    bell: Callable[[], None] | None = field(default=None, repr=False)
+
+    def ring(self) -> None:
+        if self.bell is not None:
+            self.bell()
 
     def progressed(self, now: float) -> None:
         """Progress came (a chunk scheduled, a layer signalled or written, a claim, a Done, a
@@ -124,6 +132,7 @@ class Request:
                 return False
             self.state, self.error = state, error
         self.finished_at = time.monotonic()
+        self.ring()
         return True
 
 
@@ -169,6 +178,9 @@ class SendRequest(Request):
     def unpin(self) -> None:
         with _STATE_LOCK:
             self.inflight -= 1
+            last = self.inflight == 0 and self.state.terminal
+        if last:  # the engine may have its blocks back now
+            self.ring()
 
 
 @dataclass
@@ -226,6 +238,7 @@ class Agent:
         self.memory: Sequence[object] = ()  # mappings of engine memory kept alive with the agent
         self.device_memory: list[ImportedMemory] = []  # device buffers imported from the engine
         self.events: SidecarRing | None = None  # the rank's event ring, when it registered one
+        self.bell: Bell | None = None  # the engine's finished bell, when it could be mapped
         self.registration: EngineRegistration | None = None
         self.desc = desc
         self.engine_id = engine_id
@@ -243,6 +256,11 @@ class Agent:
         self.history: list[Request] = []  # recently ended, for the admin API
         # (side, terminal state) -> requests reported to the engine, for metrics.
         self.terminal: dict[tuple[str, Status], int] = {}
+
+    def ring(self) -> None:
+        """Something may be reportable now: the engine's next ``get_finished`` asks for it."""
+        if self.bell is not None:
+            self.bell.ring()
 
     def request(self, rid: str) -> Request | None:
         return self.sends.get(rid) or self.recvs.get(rid)
@@ -328,6 +346,7 @@ class Agent:
             return ""
         if report and len(self.refused) < _MAX_REFUSED:
             self.refused.append(FailedRequest(rid, Status.FAILED, block_ids, error))
+            self.ring()
         elif report:
             log.error("rank %d: refusal of %s not reported (%s)", self.rank, rid, error)
         return error

@@ -112,6 +112,7 @@ class RecvSide:
             traceparent=msg.traceparent,
             timeout_s=timeout,
             queue_timeout_s=queue,
+            bell=agent.ring,
         )
         agent.recvs[req.id] = req
         try:
@@ -406,6 +407,7 @@ class RecvSide:
                 self._clock() - req.quarantined_at,
             )
             req.quarantined_at = None
+            req.ring()
 
     def expire(self, now: float) -> int:
         """End EXPIRED every receive past its deadline at ``now``; how many it ended."""

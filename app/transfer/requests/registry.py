@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from app.devices.bell import Bell
 from app.devices.events import SidecarRing
 from app.devices.fdpass import receive_fds
 from app.devices.memory import ImportedMemory, check_device_type, import_buffer
@@ -128,6 +129,7 @@ class Registry:
         agent.device_memory = imported
         agent.registration = reg
         agent.events = ring
+        agent.bell = _open_bell(reg)
         await self._install(agent)
         self.compat_hash = desc.compat_hash
         self.speculative = reg.speculative
@@ -148,6 +150,7 @@ class Registry:
                 "num_blocks": desc.num_blocks,
                 "compat_hash": desc.compat_hash,
                 "pool_tails": self.pool is not None and self.pool.stores_tails(reg.rank),
+                "bell": agent.bell is not None,
             }
         )
 
@@ -231,6 +234,18 @@ class Registry:
             await peer.client.request(note, self.settings.lease_s)
         except KVSidecarError as e:
             log.warning("peer %s did not confirm the new epoch: %s", peer.endpoint, e)
+
+
+def _open_bell(reg: EngineRegistration) -> Bell | None:
+    """The engine's finished bell, mapped; None (the engine then asks every time) when it named
+    none or it cannot be mapped (no /dev/shm shared with it)."""
+    if reg.bell is None:
+        return None
+    try:
+        return Bell.open(reg.bell)
+    except (ConfigError, OSError) as e:
+        log.warning("rank %d: no finished bell (%s); the engine asks every step", reg.rank, e)
+        return None
 
 
 def _close(memory: list[ImportedMemory]) -> None:

@@ -112,6 +112,7 @@ class SendSide(SendEnding):
             num_spec=msg.num_spec,
             traceparent=msg.traceparent,
             prompt_digest=msg.prompt_digest,
+            bell=agent.ring,
         )
         agent.sends[req.id] = req
         try:

@@ -20,3 +20,12 @@ def test_saving_answers_without_the_pool_is_refused() -> None:
 def test_answers_are_saved_only_when_asked() -> None:
     assert ConnectorConfig.from_vllm(vllm_config(pool=True, pool_save_answers=True)).save_answers
     assert not ConnectorConfig.from_vllm(vllm_config(pool=True)).save_answers
+
+
+def test_running_stores_are_on_by_default_and_can_be_turned_off() -> None:
+    """``pool_save_every`` defaults to 1 (issue 54: its step time was measured on a quiet
+    host, docs/benchmarks.md); 0 keeps the store at the end only; anything else is refused."""
+    assert ConnectorConfig.from_vllm(vllm_config(pool=True)).save_every == 1
+    assert ConnectorConfig.from_vllm(vllm_config(pool=True, pool_save_every=0)).save_every == 0
+    with pytest.raises(ConfigError, match=r'"pool_save_every".*integer >= 0'):
+        ConnectorConfig.from_vllm(vllm_config(pool=True, pool_save_every=-1))
