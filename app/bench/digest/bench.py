@@ -2,14 +2,19 @@
 
 Run lengths stand for the group kinds: a full-attention or MLA block run (whole blocks, long
 coalesced runs), a TP head slice (one block's slice), a sliding window's tail (a few blocks), a
-GDN/Mamba state slice. ``python -m app.bench.digest``."""
+GDN/Mamba state slice. ``python -m app.bench.digest [--out FILE.json]``: the JSON carries the
+host it ran on (``result_file.write_result``)."""
 
 from __future__ import annotations
 
+import argparse
 import time
+from pathlib import Path
 
 import numpy as np
 
+from app.bench.core.host import NO_LINK, host_record
+from app.bench.core.result_file import write_result
 from app.kvcache.digest import HostMemory, digest_runs
 
 # kind -> bytes per descriptor (bf16, 8 KV heads x 128 dims x 16 tokens = 32 KiB a block)
@@ -38,11 +43,21 @@ def measure(run_bytes: int, total: int = 256 << 20, repeat: int = 3) -> tuple[fl
     return best_wall * 1e3 / gb, best_cpu / gb
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m app.bench.digest", description=__doc__)
+    ap.add_argument("--out", type=Path, help="the figures as JSON, with the host record")
+    ap.add_argument("--mib", type=int, default=256, help="bytes digested per kind and repeat")
+    a = ap.parse_args(argv)
     print(f"{'kind':28} {'ms/GB':>8} {'CPU s/GB':>9}")
+    rows = []
     for kind, size in KINDS.items():
-        wall, cpu = measure(size)
+        wall, cpu = measure(size, total=a.mib << 20)
         print(f"{kind:28} {wall:8.1f} {cpu:9.3f}")
+        rows.append({"kind": kind, "run_bytes": size, "ms_per_gb": wall, "cpu_s_per_gb": cpu})
+    if a.out is not None:
+        write_result(
+            a.out, {"bench": "digest", "rows": rows}, host_record(engines={}, link=NO_LINK)
+        )
 
 
 if __name__ == "__main__":
