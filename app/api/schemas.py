@@ -455,3 +455,19 @@ class PoolResponse(_Model):
     recent: list[PoolCallView] = Field(
         default=[], description="The last engine saves and loads, oldest first."
     )
+
+
+class KVDigestBody(_Model):
+    """The share of requests whose KV is digested from now on (``kv_digest.share``)."""
+
+    share: float = Field(
+        ge=0.0,
+        le=1.0,
+        description="0 turns the digest off, 1 checks every request (incident hunting); the "
+        "settings' value returns at the next start.",
+    )
+
+
+class KVDigestResponse(_Model):
+    share: float = Field(description="The share in force (prefill's pushes and the pool's pages).")
+    previous: float | None = Field(None, description="The share before this change (PUT only).")

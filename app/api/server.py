@@ -29,7 +29,7 @@ from app.api import views
 from app.api.deps import admin_only, admin_token
 from app.api.guards import BodyLimit, InflightLimit
 from app.api.metrics import SidecarMetrics
-from app.api.routes import groups, health, peers, pool, requests, status, targets
+from app.api.routes import digest, groups, health, peers, pool, requests, status, targets
 from app.api.routes import metrics as metrics_routes
 from app.config import SidecarSettings, env_var_for
 from app.errors import ConfigError, DeadlineExceeded
@@ -71,6 +71,8 @@ def create_app(sidecar: Sidecar, settings: SidecarSettings) -> FastAPI:
     app.include_router(targets.router)
     app.include_router(peers.router)
     app.include_router(pool.router)
+    app.include_router(digest.router)
+    app.include_router(digest.admin_router, **admin_only(settings))
     return app
 
 

@@ -92,7 +92,6 @@ class LocalPD:
     # Every engine publishes its KV cache events, and the proxy routes by them (--kv-events).
     kv_events: bool = False
     engine_env: Mapping[str, str] = field(default_factory=dict)  # more of the engines' env
-    sidecar_env: Mapping[str, str] = field(default_factory=dict)  # more of the sidecars' env
     # More of one role's engines' env, after engine_env (bench load's split regime: its core).
     role_env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     # More of every connector's kv_connector_extra_config (e.g. transfer_draft_kv).
@@ -205,7 +204,6 @@ class LocalPD:
                 "KVSIDECAR_POOL__LOCAL_BUFFER_BYTES": str(16 << 20),
                 "KVSIDECAR_POOL__TAILS": "true" if self.pool_tails else "false",
             }
-        env |= self.sidecar_env
         if self.in_process:  # what the command line gives a sidecar process
             env |= {
                 "KVSIDECAR_CONTROL_HOST": "127.0.0.1",

@@ -22,7 +22,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from app.errors import OutOfBoundsError
+from app.errors import ConfigError, OutOfBoundsError
 
 _LANE = 8
 # Lane weights reused across calls (1, 2, 3, ...): grown on demand, never per call.
@@ -156,6 +156,21 @@ def digest_runs(memory: HostMemory, addrs: np.ndarray, lengths: np.ndarray) -> n
             out[i, 0] = lanes.sum(dtype=np.uint64)
             out[i, 1] = np.dot(lanes, _lane_weights(lanes.size))
     return out
+
+
+class DigestShare:
+    """``kv_digest.share`` as a running sidecar reads it: from the settings at start, changed
+    by the admin API (``PUT /v1/kv_digest``) without a restart (e.g. 1.0 while hunting an
+    incident). One holder serves the push and the pool; each decision reads ``value`` once."""
+
+    def __init__(self, value: float) -> None:
+        self.value = 0.0
+        self.set(value)
+
+    def set(self, value: float) -> None:
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"kv_digest.share is a share of requests in [0, 1], got {value!r}")
+        self.value = float(value)
 
 
 def sampled(transfer_id: str, share: float) -> bool:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import numpy as np
 
 from app.errors import ConfigError
-from app.kvcache.digest import DigestMismatch, DigestStats
+from app.kvcache.digest import DigestMismatch, DigestShare, DigestStats
 from app.store.coordinator import CacheHit
 from app.store.digests import Page, check_digests, drawn, store_digests
 from app.store.hashing import KeyRun
@@ -107,11 +107,11 @@ class PoolService:
         *,
         tails: bool = False,
         namespace: str = "",
-        digest_share: float = 0.0,
+        digest: DigestShare | None = None,
     ) -> None:
         self.client = PoolClient(config)
         # ``kv_digest.share``: the pages whose digests saves store and loads check.
-        self.digest_share = digest_share
+        self.digest = digest if digest is not None else DigestShare(0.0)
         self.digests = DigestStats()
         self.namespace = namespace  # the operator's, in every key (``RankPool.from_engine``)
         # Store a request's last partial block and hit it (``hashing.tail_hash``), where the
@@ -282,7 +282,7 @@ class PoolService:
         call = self._begin("save", request, rank, storable, 0, chosen, block_ids, started)
         res = await self.client.put_from_async(keys, ptrs, sizes)
         if rp.memory is not None and res.late is None:
-            sample = set(drawn(keys, self.digest_share))
+            sample = set(drawn(keys, self.digest.value))
             stored = [pages[i] for i in res.stored if i in sample]
             await store_digests(self.client, rp.memory, stored, self.digests)
         pending = self._end(call, res.late)
@@ -363,7 +363,7 @@ class PoolService:
         res = await self.client.get_into_async(keys, ptrs, sizes)
         mismatches: list[DigestMismatch] = []
         if rp.memory is not None and res.late is None and res.loaded:
-            sample = set(drawn(keys, self.digest_share))
+            sample = set(drawn(keys, self.digest.value))
             landed = [
                 Page(keys[i], ptrs[i], sizes[i], layers[i], *entries[i])
                 for i in res.loaded

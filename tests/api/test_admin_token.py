@@ -24,7 +24,12 @@ TOKEN = "in-process-token"
 # A POST only because its input does not fit a query string: it changes nothing.
 READ_ONLY = {("POST", "/v1/pool/lookup")}
 # A body that reaches the token check: a kv_targets target is checked by its signature instead.
-BODIES: dict[str, Any] = {"/v1/kv_targets": {"transfer_id": "no-such-send", "error": "full"}}
+BODIES: dict[str, Any] = {
+    "/v1/kv_targets": {"transfer_id": "no-such-send", "error": "full"},
+    "/v1/kv_digest": {"share": 0.5},
+}
+# What a call past the token check answers: nothing by that id here (404), or done (200).
+PAST_THE_CHECK = {"/v1/kv_digest": 200}
 
 
 @pytest.fixture(params=[TOKEN, None], ids=["token", "no-token"])
@@ -56,7 +61,11 @@ async def _call(app: FastAPI, method: str, path: str, **kw: Any) -> httpx.Respon
 
 async def test_every_mutating_route_needs_the_token_when_one_is_set(app: FastAPI) -> None:
     mutating = _mutating(app)
-    assert {p for _, p in mutating} == {"/v1/requests/{request_id}/abort", "/v1/kv_targets"}
+    assert {p for _, p in mutating} == {
+        "/v1/requests/{request_id}/abort",
+        "/v1/kv_targets",
+        "/v1/kv_digest",
+    }
     guarded = app.state.admin_token is not None
     for method, path in mutating:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
@@ -65,11 +74,11 @@ async def test_every_mutating_route_needs_the_token_when_one_is_set(app: FastAPI
                 assert r.status_code == 401, (path, headers, r.text)
                 assert r.headers["www-authenticate"].startswith("Bearer")
                 assert "token" in r.json()["detail"]
-            else:  # open: past the dependency, the handler finds nothing by that id
-                assert r.status_code == 404, (path, headers, r.text)
-        # With the token the handler runs: nothing by that id here.
+            else:  # open: past the dependency, the handler runs
+                assert r.status_code == PAST_THE_CHECK.get(path, 404), (path, headers, r.text)
+        # With the token the handler runs.
         ok = await _call(app, method, path, headers={"Authorization": f"Bearer {TOKEN}"})
-        assert ok.status_code == 404, (path, ok.text)
+        assert ok.status_code == PAST_THE_CHECK.get(path, 404), (path, ok.text)
 
 
 async def test_the_openapi_documents_the_token_only_when_one_is_set(app: FastAPI) -> None:

@@ -344,7 +344,11 @@ def test_openapi(prefill: httpx.Client) -> None:
         "/v1/peers",
         "/v1/pool",
         "/v1/pool/lookup",
+        "/v1/kv_digest",
     }
+    digest = paths["/v1/kv_digest"]
+    assert {"200", "401", "422"} <= set(digest["put"]["responses"])
+    assert digest["put"]["security"] == [{"HTTPBearer": []}] and "security" not in digest["get"]
     abort = paths["/v1/requests/{request_id}/abort"]["post"]
     assert {"200", "401", "404", "409"} <= set(abort["responses"])
     assert abort["security"] == [{"HTTPBearer": []}]

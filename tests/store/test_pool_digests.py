@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.kvcache.digest import DigestShare
 from app.kvcache.layout import KVLayout
 from app.store.digests import digest_key
 from app.store.master import MasterProcess
@@ -27,7 +28,7 @@ def digest_service(master: MasterProcess, request: pytest.FixtureRequest) -> Ite
     """A pool service whose ``kv_digest.share`` is the test's parameter."""
     svc = PoolService(
         PoolConfig(master_address=master.rpc_address, global_segment_size=64 * MiB),
-        digest_share=request.param,
+        digest=DigestShare(request.param),
     )
     asyncio.run(svc.start())
     yield svc

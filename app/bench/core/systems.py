@@ -12,7 +12,7 @@ import dataclasses
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -159,12 +159,14 @@ def _vllm_command(model: Path, port: int, ktc: dict[str, Any], prefix_caching: b
 @dataclasses.dataclass
 class System:
     """One running P/D system: its front door, its P (direct and through the tap), its D. A
-    second ``System`` on the same ``pd`` (``twin``) measures the same system again: A/A."""
+    second ``System`` on the same ``pd`` (``twin``) measures the same system again: A/A, or
+    an arm of it whose ``before_trial`` sets it up (``bench pd --digest``)."""
 
     name: str
     pd: LocalPD
     front: str = ""
     tap: str = ""
+    before_trial: Callable[[], None] | None = None
     _d_log: LogTail | None = None
     _p_log: LogTail | None = None
     _cpu_pids: list[int] | None = None
@@ -177,8 +179,9 @@ class System:
     def decode(self) -> str:
         return self.pd.decode.url
 
-    def twin(self, name: str) -> System:
-        return System(name, self.pd, self.front, self.tap)
+    def twin(self, name: str, before_trial: Callable[[], None] | None = None) -> System:
+        """This system under another name (its ``before_trial`` unless given one)."""
+        return System(name, self.pd, self.front, self.tap, before_trial or self.before_trial)
 
     def taps(self, t0: float, t1: float) -> list[dict[str, Any]]:
         rows = httpx.get(f"{self.tap}/bench/taps", timeout=10).json()["taps"]
@@ -244,13 +247,11 @@ def start_systems(
     names: Sequence[str] = (SIDECAR, MOONCAKE),
     role_env: Mapping[str, Mapping[str, str]] | None = None,
     engine_env: Mapping[str, str] | None = None,
-    sidecar_env: Mapping[str, Mapping[str, str]] | None = None,
 ) -> list[System]:
     """The named systems (both by default), one after the other; returns once every front
     answers. A name other than ``MOONCAKE`` is a kv-sidecar pair. ``role_env``: more env for
     each role's engines (``Binding.role_env``); ``engine_env``: more env for every engine (e.g.
-    ``kv_cache_env``); ``sidecar_env``: more env for a named system's sidecars (its
-    settings, e.g. ``KVSIDECAR_KV_DIGEST__SHARE``). The systems share one
+    ``kv_cache_env``). The systems share one
     ``PrefillClock``: their engines are the same, so a prefill measured on one bounds the
     other's waits."""
     args = engine_args(max_model_len, dtype)
@@ -270,7 +271,6 @@ def start_systems(
                 recv_queue_timeout_s=PREFILL_QUEUE_S,
                 role_env=role_env or {},
                 engine_env=engine_env or {},
-                sidecar_env=(sidecar_env or {}).get(n, {}),
                 clock=clock,
             ),
         )

@@ -142,6 +142,8 @@ def run_trial(
     max_tokens: int,
 ) -> dict[str, Any]:
     """One workload on one system; every observation of it (see the module docstring)."""
+    if system.before_trial is not None:
+        system.before_trial()
     before = _p_histograms(system)
     cpu0 = system.transfer_cpu_s()
     tokens = len(prompts[0])

@@ -5,8 +5,10 @@ writes ``pd.json`` to the output folder. A trial, what it measures and when it c
 ``core.trial``. Each phase (a link setting) first warms both systems up the same way (every
 workload once each, not counted), then runs the trials: systems alternate trial by trial, the
 first rotating; with ``aa`` set, one system is measured twice per round (``SYSTEM-aa``, the
-same engines): the A/A ratio is the noise floor of every figure. With ``digest`` shares, the
-systems are kv-sidecar pairs alike but for ``kv_digest.share``, compared with the first.
+same engines): the A/A ratio is the noise floor of every figure. With ``digest`` shares, one
+kv-sidecar pair runs every arm: before each trial prefill's sidecar is told the arm's
+``kv_digest.share`` (``PUT /v1/kv_digest``), so arms differ by the share alone; each is
+compared with the first.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +73,8 @@ class PDOptions:
     model: dict[str, Any] = field(default_factory=lambda: dict(FULL_MODEL))
     regime: str = "shared"  # shared | dedicated (core.cores)
     aa: str | None = SIDECAR  # measured twice per round: the A/A noise floor; None: not
-    # kv-sidecar at each ``kv_digest.share`` (``digest_name``) instead of the two systems; the
-    # first is the base the others are compared with (issue 51's cost).
+    # kv-sidecar at each ``kv_digest.share`` (``digest_name``, arms of one pair) instead of the
+    # two systems; the first is the base the others are compared with (issue 51's cost).
     digest: tuple[float, ...] = ()
 
     @classmethod
@@ -88,8 +91,21 @@ class PDOptions:
 
 
 def digest_name(share: float) -> str:
-    """The kv-sidecar system whose ``kv_digest.share`` is ``share``."""
+    """The kv-sidecar arm whose ``kv_digest.share`` is ``share``."""
     return f"digest-{share:g}"
+
+
+def digest_arms(base: System, shares: Sequence[float]) -> list[System]:
+    """``base`` (a kv-sidecar pair) as one arm per share, each setting its share on prefill's
+    sidecar (which decides a push's digest) before its trial."""
+    return [base.twin(digest_name(x), partial(set_digest_share, base, x)) for x in shares]
+
+
+def set_digest_share(system: System, share: float) -> None:
+    """``kv_digest.share`` on both of ``system``'s sidecars (the admin API; no token here)."""
+    for inst in (system.pd.prefill, system.pd.decode):
+        r = httpx.put(f"{inst.admin}/v1/kv_digest", json={"share": share}, timeout=10)
+        r.raise_for_status()
 
 
 def warm_up(
@@ -214,16 +230,15 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
     print(f"engines' KV cache: {kv_env['VLLM_CPU_KVCACHE_SPACE']} GiB each", flush=True)
     check_kv_memory(kv_env, memory_total())
     names = opts.systems
-    sidecar_env = {digest_name(x): {"KVSIDECAR_KV_DIGEST__SHARE": repr(x)} for x in opts.digest}
-    systems = start_systems(
+    started = start_systems(
         model,
         work,
         longest,
         dtype.dtype if dtype else None,
-        names=names,
+        names=(SIDECAR,) if opts.digest else names,
         engine_env=kv_env,
-        sidecar_env=sidecar_env,
     )
+    systems = digest_arms(started[0], opts.digest) if opts.digest else started
     try:
         placement = place_threads(_groups(systems), b)
         print(placement_text(placement), flush=True)
@@ -270,7 +285,7 @@ def run(opts: PDOptions) -> tuple[dict[str, Any], HostRecord]:
             "logs": str(work),
         }, host
     finally:
-        stop_systems(systems)
+        stop_systems(started)
 
 
 NOT_COUNTED_KEYS = (

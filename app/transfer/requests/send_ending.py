@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import DeadlineExceeded, KVSidecarError
-from app.kvcache.digest import sampled
+from app.kvcache.digest import DigestShare, sampled
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
 from app.transfer.requests.integrity import DigestStats, sender_digests
@@ -39,7 +39,8 @@ class SendSettings:
     transfer_max_s: float = MAX_DEADLINE_S
     max_held_sends: int = 256
     max_held_blocks: int | None = None
-    digest_share: float = 0.0  # of requests whose KV is digested (issue 51); 1.0: every one
+    # Of requests whose KV is digested (issue 51; 1.0: every one), as the admin API sets it.
+    digest: DigestShare = field(default_factory=lambda: DigestShare(0.0))
 
 
 class SendEnding:
@@ -123,7 +124,7 @@ class SendEnding:
         status = Status.DONE if not req.state.terminal else req.state
         errors = []
         digests = {}
-        if status is Status.DONE and sampled(req.id, self._settings.digest_share):
+        if status is Status.DONE and sampled(req.id, self._settings.digest.value):
             planner = peer.planners[req.rank]
             try:
                 digests = await asyncio.to_thread(

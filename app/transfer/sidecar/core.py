@@ -18,6 +18,7 @@ import zmq.asyncio
 from app.config import SidecarSettings
 from app.errors import ProtocolError
 from app.kvcache.desc import LayoutDesc
+from app.kvcache.digest import DigestShare
 from app.store.service import PoolService
 from app.transfer.control.links import zmq_links
 from app.transfer.control.peers import Peer, Peers, PeerSettings
@@ -68,6 +69,8 @@ class SidecarCore:
         self._tasks: set[asyncio.Task[None]] = set()
         self._auth = load_auth(settings)
         self._targets = TargetSigner.of(self._auth)
+        # kv_digest.share, changed at run time by the admin API (PUT /v1/kv_digest).
+        self.digest = DigestShare(settings.kv_digest.share)
         self._peers = Peers(
             PeerSettings(
                 lease_s=settings.lease_s,
@@ -90,7 +93,7 @@ class SidecarCore:
                 transfer_max_s=settings.transfer_max_s,
                 max_held_sends=settings.max_held_sends,
                 max_held_blocks=settings.max_held_blocks,
-                digest_share=settings.kv_digest.share,
+                digest=self.digest,
             ),
             self.agents,
             self._peers,

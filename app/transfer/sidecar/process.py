@@ -99,7 +99,7 @@ class Sidecar(SidecarCore):
                 ),
                 tails=s.pool.tails,
                 namespace=s.pool.namespace,
-                digest_share=s.kv_digest.share,
+                digest=self.digest,
             )
             await pool.start()
         if self._engine_hook is not None:

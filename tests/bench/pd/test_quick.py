@@ -118,9 +118,10 @@ def test_quick_run_compares_both_systems(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(900)
 def test_quick_digest_arms_differ_only_in_the_digest(tmp_path: Path) -> None:
-    """``--digest 0,1``: two kv-sidecar pairs, the second digesting every request: its
-    records say so (P sent digests, D's matched), the first's computed none; outputs equal;
-    the handoff's difference and CPU per GB's ratio carry the arms' names."""
+    """``--digest 0,1``: one kv-sidecar pair as two arms, each setting its share on the
+    sidecars (``PUT /v1/kv_digest``) before its trial: the second arm's records say it digested
+    (P sent digests, D's matched), the first's computed none; outputs equal; the handoff's
+    difference and CPU per GB's ratio carry the arms' names."""
     result = _run(tmp_path / "out", "--digest", "0,1", "--link", "unshaped", "--aa", "none")
     assert result["systems"] == ["digest-0", "digest-1"]
     for t in result["trials"]:
