@@ -346,8 +346,9 @@ class EngineLink:
 
     def may_have_finished(self) -> bool:
         """Whether a ``get_finished`` may find something: the sidecar rang this rank's bell
-        since the last, or ``bell.SAFETY_S`` passed (always true without a bell)."""
-        return self.bell.due()
+        since the last, ``bell.SAFETY_S`` passed (always true without a bell), or the sidecar
+        is gone (the call then fails at once, and the worker ends what it was doing)."""
+        return self.bell.due() or self.sidecar_gone
 
     def get_finished(self) -> FinishedRequests:
         self.bell.asking()

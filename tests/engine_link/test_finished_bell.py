@@ -81,3 +81,12 @@ def test_silence_still_asks_once_per_safety_interval(pair: Pair) -> None:
     pair.poll(pair.d)
     waited = rung_within(pair.d, 3 * SAFETY_S)
     assert waited is not None and 0.9 * SAFETY_S <= waited <= 1.5 * SAFETY_S, waited
+
+
+def test_a_dead_sidecar_is_seen_at_once_not_at_the_next_safety_ask(pair: Pair) -> None:
+    """Last in this module: it kills decode's sidecar. Its bell never rings again; the link's
+    own view of the connection makes the next step ask (and fail) without waiting a second."""
+    pair.poll(pair.d)
+    pair.decode.proc.kill()
+    waited = rung_within(pair.d, 0.9 * SAFETY_S)
+    assert waited is not None, "a dead sidecar was seen only at the safety ask"
