@@ -9,6 +9,7 @@ import logging
 from fastapi import APIRouter
 
 from app.api.deps import SidecarDep
+from app.api.routes import error_doc
 from app.api.schemas import KVDigestBody, KVDigestResponse
 
 log = logging.getLogger(__name__)
@@ -24,7 +25,11 @@ async def get_kv_digest(sidecar: SidecarDep) -> KVDigestResponse:
 
 
 # A share outside [0, 1] is FastAPI's validation error (422, documented by it).
-@admin_router.put("/v1/kv_digest", response_model=KVDigestResponse)
+@admin_router.put(
+    "/v1/kv_digest",
+    response_model=KVDigestResponse,
+    responses={400: error_doc("The body is not JSON.")},
+)
 async def put_kv_digest(body: KVDigestBody, sidecar: SidecarDep) -> KVDigestResponse:
     """Digest this share of requests from now on: a push's share is drawn when its send ends
     (prefill decides), a pool page's when it is stored or loaded. Until the next start."""
