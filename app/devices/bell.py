@@ -40,6 +40,7 @@ class Bell:
         self._mem = mem
         self._count = memoryview(mem).cast("Q")
         self._lock = threading.Lock()  # rings come from the loop and from completion threads
+        self._closed = False
 
     @classmethod
     def create(cls, prefix: str) -> Bell:
@@ -53,8 +54,10 @@ class Bell:
         return cls(name, open_file(name, SIZE, "the finished bell's size"))
 
     def ring(self) -> None:
+        """Move the counter; nothing once closed (a late ring of a replaced registration)."""
         with self._lock:
-            self._count[0] = (self._count[0] + 1) & _MASK
+            if not self._closed:
+                self._count[0] = (self._count[0] + 1) & _MASK
 
     def read(self) -> int:
         return int(self._count[0])
@@ -64,8 +67,12 @@ class Bell:
         unlink_file(self.name)
 
     def close(self) -> None:
-        self._count.release()
-        self._mem.close()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._count.release()
+            self._mem.close()
 
 
 class BellWatch:

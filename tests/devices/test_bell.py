@@ -75,3 +75,19 @@ def test_without_a_bell_every_check_asks() -> None:
     watch = BellWatch(None, clock=Clock())
     watch.asking()
     assert watch.due()
+
+
+def test_a_closed_bell_ignores_late_rings() -> None:
+    """The sidecar closes a replaced registration's bell (its mapping of the dead engine's
+    file goes with it); requests of that registration that end later ring nothing."""
+    engine = Bell.create("kvs-test")
+    sidecar = Bell.open(engine.name)
+    engine.unlink()
+    try:
+        before = engine.read()
+        sidecar.close()
+        sidecar.ring()
+        sidecar.close()  # twice is fine
+        assert engine.read() == before
+    finally:
+        engine.close()

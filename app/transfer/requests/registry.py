@@ -188,6 +188,8 @@ class Registry:
             _close(old.device_memory)
             old.device_memory = []
             old.events = None  # its table stays mapped while a late task still holds it
+            if old.bell is not None:  # the old engine's file: its ended requests may ring late
+                old.bell.close()
             old.layout = None
             old.stream = None
         self.agents[agent.rank] = agent
