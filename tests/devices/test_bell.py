@@ -10,14 +10,7 @@ import pytest
 from app.devices.bell import Bell, BellWatch
 from app.devices.shm import SHM_DIR
 from app.errors import ConfigError
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.conftest import Clock
 
 
 def test_a_ring_on_one_mapping_is_read_on_the_other() -> None:
@@ -41,7 +34,7 @@ def test_a_missing_bell_is_a_clear_error() -> None:
 
 
 def test_the_watch_asks_when_rung_or_after_the_safety_interval() -> None:
-    bell, clock = Bell.create("kvs-test"), Clock()
+    bell, clock = Bell.create("kvs-test"), Clock(100.0)
     bell.unlink()
     watch = BellWatch(bell, safety_s=1.0, clock=clock)
     try:
@@ -60,7 +53,7 @@ def test_the_watch_asks_when_rung_or_after_the_safety_interval() -> None:
 
 
 def test_a_ring_during_a_round_trip_is_seen_by_the_next_check() -> None:
-    bell, clock = Bell.create("kvs-test"), Clock()
+    bell, clock = Bell.create("kvs-test"), Clock(100.0)
     bell.unlink()
     watch = BellWatch(bell, clock=clock)
     try:
@@ -72,7 +65,7 @@ def test_a_ring_during_a_round_trip_is_seen_by_the_next_check() -> None:
 
 
 def test_without_a_bell_every_check_asks() -> None:
-    watch = BellWatch(None, clock=Clock())
+    watch = BellWatch(None, clock=Clock(100.0))
     watch.asking()
     assert watch.due()
 

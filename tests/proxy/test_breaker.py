@@ -8,19 +8,12 @@ from collections.abc import Callable
 from app.proxy import Policy
 from app.proxy.balancer import Pool, Routing
 from app.proxy.breaker import Breaker, BreakerSettings, BreakerState, decode_ok
+from tests.conftest import Clock
 from tests.proxy.conftest import NO_RETRIES, Cluster, ServerThread, wait_for
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_breaker_opens_after_n_failures_and_closes_through_half_open() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     b = Breaker("d0", BreakerSettings(failures=3, probe_interval_s=2.0), clock)
     b.failure("500")
     b.success()  # consecutive: a success in between starts the count again

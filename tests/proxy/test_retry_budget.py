@@ -6,19 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from app.proxy.retries import BudgetSettings, RetryBudget
+from tests.conftest import Clock
 from tests.proxy.conftest import Cluster, sample
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_budget_allows_its_minimum_then_its_ratio_over_the_window() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     b = RetryBudget(BudgetSettings(ratio=0.1, minimum=2, window_s=10.0), clock)
     for _ in range(5):
         b.request()

@@ -53,6 +53,7 @@ from app.transfer.wire.protocol import (
     StepSlice,
 )
 from app.transfer.wire.target_auth import TargetSigner, prompt_digest
+from tests.conftest import Clock
 
 
 @pytest.fixture
@@ -72,20 +73,8 @@ NUM_BLOCKS = 16
 LEASE_S = 10.0
 # Real seconds: how often a quarantine looks again (the fake clock decides what is overdue).
 TICK_S = 0.005
+
 M = TypeVar("M", bound=Msg)
-
-
-@dataclass
-class Clock:
-    """Monotonic time the test moves by hand."""
-
-    now: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 # What a fake peer answers: a reply, None for silence (the request times out), or an awaitable

@@ -23,7 +23,8 @@ from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 from app.transfer.requests.registry import Registry, RegistrySettings
 from app.transfer.requests.stream import StreamThread
 from app.transfer.wire.protocol import Ack, Hello, NewEpoch, Role, Status
-from tests.transfer.conftest import D_ENDPOINT, Clock, Net, make_peers
+from tests.conftest import Clock
+from tests.transfer.conftest import D_ENDPOINT, Net, make_peers
 
 BLOCKS, HEADS, KB, CH = 8, 2, 16, 128
 PAGE = HEADS * KB * CH * 2  # bytes of one block of one layer (bf16)
