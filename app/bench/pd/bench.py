@@ -6,7 +6,7 @@ writes ``pd.json`` to the output folder. A trial, what it measures and when it c
 workload once each, not counted), then runs the trials: systems alternate trial by trial, the
 first rotating; with ``aa`` set, one system is measured twice per round (``SYSTEM-aa``, the
 same engines): the A/A ratio is the noise floor of every figure. With ``digest`` shares, one
-kv-sidecar pair runs every arm: before each trial prefill's sidecar is told the arm's
+kv-sidecar pair runs every arm: before each trial both sidecars are told the arm's
 ``kv_digest.share`` (``PUT /v1/kv_digest``), so arms differ by the share alone; each is
 compared with the first.
 """
@@ -96,8 +96,8 @@ def digest_name(share: float) -> str:
 
 
 def digest_arms(base: System, shares: Sequence[float]) -> list[System]:
-    """``base`` (a kv-sidecar pair) as one arm per share, each setting its share on prefill's
-    sidecar (which decides a push's digest) before its trial."""
+    """``base`` (a kv-sidecar pair) as one arm per share, each setting its share on both
+    sidecars before its trial (prefill's decides a push's digest; both draw the pool's)."""
     return [base.twin(digest_name(x), partial(set_digest_share, base, x)) for x in shares]
 
 
