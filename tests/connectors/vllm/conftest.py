@@ -96,7 +96,7 @@ def pd(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalPD]:
     # "llama+pool": the llama pair with the KV pool on (a Mooncake master, both sidecars);
-    # "llama+inproc": the vLLM workers host their agents, no sidecar processes;
+    # "llama+inproc": the vLLM workers host their agents, no sidecar processes, float32;
     # "llama": the shared ``llama_pd``;
     # "qwen3next+f32" / "+bf16": the GDN state dtype told to vLLM, so both outcomes run on
     # every CPU (unasked, vLLM's CPU platform picks float32 only on CPUs with AVX-512 BF16).
@@ -115,7 +115,12 @@ def pd(
         pool_tails=mode == "pool",
         in_process=mode == "inproc",
         # The pool pair runs float32: its next-turn test compares with transformers.
-        extra_vllm_args=SSM_DTYPE_ARGS.get(mode, ("--dtype", "float32") if mode == "pool" else ()),
+        # The in-process pair too, as ``llama_pd``: batched in bfloat16, the 600-token prompt's
+        # 8th token flipped (1 of 12 rounds of four concurrent prompts, sent to the prefill
+        # engine alone, no transfer: the same answer through the proxy).
+        extra_vllm_args=SSM_DTYPE_ARGS.get(
+            mode, ("--dtype", "float32") if mode in ("pool", "inproc") else ()
+        ),
         connector_extra={"pool_save_answers": True} if mode == "pool" else {},
         # Every pool object in decode's segment: killing decode's sidecar fails prefill's loads.
         prefill_pool_segment_bytes=0 if mode == "pool" else None,
