@@ -63,9 +63,11 @@ class SidecarCore:
         self._observers: dict[ObserverKind, list[Observer]] = {"layer": [], "handshake": []}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._background: list[asyncio.Task[None]] = []
-        # Set by every engine message (the only way requests are admitted): the deadline
-        # watcher sleeps on it while nothing is in flight, so an idle sidecar does not poll.
-        self._engine_spoke = asyncio.Event()
+        # Set by whatever may bring a deadline sooner than the watcher's next wake: an engine
+        # message (the only way requests are admitted) and a claim (it starts the writes'
+        # bound). The deadline watcher sleeps on it, so neither an idle sidecar nor one whose
+        # requests wait quietly polls.
+        self._deadlines_moved = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._auth = load_auth(settings)
         self._targets = TargetSigner.of(self._auth)
@@ -244,6 +246,18 @@ class SidecarCore:
 
     def _live_requests(self) -> bool:
         return any(not r.state.terminal for a in self.agents.values() for r in a.all_requests())
+
+    def _next_deadline(self) -> float | None:
+        """The earliest deadline of a request in flight; None when none is."""
+        return min(
+            (
+                r.deadline
+                for a in self.agents.values()
+                for r in a.all_requests()
+                if not r.state.terminal
+            ),
+            default=None,
+        )
 
     async def abort(self, rank: int, rid: str, reason: str) -> bool:
         """End ``rid`` on ``rank`` as ABORTED and tell its peer; False if it had already ended.
