@@ -202,6 +202,11 @@ def figures(
     kv_landed = tl["kv_landed"] if tl is not None else (max(landed) if landed else None)
     outputs_ok = all(m is not None for m in matched)
     gib = moved["bytes"] / 2**30
+    # D's first step that computed prompt tokens (the last one, over the loaded KV): its
+    # first token's compute, part of every system's handoff, and growing with the context.
+    first_step = next(
+        (i.elapsed_ms for i in d_steps if i.context_tokens and i.elapsed_ms is not None), NAN
+    )
     return {
         "ttft_ms": 1e3 * sum(f - a["sent"] for f, a in zip(first, answers, strict=True)) / prompts,
         "p_start_ms": 1e3 * (sum(arrival) / len(arrival) + p["arrival_to_step_s"]),
@@ -220,6 +225,7 @@ def figures(
         "outputs_equal": outputs_ok,
         "references_matched": matched,
         "d_computed_tokens": computed,
+        "d_first_step_ms": first_step,
         "failed_loads": failed,
         "transfers_landed": len(landed),
         "counted": outputs_ok and failed == 0 and len(landed) == prompts,

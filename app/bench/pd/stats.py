@@ -27,6 +27,7 @@ METRICS = (
     "cpu_ms_per_request",
     "cpu_s_per_gib",
     "handoff_ms",
+    "d_first_step_ms",
     "sidecar_p_peak_rss_mib",
     "sidecar_d_peak_rss_mib",
     "shm_mib",

@@ -52,7 +52,11 @@ def _mooncake_moved() -> dict[str, Any]:
 
 
 def _steps(context_tokens: int) -> list[Iteration]:
-    return [Iteration(T + 0.46, 1, context_tokens, 0, 0), Iteration(T + 0.47, 0, 0, 1, 1)]
+    return [
+        Iteration(T + 0.40, 0, 0, 0, 0, 0.5),  # a step that computed nothing
+        Iteration(T + 0.46, 1, context_tokens, 0, 0, 140.0),
+        Iteration(T + 0.47, 0, 0, 1, 1, 25.0),
+    ]
 
 
 def test_sidecar_exposed_from_its_timeline() -> None:
@@ -68,6 +72,7 @@ def test_sidecar_exposed_from_its_timeline() -> None:
     assert f["transfer_cpu_ms"] == ms(250)
     assert f["cpu_ms_per_request"] == ms(250)
     assert f["cpu_s_per_gib"] == ms(0.5)
+    assert f["d_first_step_ms"] == 140.0  # decode's step over the prompt's last token
     assert math.isnan(f["exposed_hook_ms"])
     assert "ok" in line(f | {"link": "unshaped", "rep": 0, "workload": "512", "system": "x"})
 
