@@ -7,8 +7,8 @@ Each call is a round trip to the sidecar: measured on a 2-core host, 330 a secon
 beyond MooncakeConnector's transfer threads (whose ``get_finished`` reads local state). The
 pacer spaces those calls ``interval_s`` apart, the worker sleeping out the rest: a load that
 landed is seen at most ``interval_s`` later, and the steps that run a forward pass never wait.
-Where the sidecar mapped the rank's finished bell (``app.devices.bell``) a paced step asks only
-when the bell moved, or once a second.
+Where the sidecar mapped the rank's finished bell (``app.devices.bell``) a step, paced or with a
+forward pass, asks only when the bell moved, or once a second.
 
 Under data parallel an idle rank's no-forward step runs in lockstep with the other ranks'
 forward passes (vLLM's ``coordinate_batch_across_dp``): sleeping there would stretch their

@@ -355,8 +355,9 @@ class WorkerSide:
         whole-request recompute is right for every model."""
         self._vllm_finished |= finished_req_ids & set(self._vllm_ids.values())
         fin = FinishedRequests([], [], [])  # what the sidecar is not asked for now waits for it
-        # A step without a forward pass asks only when the sidecar rang (app.devices.bell).
-        if self._pacer.due(self._forward) and (self._forward or self.link.may_have_finished()):
+        # Any step asks only when the sidecar rang (app.devices.bell), or once a second: a
+        # decoding engine's forward steps asked on each, a round trip a token for nothing.
+        if self._pacer.due(self._forward) and self.link.may_have_finished():
             try:
                 fin = self.link.get_finished()
             except SidecarGone as e:

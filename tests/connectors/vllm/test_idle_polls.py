@@ -7,8 +7,10 @@ decode holds all four while prefill computes them one after another. Decode's si
 the frames its engine link received (``kvsidecar_frames_total{socket="engine"}``). Unpaced,
 vLLM's no-forward loop made a round trip each turn: 330 a second on a 2-core host, ~2,500 for
 one 6000-token prompt (the CPU the transfer path spent beyond MooncakeConnector's); paced,
-one per 10 ms (443 frames here); with the bell, one a second plus the steps that ran a forward
-pass and the requests' own messages.
+one per 10 ms (443 frames here); with the bell, one a second plus the requests' own messages.
+
+Steps that run a forward pass ask only when rung too: decode generating a long answer asked its
+sidecar once per token.
 """
 
 from __future__ import annotations
@@ -51,4 +53,19 @@ def test_decode_waiting_for_kv_asks_its_sidecar_only_when_rung(llama_pd: LocalPD
     assert all(o["choices"][0]["text"] is not None for o in outs)
     bound = took / SAFETY_S + REQUESTS * PER_REQUEST
     print(f"{frames:.0f} frames in {took:.2f} s ({frames / took:.0f}/s); bound {bound:.0f}")
+    assert frames <= bound, (frames, took)
+
+
+def test_decoding_asks_its_sidecar_only_when_rung(llama_pd: LocalPD) -> None:
+    """One request decoding 96 tokens: 96 forward steps at decode, which each asked
+    ``get_finished`` (a frame a token); now the steps ask when rung or once a second."""
+    tokens = 96
+    before = engine_frames(llama_pd.decode.admin)
+    t0 = time.monotonic()
+    out = llama_pd.completion(llama_pd.proxy, prompt(200, 4200), tokens, ignore_eos=True)
+    took = time.monotonic() - t0
+    frames = engine_frames(llama_pd.decode.admin) - before
+    assert len(out["choices"][0]["token_ids"]) == tokens
+    bound = took / SAFETY_S + PER_REQUEST
+    print(f"{frames:.0f} frames for {tokens} tokens in {took:.2f} s; bound {bound:.0f}")
     assert frames <= bound, (frames, took)
