@@ -245,7 +245,7 @@ class SidecarCore:
     # ---- operations ------------------------------------------------------------------------
 
     def _live_requests(self) -> bool:
-        return any(not r.state.terminal for a in self.agents.values() for r in a.all_requests())
+        return self._next_deadline() is not None
 
     def _next_deadline(self) -> float | None:
         """The earliest deadline of a request in flight; None when none is."""
