@@ -15,8 +15,10 @@ class DigestSettings(BaseModel):
         ge=0.0,
         le=1.0,
         description=(
-            "Share of requests whose KV is digested on both sides, every block of each, drawn "
-            "from a hash of the transfer id: 0 turns the digest off, 1 checks every request. "
+            "Share of requests whose KV is digested on both sides, every block of each: prefill "
+            "picks that share of its pushes (any n of them: n x share, give or take 2, at random "
+            "places); the pool, pages by a hash of their key. 0 turns the digest off, 1 checks "
+            "everything. "
             "Prefill decides; decode checks whatever digests a Done carries. Host (CPU) KV "
             "memory only. A mismatch fails the request and decode recomputes it."
         ),

@@ -29,8 +29,7 @@ import numpy as np
 from app.kvcache.digest import (
     DigestMismatch,
     DigestStats,
-    HostMemory,
-    digest_runs,
+    KvMemory,
     sampled,
 )
 from app.store.pool import PoolClient
@@ -67,14 +66,14 @@ class Page:
     block: int
 
 
-def _digests(memory: HostMemory, pages: Sequence[Page]) -> np.ndarray:
+def _digests(memory: KvMemory, pages: Sequence[Page]) -> np.ndarray:
     addrs = np.fromiter((p.ptr for p in pages), np.int64, len(pages))
     sizes = np.fromiter((p.size for p in pages), np.int64, len(pages))
-    return digest_runs(memory, addrs, sizes)
+    return memory.digest(addrs, sizes)
 
 
 async def store_digests(
-    client: PoolClient, memory: HostMemory, pages: Sequence[Page], stats: DigestStats
+    client: PoolClient, memory: KvMemory, pages: Sequence[Page], stats: DigestStats
 ) -> bool:
     """Digest ``pages`` (just stored by this save, still pinned by the caller) and upsert their
     companions; False when the store did not take them (the pages then load unchecked)."""
@@ -96,7 +95,7 @@ async def store_digests(
 
 async def check_digests(
     client: PoolClient,
-    memory: HostMemory,
+    memory: KvMemory,
     pages: Sequence[Page],
     stats: DigestStats,
     kinds: Sequence[str],

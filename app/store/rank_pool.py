@@ -13,7 +13,7 @@ from typing import Literal
 
 from app.errors import ConfigError
 from app.kvcache.desc import LayoutDesc
-from app.kvcache.digest import HostMemory
+from app.kvcache.digest import HostMemory, KvMemory
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import LayerPlacement
 from app.kvcache.specs import RegionKind
@@ -48,12 +48,12 @@ class RankPool:
         eagle_groups: Sequence[int] = (),
         speculative: bool = False,
         served_models: Sequence[str] = (),
-        host: bool = True,
+        memory: KvMemory | None = None,
     ) -> None:
         self.desc = desc
-        # The pages as numpy reads them here, for the pool's digests; None: device memory,
-        # never digested.
-        self.memory = HostMemory(tuple(spans)) if host else None
+        # The pages as the pool's digests read them: numpy over the mapped pages unless the
+        # caller passes the engine's device tensors.
+        self.memory: KvMemory = memory if memory is not None else HostMemory(tuple(spans))
         self.served_models = tuple(served_models)
         self.prefixes = prefixes
         self.page_bytes = page_bytes
@@ -78,7 +78,7 @@ class RankPool:
         spans: list[tuple[int, int]],
         namespace: str = "",
         *,
-        host: bool = True,
+        memory: KvMemory | None = None,
     ) -> RankPool:
         """A rank registered by a real engine: pages, dtypes and heads are the engine's own.
 
@@ -113,7 +113,7 @@ class RankPool:
             eagle_groups=reg.eagle_groups,
             speculative=bool(reg.speculative),
             served_models=reg.served_models,
-            host=host,
+            memory=memory,
         )
 
     def group_hashes(

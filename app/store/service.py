@@ -281,7 +281,7 @@ class PoolService:
             storable = num_computed
         call = self._begin("save", request, rank, storable, 0, chosen, block_ids, started)
         res = await self.client.put_from_async(keys, ptrs, sizes)
-        if rp.memory is not None and res.late is None:
+        if res.late is None:
             sample = set(drawn(keys, self.digest.value))
             stored = [pages[i] for i in res.stored if i in sample]
             await store_digests(self.client, rp.memory, stored, self.digests)
@@ -362,7 +362,7 @@ class PoolService:
         )
         res = await self.client.get_into_async(keys, ptrs, sizes)
         mismatches: list[DigestMismatch] = []
-        if rp.memory is not None and res.late is None and res.loaded:
+        if res.late is None and res.loaded:
             sample = set(drawn(keys, self.digest.value))
             landed = [
                 Page(keys[i], ptrs[i], sizes[i], layers[i], *entries[i])

@@ -126,3 +126,37 @@ def test_with_the_digest_off_no_byte_is_digested(
         # Prefill digests what it wrote, decode the same bytes where they landed.
         assert p["prefill"] > 0 and p["prefill"] == d["decode"], (p, d)
         assert records == {("prefill", "sent", True), ("decode", "ok", True)}
+
+
+def test_the_default_share_checks_one_request_in_eight(
+    make_cluster: Callable[..., Cluster],
+) -> None:
+    """At the default share, 24 requests draw 3 give or take 2 (the draw's bound itself is
+    tests/kvcache/test_digest_draw.py's), all of each: decode checked exactly the requests
+    prefill digested, and no other."""
+    n = 24
+    c = make_cluster(
+        model="llama-3.1-8b",
+        layers=2,
+        prefill_tp=1,
+        decode_tp=1,
+        max_requests=n,
+        max_prompt=96,
+        sidecar_env=FAST,
+    )
+    pairs = c.make_requests([96 - i for i in range(n)])
+    s = summarize(c.run(pairs, timeout_s=60), pairs)
+    assert s["verified"] == n, s
+
+    def states(side: str, ids: list[str]) -> list[str]:
+        url = c.sides[side].admin_url
+        return [
+            httpx.get(f"{url}/v1/requests/{rid}", timeout=10).json()["entries"][0]["digest"]
+            for rid in ids
+        ]
+
+    sent = states("prefill", [pr.id for pr, _ in pairs])
+    checked = states("decode", [dr.id for _, dr in pairs])
+    assert 1 <= sent.count("sent") <= 5, sent
+    assert [x == "sent" for x in sent] == [x == "ok" for x in checked], (sent, checked)
+    assert set(sent) <= {"sent", "off"} and set(checked) <= {"ok", "off"}

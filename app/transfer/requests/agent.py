@@ -29,7 +29,7 @@ from app.devices.events import Gate, SidecarRing
 from app.devices.memory import ImportedMemory
 from app.errors import ProtocolError
 from app.kvcache.desc import LayoutDesc
-from app.kvcache.digest import DigestMismatch, DigestState
+from app.kvcache.digest import DigestMismatch, DigestState, KvMemory
 from app.kvcache.engine_spec import EngineRegistration
 from app.kvcache.layout import RankLayout
 from app.transfer.planning.planner import MambaMode
@@ -237,6 +237,8 @@ class Agent:
         self.layout = layout  # None when the engine registered its own tensors
         self.memory: Sequence[object] = ()  # mappings of engine memory kept alive with the agent
         self.device_memory: list[ImportedMemory] = []  # device buffers imported from the engine
+        # The engine's memory as the KV digest reads it (None: the sidecar owns it, no digest).
+        self.digest_memory: KvMemory | None = None
         self.events: SidecarRing | None = None  # the rank's event ring, when it registered one
         self.bell: Bell | None = None  # the engine's finished bell, when it could be mapped
         self.registration: EngineRegistration | None = None

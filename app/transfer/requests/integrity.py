@@ -3,13 +3,16 @@ decode rank, decode digests the same runs in its own memory before the request m
 
 Prefill plans the request's whole prompt once more (one step from the first token decode lacks
 to the prompt's end: the union of what its steps wrote) and sends, per decode rank, the runs'
-decode addresses with their digests; decode needs no prefill layout. Only host memory is
-digested (the CPU path); a sidecar holding device memory sends no digests and checks none.
+decode addresses with their digests; decode needs no prefill layout. Host memory is digested
+with numpy over the sidecar's mapping, device memory (CUDA, NPU) with torch ops on the device
+(``kvcache.tensor_digest``); both give the same words, so the two sides may differ in kind.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -19,9 +22,11 @@ from app.kvcache.digest import (
     DigestStats,
     DigestVerdict,
     HostMemory,
-    digest_runs,
+    KvMemory,
     first_mismatch,
 )
+from app.kvcache.engine_spec import MemorySpan
+from app.kvcache.tensor_digest import TensorMemory
 from app.transfer.planning.planner import PairPlanner, StepRequest
 from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
 
@@ -37,26 +42,28 @@ def is_mismatch(error: str) -> bool:
     return error.startswith(MISMATCH)
 
 
-def host_memory(agent: Agent) -> HostMemory | None:
-    """The agent's engine memory as mapped here, or None for device memory (not digested)."""
-    reg = agent.registration
-    if reg is None or agent.device_memory or len(agent.memory) != len(reg.memory):
-        return None
-    spans = []
-    for buf, span in zip(agent.memory, reg.memory, strict=True):
-        ptr = getattr(buf, "data_ptr", None)
-        if ptr is None:
-            return None
-        spans.append((int(ptr()) + span.offset, span.size))
-    return HostMemory(tuple(spans))
+def kv_memory(buffers: Sequence[Any], spans: Sequence[MemorySpan], *, device: bool) -> KvMemory:
+    """An engine's registered spans as the digest reads them here: ``buffers`` (one per span,
+    each with ``data_ptr``) are the engine's mapped pages, or with ``device`` its uint8 device
+    tensors."""
+    if device:
+        return TensorMemory(
+            tuple(
+                (int(b.data_ptr()) + s.offset, b[s.offset : s.offset + s.size])
+                for b, s in zip(buffers, spans, strict=True)
+            )
+        )
+    return HostMemory(
+        tuple((int(b.data_ptr()) + s.offset, s.size) for b, s in zip(buffers, spans, strict=True))
+    )
 
 
 def sender_digests(
     agent: Agent, planner: PairPlanner, req: SendRequest, stats: DigestStats
 ) -> dict[int, DigestRuns]:
     """Per decode rank, the runs this rank wrote for ``req`` and their digests over its own
-    (source) bytes; empty when its memory is not host memory."""
-    memory = host_memory(agent)
+    (source) bytes; empty when the sidecar owns the memory (no engine registered it)."""
+    memory = agent.digest_memory
     if memory is None:
         return {}
     step = StepRequest(
@@ -73,7 +80,7 @@ def sender_digests(
     for pl in agent.desc.placements:
         plan = planner.plan_layer(pl.layer, [step])
         for d_rank, descs in plan.per_peer.items():
-            sums = digest_runs(memory, descs.src, descs.length)
+            sums = memory.digest(descs.src, descs.length)
             parts.setdefault(d_rank, []).append((pl.layer, pl.group, descs.dst, descs.length, sums))
             stats.add("prefill", descs.count, descs.nbytes)
     out = {}
@@ -92,9 +99,9 @@ def check_digests(
     agent: Agent, req: RecvRequest, sender_rank: int, runs: DigestRuns, stats: DigestStats
 ) -> DigestVerdict:
     """Whether the bytes prefill rank ``sender_rank`` wrote for ``req`` match what it read
-    (unchecked when this memory is not digested). A run outside the request's own blocks is
+    (unchecked when the sidecar owns the memory). A run outside the request's own blocks is
     refused unread."""
-    memory = host_memory(agent)
+    memory = agent.digest_memory
     if memory is None:
         return DigestVerdict()
     try:
@@ -118,7 +125,7 @@ def check_digests(
                 f"{group} lies outside request {req.id}'s blocks"
             )
         block_of[i] = block
-    got = digest_runs(memory, dst, length)
+    got = memory.digest(dst, length)
     stats.add("decode", int(dst.size), int(length.sum()))
     bad = first_mismatch(got, want)
     if bad is None:

@@ -31,6 +31,7 @@ from app.store.service import PoolService
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.lanes.mooncake import MooncakeEngine
 from app.transfer.requests.agent import Agent, SendRequest
+from app.transfer.requests.integrity import kv_memory
 from app.transfer.requests.stream import StreamThread
 from app.transfer.wire.protocol import Msg, NewEpoch, Reply, Status
 
@@ -119,14 +120,14 @@ class Registry:
             (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
         ]
         await asyncio.to_thread(self.engine.register_many, spans)
+        memory = kv_memory(buffers, reg.memory, device=bool(imported))
         if self.pool is not None:
-            rank_pool = RankPool.from_engine(
-                desc, reg, spans, self.pool.namespace, host=not imported
-            )
+            rank_pool = RankPool.from_engine(desc, reg, spans, self.pool.namespace, memory=memory)
             await self.pool.register(rank_pool)
         agent = Agent(None, desc, reg.engine_id)
         agent.memory = buffers  # the mappings live as long as the agent
         agent.device_memory = imported
+        agent.digest_memory = memory
         agent.registration = reg
         agent.events = ring
         agent.bell = _open_bell(reg)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import DeadlineExceeded, KVSidecarError
-from app.kvcache.digest import DigestShare, sampled
+from app.kvcache.digest import DigestShare
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
 from app.transfer.requests.integrity import DigestStats, sender_digests
@@ -124,7 +124,7 @@ class SendEnding:
         status = Status.DONE if not req.state.terminal else req.state
         errors = []
         digests = {}
-        if status is Status.DONE and sampled(req.id, self._settings.digest.value):
+        if status is Status.DONE and self._settings.digest.draw(req.id):
             planner = peer.planners[req.rank]
             try:
                 digests = await asyncio.to_thread(
