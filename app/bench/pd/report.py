@@ -27,17 +27,20 @@ def _cell(sp: dict[str, Any], metric: str) -> str:
     return mid if sp["n"] == 1 else f"{mid} ({_fmt(sp['min'], metric)}–{_fmt(sp['max'], metric)})"
 
 
-def _ratio_cell(ratio: float | None, sp: dict[str, Any]) -> str:
+def _ratio_cell(ratio: float | None, sp: dict[str, Any], iv: dict[str, Any] | None) -> str:
+    """ratio [90% interval] (per-repetition min–max)."""
     if ratio is None:
         return "-"
     if sp["n"] < 2:
         return f"{ratio:.2f}"
-    return f"{ratio:.2f} ({sp['min']:.2f}–{sp['max']:.2f})"
+    bounds = f" [{iv['low']:.2f}, {iv['high']:.2f}]" if iv and iv["low"] is not None else ""
+    return f"{ratio:.2f}{bounds} ({sp['min']:.2f}–{sp['max']:.2f})"
 
 
 def print_summary(result: dict[str, Any], console: Console) -> None:
     """Per system median (min–max) over its counted trials and n; the ratio first system /
-    second of the medians (in brackets: the range of the per-repetition ratios); the A/A
+    second of the medians (its 90% paired bootstrap interval over repetitions in square
+    brackets, the range of the per-repetition ratios in round ones); the A/A
     ratio (one system against itself: the noise floor), per link and workload; with digest
     arms, each arm against the first."""
     opts = result["options"]
@@ -46,7 +49,8 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
     systems = [*compared, *([aa[1]] if aa else [])]
     table = Table(
         title=f"bench pd ({result['binding']['regime']} cores): median (min–max) over "
-        f"{opts['reps']} reps, ms unless noted; ratio = {compared[0]} / {compared[1]}"
+        f"{opts['reps']} reps, ms unless noted; ratio = {compared[0]} / {compared[1]} "
+        "[90% interval] (per-rep min–max)"
         + (f"; A/A = {aa[0]} / {aa[1]} (noise floor)" if aa else "")
     )
     cols = ["link", "workload", "metric", *systems, "ratio", *(["A/A"] if aa else []), "n"]
@@ -54,8 +58,16 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         table.add_column(col, justify="left" if col in ("link", "workload", "metric") else "right")
     for row in result["summary"]:
         cells = [_cell(row["spread"][s], row["metric"]) for s in systems]
-        ratio = _ratio_cell(row["ratio"], row["ratio_spread"])
-        noise = [_ratio_cell(row["aa"]["ratio"], row["aa"]["ratio_spread"])] if aa else []
+        ratio = _ratio_cell(row["ratio"], row["ratio_spread"], row.get("ratio_interval"))
+        noise = (
+            [
+                _ratio_cell(
+                    row["aa"]["ratio"], row["aa"]["ratio_spread"], row["aa"].get("ratio_interval")
+                )
+            ]
+            if aa
+            else []
+        )
         n = "/".join(str(row["spread"][s]["n"]) for s in systems)
         table.add_row(row["link"], row["workload"], row["metric"], *cells, ratio, *noise, n)
     console.print(table)

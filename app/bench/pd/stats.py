@@ -138,12 +138,14 @@ def summarize(
             a, b = systems[0], systems[1]
             row["ratio"] = _ratio(row[a], row[b])
             row["ratio_spread"] = spread(paired_ratios(mine, a, b, metric))
+            row["ratio_interval"] = _interval(mine, a, b, metric, "ratio")
             row["aa"] = None
             if aa is not None:
                 row["aa"] = {
                     "systems": list(aa),
                     "ratio": _ratio(row[aa[0]], row[aa[1]]),
                     "ratio_spread": spread(paired_ratios(mine, aa[0], aa[1], metric)),
+                    "ratio_interval": _interval(mine, aa[0], aa[1], metric, "ratio"),
                 }
             rows.append(row)
     return rows
@@ -165,19 +167,6 @@ def against_base(
         mine = [t for t in trials if t["link"] == link and t["workload"] == workload]
         for other in others:
             for metric, how in DIGEST_FIGURES.items():
-                a, b = _by_rep(mine, other, metric), _by_rep(mine, base, metric)
-
-                def stat(
-                    reps: Sequence[int],
-                    a: dict[int, float] = a,
-                    b: dict[int, float] = b,
-                    how: str = how,
-                ) -> float | None:
-                    x = statistics.median(a[r] for r in reps)
-                    y = statistics.median(b[r] for r in reps)
-                    return x - y if how == "difference" else _ratio(x, y)
-
-                iv = paired_interval(sorted(a.keys() & b.keys()), stat)
                 rows.append(
                     {
                         "link": link,
@@ -186,10 +175,27 @@ def against_base(
                         "base": base,
                         "metric": metric,
                         "how": how,
-                        "interval": iv.as_dict() if iv is not None else None,
+                        "interval": _interval(mine, other, base, metric, how),
                     }
                 )
     return rows
+
+
+def _interval(
+    mine: Sequence[Mapping[str, Any]], a: str, b: str, metric: str, how: str
+) -> dict[str, Any] | None:
+    """``a``'s median over (``how`` "ratio") or less ("difference") ``b``'s, with its 90%
+    bootstrap interval over repetitions resampled in pairs (a repetition's trials of every
+    system ran back to back); None when no repetition has both."""
+    va, vb = _by_rep(mine, a, metric), _by_rep(mine, b, metric)
+
+    def stat(reps: Sequence[int]) -> float | None:
+        x = statistics.median(va[r] for r in reps)
+        y = statistics.median(vb[r] for r in reps)
+        return x - y if how == "difference" else _ratio(x, y)
+
+    iv = paired_interval(sorted(va.keys() & vb.keys()), stat)
+    return iv.as_dict() if iv is not None else None
 
 
 def _by_rep(mine: Sequence[Mapping[str, Any]], system: str, metric: str) -> dict[int, float]:

@@ -111,3 +111,23 @@ def test_aa_ratio_is_one_system_against_its_second_pass() -> None:
     trials[0]["counted"] = False
     trials[5]["ttft_ms"] = -1.0  # rep 1, B
     assert paired_ratios(trials, A, B, "ttft_ms") == [pytest.approx(90 / 180)]
+
+
+def test_every_ratio_has_a_paired_bootstrap_interval() -> None:
+    A2 = f"{A}-aa"
+    trials = []
+    for rep in range(8):
+        trials += [
+            _trial(A, "2k", rep=rep, ttft_ms=100 + 5 * rep),
+            _trial(A2, "2k", rep=rep, ttft_ms=100 + 5 * ((rep * 3) % 8)),
+            _trial(B, "2k", rep=rep, ttft_ms=200 + 10 * rep),
+        ]
+    row = {r["metric"]: r for r in summarize(trials, (A, B), aa=(A, A2))}["ttft_ms"]
+    iv = row["ratio_interval"]
+    # A is half of B in every repetition: every resample's ratio of medians is 0.5.
+    assert iv["point"] == pytest.approx(row["ratio"]) == pytest.approx(0.5)
+    assert iv["low"] == pytest.approx(0.5) and iv["high"] == pytest.approx(0.5)
+    assert (iv["units"], iv["level"]) == (8, 0.9)
+    aa = row["aa"]["ratio_interval"]
+    assert aa["point"] == pytest.approx(row["aa"]["ratio"])
+    assert aa["low"] < 1.0 < aa["high"]  # A against itself in another order: spans 1
