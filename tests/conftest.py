@@ -98,3 +98,18 @@ def one_rank_settings(
         engine_ipc=f"ipc://{sockets}/engine.sock",
         admin_token=SecretStr(admin_token) if admin_token is not None else None,
     )
+
+
+def digested_bytes(admin_url: str) -> dict[str, float]:
+    """``kvsidecar_kv_digest_bytes_total`` of one sidecar (its admin API), by side."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{admin_url}/metrics", timeout=10).text
+    return {
+        s.labels["side"]: s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "kvsidecar_kv_digest_bytes"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }

@@ -12,13 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.ports import read_port_file
 from app.sim.ranks import CacheParams
 from app.transfer.wire.protocol import StepSlice
+from tests.conftest import digested_bytes
 from tests.devices.harness import (
     PAGE,
     Pair,
@@ -34,17 +33,9 @@ PROMPT = 64
 
 
 def _digested(side: Side) -> dict[str, float]:
-    """``kvsidecar_kv_digest_bytes_total`` of one sidecar, by side."""
     ports = read_port_file(side.port_file) if side.port_file else None
     assert ports is not None
-    text = httpx.get(f"http://127.0.0.1:{ports['admin_port']}/metrics", timeout=10).text
-    return {
-        s.labels["side"]: s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == "kvsidecar_kv_digest_bytes"
-        for s in fam.samples
-        if s.name.endswith("_total")
-    }
+    return digested_bytes(f"http://127.0.0.1:{ports['admin_port']}")
 
 
 def _push(pair: Pair, rid: str, step: int, device: str, *, late_write: bool) -> object:

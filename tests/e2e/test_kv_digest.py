@@ -10,10 +10,10 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
+from tests.conftest import digested_bytes
 from tests.e2e import fault_sidecar
 
 # One preset per group kind the check must cover: full attention, a sliding window (+ full),
@@ -77,18 +77,6 @@ def test_with_the_digest_off_nothing_is_checked(make_cluster: Callable[..., Clus
     assert not any("digest" in f["error"] for f in s["failures"].values())
 
 
-def _digested_bytes(admin_url: str) -> dict[str, float]:
-    """``kvsidecar_kv_digest_bytes_total`` of one sidecar, by side."""
-    text = httpx.get(f"{admin_url}/metrics", timeout=10).text
-    return {
-        s.labels["side"]: s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == "kvsidecar_kv_digest_bytes"
-        for s in fam.samples
-        if s.name.endswith("_total")
-    }
-
-
 @pytest.mark.parametrize("share", ["0", "1.0"])
 def test_with_the_digest_off_no_byte_is_digested(
     make_cluster: Callable[..., Cluster], share: str
@@ -108,8 +96,8 @@ def test_with_the_digest_off_no_byte_is_digested(
     pairs = c.make_requests([160, 100, 64, 33])
     s = summarize(c.run(pairs, timeout_s=60), pairs)
     assert s["verified"] == 4, s
-    p = _digested_bytes(c.sides["prefill"].admin_url)
-    d = _digested_bytes(c.sides["decode"].admin_url)
+    p = digested_bytes(c.sides["prefill"].admin_url)
+    d = digested_bytes(c.sides["decode"].admin_url)
     records = {
         (side, e["digest"], e["digest_mismatch"] is None)
         for side in ("prefill", "decode")

@@ -39,12 +39,19 @@ def _runs(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
     ]
 
 
-def test_words_equal_the_oracle_and_numpy() -> None:
-    tensors = _spans([8192, 8192], 0)
+def _two_spans(
+    seed: int,
+) -> tuple[list[torch.Tensor], list[tuple[int, int]], np.ndarray, np.ndarray, TensorMemory]:
+    """Two 8 KiB spans, ``_runs`` over them as arrays, and their ``TensorMemory``."""
+    tensors = _spans([8192, 8192], seed)
     runs = _runs(tensors)
     addrs = np.array([r[0] for r in runs], np.int64)
     lens = np.array([r[1] for r in runs], np.int64)
-    mem = TensorMemory(tuple((int(t.data_ptr()), t) for t in tensors))
+    return tensors, runs, addrs, lens, TensorMemory(tuple((int(t.data_ptr()), t) for t in tensors))
+
+
+def test_words_equal_the_oracle_and_numpy() -> None:
+    tensors, runs, addrs, lens, mem = _two_spans(0)
     got = mem.digest(addrs, lens)
     host = HostMemory(tuple((int(t.data_ptr()), t.numel()) for t in tensors))
     assert got.dtype == np.uint64 and got.shape == (len(runs), 2)
@@ -68,11 +75,7 @@ def test_batches_split_by_their_byte_bound(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_a_flipped_byte_changes_the_runs_holding_it() -> None:
-    tensors = _spans([8192, 8192], 2)
-    runs = _runs(tensors)
-    addrs = np.array([r[0] for r in runs], np.int64)
-    lens = np.array([r[1] for r in runs], np.int64)
-    mem = TensorMemory(tuple((int(t.data_ptr()), t) for t in tensors))
+    tensors, runs, addrs, lens, mem = _two_spans(2)
     want = mem.digest(addrs, lens)
     for k, (addr, n) in enumerate(runs):
         i = 0 if tensors[0].data_ptr() <= addr < tensors[0].data_ptr() + 8192 else 1
