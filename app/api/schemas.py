@@ -275,6 +275,12 @@ class RequestView(_Model):
     digest_mismatch: DigestMismatchView | None = Field(
         None, description="Recv: the first run whose digest differed; null otherwise."
     )
+    digest_ms: float | None = Field(
+        None,
+        description="Send: ms its Done waited for the KV digest after the last layer was "
+        "written; recv: ms the check of its Dones' digests took (on the request's critical "
+        "path both). Null when none was computed.",
+    )
     traceparent: str | None = Field(
         None,
         description="W3C trace context the engine passed with the request (from the proxy); "

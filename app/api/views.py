@@ -319,6 +319,7 @@ def request_view(req: Request, now: float | None = None, timeline: bool = False)
         error=req.error or None,
         digest=req.digest,
         digest_mismatch=_mismatch_view(req.digest_mismatch),
+        digest_ms=req.digest_ms,
         traceparent=req.traceparent,
         created_at=req.created + wall,
         ended_at=None if req.finished_at is None else req.finished_at + wall,

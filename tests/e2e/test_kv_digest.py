@@ -99,7 +99,7 @@ def test_with_the_digest_off_no_byte_is_digested(
     p = digested_bytes(c.sides["prefill"].admin_url)
     d = digested_bytes(c.sides["decode"].admin_url)
     records = {
-        (side, e["digest"], e["digest_mismatch"] is None)
+        (side, e["digest"], e["digest_mismatch"] is None, (e["digest_ms"] or 0) > 0)
         for side in ("prefill", "decode")
         for pr, dr in pairs
         for e in httpx.get(
@@ -109,11 +109,12 @@ def test_with_the_digest_off_no_byte_is_digested(
     }
     if share == "0":
         assert (p, d) == ({"prefill": 0, "decode": 0}, {"prefill": 0, "decode": 0})
-        assert records == {("prefill", "off", True), ("decode", "off", True)}
+        assert records == {("prefill", "off", True, False), ("decode", "off", True, False)}
     else:
         # Prefill digests what it wrote, decode the same bytes where they landed.
         assert p["prefill"] > 0 and p["prefill"] == d["decode"], (p, d)
-        assert records == {("prefill", "sent", True), ("decode", "ok", True)}
+        # Each record says how long the digest held the request up, on each side.
+        assert records == {("prefill", "sent", True, True), ("decode", "ok", True, True)}
 
 
 def test_the_default_share_checks_one_request_in_eight(

@@ -99,6 +99,8 @@ class Request:
     # (a digest run outside the request's blocks, or malformed).
     digest: DigestState = "off"
     digest_mismatch: DigestMismatch | None = None
+    # Send: ms its Done waited for the digest; recv: ms the check of its Dones' digests took.
+    digest_ms: float | None = None
     # Progress pushes ``deadline`` to ``idle_s`` past it, never beyond ``cap`` (absolute,
     # ``transfer_max_s`` from the transfer's start). Until then ``deadline`` is the wait it
     # was admitted with (decode's claim, prefill's target).

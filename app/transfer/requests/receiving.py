@@ -176,9 +176,13 @@ class RecvSide:
         live = agent is not None and req is not None and not req.state.terminal
         if msg.digests is not None and live:
             assert agent is not None and req is not None
+            started = time.monotonic()
             verdict = await asyncio.to_thread(
                 check_digests, agent, req, msg.sender_rank, msg.digests, self.digests
             )
+            if verdict.checked:
+                took = 1e3 * (time.monotonic() - started)
+                req.digest_ms = round((req.digest_ms or 0.0) + took, 3)
         return self.done(msg, verdict)
 
     def done(self, msg: Done, verdict: DigestVerdict | None = None) -> Ack:

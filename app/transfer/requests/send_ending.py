@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,7 @@ class SendEnding:
         digests = {}
         if status is Status.DONE and self._settings.digest.draw(req.id):
             planner = peer.planners[req.rank]
+            started = time.monotonic()
             try:
                 digests = await asyncio.to_thread(
                     sender_digests, self._agents[req.rank], planner, req, self.digests
@@ -134,6 +136,7 @@ class SendEnding:
                 log.warning("send %s: no KV digest: %s", req.id, e)
             if digests:
                 req.digest = "sent"
+                req.digest_ms = round(1e3 * (time.monotonic() - started), 3)
         for d_rank, groups in req.d_ranks.items():
             done = Done(
                 request=req.id,
