@@ -14,13 +14,14 @@ progress expires after its idle bound, and every one at its absolute cap (``tran
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -158,6 +159,9 @@ class SendRequest(Request):
     backlog: list[Held] = field(default_factory=list)
     # Each layer of each step: signalled, written, landed (admin API, traces).
     timeline: SendTimeline = field(default_factory=SendTimeline)
+    # The KV digest's layers made while later ones were computed (``final_layer_written``).
+    last_final_layer: int | None = None
+    early_digests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
     @property
     def held(self) -> bool:

@@ -11,7 +11,7 @@ with numpy over the sidecar's mapping, device memory (CUDA, NPU) with torch ops 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -58,14 +58,20 @@ def kv_memory(buffers: Sequence[Any], spans: Sequence[MemorySpan], *, device: bo
     )
 
 
-def sender_digests(
-    agent: Agent, planner: PairPlanner, req: SendRequest, stats: DigestStats
-) -> dict[int, DigestRuns]:
-    """Per decode rank, the runs this rank wrote for ``req`` and their digests over its own
-    (source) bytes; empty when the sidecar owns the memory (no engine registered it)."""
+LayerDigest = list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]]
+"""One layer's digested runs per decode rank: (decode rank, layer, group, decode addresses,
+lengths, words)."""
+
+
+def layer_digest(
+    agent: Agent, planner: PairPlanner, req: SendRequest, layer: int, stats: DigestStats
+) -> LayerDigest:
+    """The runs this rank wrote of ``layer`` for ``req`` (its whole prompt: the union of its
+    steps' writes), each with its digest over this rank's (source) bytes; empty when the sidecar
+    owns the memory (no engine registered it)."""
     memory = agent.digest_memory
     if memory is None:
-        return {}
+        return []
     step = StepRequest(
         req.id,
         req.prompt_len,
@@ -76,13 +82,33 @@ def sender_digests(
         req.mamba_mode,
         req.num_spec,
     )
+    group = agent.desc.placement(layer).group
+    out = []
+    for d_rank, descs in planner.plan_layer(layer, [step]).per_peer.items():
+        sums = memory.digest(descs.src, descs.length)
+        out.append((d_rank, layer, group, descs.dst, descs.length, sums))
+        stats.add("prefill", descs.count, descs.nbytes)
+    return out
+
+
+def sender_digests(
+    agent: Agent,
+    planner: PairPlanner,
+    req: SendRequest,
+    stats: DigestStats,
+    early: Mapping[int, LayerDigest] | None = None,
+) -> dict[int, DigestRuns]:
+    """Per decode rank, every layer's ``layer_digest`` for ``req``: those in ``early`` (made
+    while the engine computed later layers) as they are, the others now."""
+    if agent.digest_memory is None:
+        return {}
     parts: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]] = {}
     for pl in agent.desc.placements:
-        plan = planner.plan_layer(pl.layer, [step])
-        for d_rank, descs in plan.per_peer.items():
-            sums = memory.digest(descs.src, descs.length)
-            parts.setdefault(d_rank, []).append((pl.layer, pl.group, descs.dst, descs.length, sums))
-            stats.add("prefill", descs.count, descs.nbytes)
+        got = (early or {}).get(pl.layer)
+        if got is None:
+            got = layer_digest(agent, planner, req, pl.layer, stats)
+        for d_rank, layer, group, dst, length, sums in got:
+            parts.setdefault(d_rank, []).append((layer, group, dst, length, sums))
     out = {}
     for d_rank, ps in parts.items():
         out[d_rank] = DigestRuns.of(

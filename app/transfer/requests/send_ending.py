@@ -19,7 +19,12 @@ from app.errors import DeadlineExceeded, KVSidecarError
 from app.kvcache.digest import DigestShare
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
-from app.transfer.requests.integrity import DigestStats, sender_digests
+from app.transfer.requests.integrity import (
+    DigestStats,
+    LayerDigest,
+    layer_digest,
+    sender_digests,
+)
 from app.transfer.wire.protocol import MAX_DEADLINE_S, Abort, Ack, Done, Msg, Status
 
 log = logging.getLogger(__name__)
@@ -108,6 +113,31 @@ class SendEnding:
         self.unconfirmed += 1
         await self._until_unpinned(req)
 
+    def final_layer_written(self, req: SendRequest, layer: int) -> None:
+        """``layer`` of ``req``'s final step is written. When ``req`` is drawn for the digest,
+        digest the final step's layer written before it now, on a worker thread while the engine
+        computes the next ones, so that its ``Done`` waits only for the last layer's. One layer
+        behind, not at once: an engine whose layer signal came before its writes ended (a late
+        write) has had a layer's compute to finish them, which the digest then sees."""
+        before, req.last_final_layer = req.last_final_layer, layer
+        agent = self._agents.get(req.rank)
+        peer = self._peers.table.get(req.peer)
+        if (
+            before is None
+            or min(before, layer) < 0  # every layer at once (bulk): digested at Done
+            or agent is None
+            or agent.digest_memory is None
+            or peer is None
+            or not self._settings.digest.draw(req.id)
+        ):
+            return
+        job = asyncio.to_thread(
+            layer_digest, agent, peer.planners[req.rank], req, before, self.digests
+        )
+        task = asyncio.ensure_future(job)
+        task.add_done_callback(_retrieved)
+        req.early_digests[before] = task
+
     async def send_done(self, req: SendRequest) -> None:
         """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
         status = Status.DONE if not req.state.terminal else req.state
@@ -129,8 +159,9 @@ class SendEnding:
             planner = peer.planners[req.rank]
             started = time.monotonic()
             try:
+                early = await _made(req)
                 digests = await asyncio.to_thread(
-                    sender_digests, self._agents[req.rank], planner, req, self.digests
+                    sender_digests, self._agents[req.rank], planner, req, self.digests, early
                 )
             except (KVSidecarError, ValueError) as e:  # unchecked, not failed: the KV is sent
                 log.warning("send %s: no KV digest: %s", req.id, e)
@@ -260,3 +291,20 @@ class SendEnding:
 def why_refused(reply: Msg) -> str:
     """What a refusal (a nack or an ``Error``/``Rejected`` reply) said."""
     return (reply.error or "") if isinstance(reply, Ack) else getattr(reply, "reason", "")
+
+
+def _retrieved(task: asyncio.Future[LayerDigest]) -> None:
+    # A request that failed never awaits its early digests: their errors are not news.
+    if not task.cancelled():
+        task.exception()
+
+
+async def _made(req: SendRequest) -> dict[int, LayerDigest]:
+    """The layers of ``req`` digested early; one whose digest failed is digested again."""
+    out = {}
+    for layer, task in req.early_digests.items():
+        try:
+            out[layer] = await task
+        except Exception as e:  # made again at Done, where an error is handled as always
+            log.info("send %s: early digest of layer %d failed (%s); made again", req.id, layer, e)
+    return out

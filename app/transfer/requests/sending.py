@@ -499,6 +499,7 @@ class SendSide(SendEnding):
             # Only the final step's layers count: an earlier step's layers may still be on the
             # stream thread when the engine already signals the final step.
             if res.step == req.final_step and req.final_layers_left > 0:
+                self.final_layer_written(req, res.layer)
                 req.final_layers_left -= 1
                 if req.final_layers_left == 0:
                     self._spawn(self.send_done(req))
