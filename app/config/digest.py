@@ -19,7 +19,8 @@ class DigestSettings(BaseModel):
             "picks that share of its pushes (any n of them: n x share, give or take 2, at random "
             "places); the pool, pages by a hash of their key. 0 turns the digest off, 1 checks "
             "everything. "
-            "Prefill decides; decode checks whatever digests a Done carries. Host (CPU) KV "
-            "memory only. A mismatch fails the request and decode recomputes it."
+            "Prefill decides; decode checks whatever digests a Done carries. Host KV is "
+            "digested with numpy, device KV (CUDA, NPU) with torch ops on the device. A mismatch "
+            "fails the request and decode recomputes it."
         ),
     )
