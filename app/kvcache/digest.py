@@ -132,17 +132,24 @@ class HostMemory:
     spans: tuple[tuple[int, int], ...]
 
     def read(self, addr: int, length: int) -> np.ndarray:
-        for base, size in self.spans:
-            if base <= addr and addr + length <= base + size:
-                buf = (ctypes.c_uint8 * length).from_address(addr)
-                return np.frombuffer(memoryview(buf).cast("B"), np.uint8)
-        raise OutOfBoundsError(
-            f"digest of 0x{addr:x}+{length}: outside the {len(self.spans)} mapped KV spans"
-        )
+        locate(self.spans, addr, length)
+        buf = (ctypes.c_uint8 * length).from_address(addr)
+        return np.frombuffer(memoryview(buf).cast("B"), np.uint8)
 
     def digest(self, addrs: np.ndarray, lengths: np.ndarray) -> np.ndarray:
         """``digest_runs`` over this memory."""
         return digest_runs(self, addrs, lengths)
+
+
+def locate(spans: Sequence[tuple[int, int]], addr: int, length: int) -> tuple[int, int]:
+    """The span ``(address, size)`` holding ``length`` bytes at ``addr``: its index and the
+    offset in it; OutOfBoundsError when none does (the digest never reads outside them)."""
+    for i, (base, size) in enumerate(spans):
+        if base <= addr and addr + length <= base + size:
+            return i, addr - base
+    raise OutOfBoundsError(
+        f"digest of 0x{addr:x}+{length}: outside the {len(spans)} mapped KV spans"
+    )
 
 
 class KvMemory(Protocol):

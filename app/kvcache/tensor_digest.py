@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.errors import OutOfBoundsError
+from app.kvcache.digest import locate
 
 if TYPE_CHECKING:
     import torch
@@ -30,18 +30,10 @@ _BATCH_BYTES = 64 << 20  # gathered at once: bounds the copy a batch makes on th
 class TensorMemory:
     """Spans ``(address, tensor)`` of an engine's KV mapped in this process: each a 1-D uint8
     torch tensor (on its device) whose first byte is at ``address``. An address outside them is
-    an error, never a read."""
+    an error, never a read (``digest.locate``)."""
 
     spans: tuple[tuple[int, Any], ...]
     _weights: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    def _locate(self, addr: int, length: int) -> tuple[int, int]:
-        for i, (base, tensor) in enumerate(self.spans):
-            if base <= addr and addr + length <= base + int(tensor.numel()):
-                return i, addr - base
-        raise OutOfBoundsError(
-            f"digest of 0x{addr:x}+{length}: outside the {len(self.spans)} mapped KV spans"
-        )
 
     def _lane_weights(self, like: torch.Tensor, n: int) -> torch.Tensor:
         import torch
@@ -59,10 +51,11 @@ class TensorMemory:
 
         n = int(addrs.size)
         out = np.zeros((n, 2), np.uint64)
+        bounds = [(base, int(tensor.numel())) for base, tensor in self.spans]
         batches: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
         parts: list[tuple[list[int], torch.Tensor]] = []
         for i, (addr, length) in enumerate(zip(addrs.tolist(), lengths.tolist(), strict=True)):
-            span, off = self._locate(int(addr), int(length))
+            span, off = locate(bounds, int(addr), int(length))
             tensor = self.spans[span][1]
             if length % _LANE == 0 and (int(tensor.data_ptr()) + off) % _LANE == 0:
                 batches[(span, length // _LANE)].append((i, off))

@@ -18,11 +18,15 @@ from app.transfer.requests.integrity import kv_memory
 def test_both_kinds_read_the_registered_spans_alike() -> None:
     g = torch.Generator().manual_seed(4)
     buffers = [torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=g) for _ in range(2)]
-    spans = [MemorySpan("a", 256, 2048), MemorySpan("b", 1024, 3072)]
-    host = kv_memory(buffers, spans, device=False)
-    dev = kv_memory(buffers, spans, device=True)
+    registered = [MemorySpan("a", 256, 2048), MemorySpan("b", 1024, 3072)]
+    # As the registry computes them: each span's address in this process and its size.
+    spans = [
+        (int(b.data_ptr()) + s.offset, s.size) for b, s in zip(buffers, registered, strict=True)
+    ]
+    host = kv_memory(spans)
+    dev = kv_memory(spans, buffers)
     assert isinstance(host, HostMemory) and isinstance(dev, TensorMemory)
-    starts = [int(b.data_ptr()) + s.offset for b, s in zip(buffers, spans, strict=True)]
+    starts = [a for a, _ in spans]
     addrs = np.array([starts[0], starts[0] + 2048 - 64, starts[1] + 5, starts[1] + 3072 - 8])
     lens = np.array([64, 64, 999, 8])
     words = host.digest(addrs, lens)

@@ -27,8 +27,9 @@ def _cell(sp: dict[str, Any], metric: str) -> str:
     return mid if sp["n"] == 1 else f"{mid} ({_fmt(sp['min'], metric)}–{_fmt(sp['max'], metric)})"
 
 
-def _ratio_cell(ratio: float | None, sp: dict[str, Any], iv: dict[str, Any] | None) -> str:
-    """ratio [90% interval] (per-repetition min–max)."""
+def _ratio_cell(row: dict[str, Any]) -> str:
+    """A summary row's (or its A/A's) ratio [90% interval] (per-repetition min–max)."""
+    ratio, sp, iv = row["ratio"], row["ratio_spread"], row.get("ratio_interval")
     if ratio is None:
         return "-"
     if sp["n"] < 2:
@@ -58,16 +59,8 @@ def print_summary(result: dict[str, Any], console: Console) -> None:
         table.add_column(col, justify="left" if col in ("link", "workload", "metric") else "right")
     for row in result["summary"]:
         cells = [_cell(row["spread"][s], row["metric"]) for s in systems]
-        ratio = _ratio_cell(row["ratio"], row["ratio_spread"], row.get("ratio_interval"))
-        noise = (
-            [
-                _ratio_cell(
-                    row["aa"]["ratio"], row["aa"]["ratio_spread"], row["aa"].get("ratio_interval")
-                )
-            ]
-            if aa
-            else []
-        )
+        ratio = _ratio_cell(row)
+        noise = [_ratio_cell(row["aa"])] if aa else []
         n = "/".join(str(row["spread"][s]["n"]) for s in systems)
         table.add_row(row["link"], row["workload"], row["metric"], *cells, ratio, *noise, n)
     console.print(table)

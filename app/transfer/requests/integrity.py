@@ -25,7 +25,6 @@ from app.kvcache.digest import (
     KvMemory,
     first_mismatch,
 )
-from app.kvcache.engine_spec import MemorySpan
 from app.kvcache.tensor_digest import TensorMemory
 from app.transfer.planning.planner import PairPlanner, StepRequest
 from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
@@ -42,20 +41,17 @@ def is_mismatch(error: str) -> bool:
     return error.startswith(MISMATCH)
 
 
-def kv_memory(buffers: Sequence[Any], spans: Sequence[MemorySpan], *, device: bool) -> KvMemory:
-    """An engine's registered spans as the digest reads them here: ``buffers`` (one per span,
-    each with ``data_ptr``) are the engine's mapped pages, or with ``device`` its uint8 device
-    tensors."""
-    if device:
-        return TensorMemory(
-            tuple(
-                (int(b.data_ptr()) + s.offset, b[s.offset : s.offset + s.size])
-                for b, s in zip(buffers, spans, strict=True)
-            )
-        )
-    return HostMemory(
-        tuple((int(b.data_ptr()) + s.offset, s.size) for b, s in zip(buffers, spans, strict=True))
-    )
+def kv_memory(spans: Sequence[tuple[int, int]], tensors: Sequence[Any] = ()) -> KvMemory:
+    """An engine's registered spans ``(address, size)`` as the digest reads them here: the
+    mapped pages, or, given the engine's uint8 device ``tensors`` (one per span, each holding
+    its span), those tensors' bytes of each span."""
+    if not tensors:
+        return HostMemory(tuple(spans))
+    views = []
+    for (addr, size), t in zip(spans, tensors, strict=True):
+        start = addr - int(t.data_ptr())
+        views.append((addr, t[start : start + size]))
+    return TensorMemory(tuple(views))
 
 
 LayerDigest = list[tuple[int, int, int, np.ndarray, np.ndarray, np.ndarray]]

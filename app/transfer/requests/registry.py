@@ -120,7 +120,7 @@ class Registry:
             (b.data_ptr() + s.offset, s.size) for b, s in zip(buffers, reg.memory, strict=True)
         ]
         await asyncio.to_thread(self.engine.register_many, spans)
-        memory = kv_memory(buffers, reg.memory, device=bool(imported))
+        memory = kv_memory(spans, [m.tensor for m in imported])
         if self.pool is not None:
             rank_pool = RankPool.from_engine(desc, reg, spans, self.pool.namespace, memory=memory)
             await self.pool.register(rank_pool)

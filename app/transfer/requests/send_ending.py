@@ -116,8 +116,8 @@ class SendEnding:
     def final_layer_written(self, req: SendRequest, layer: int) -> None:
         """``layer`` of ``req``'s final step is written. When ``req`` is drawn for the digest,
         digest the final step's layer written before it now, on a worker thread while the engine
-        computes the next ones, so that its ``Done`` waits only for the last layer's. One layer
-        behind, not at once: an engine whose layer signal came before its writes ended (a late
+        computes the next ones, so that its ``Done`` waits only for the last two layers'. One
+        layer behind, not at once: an engine whose layer signal came before its writes ended (a late
         write) has had a layer's compute to finish them, which the digest then sees."""
         before, req.last_final_layer = req.last_final_layer, layer
         agent = self._agents.get(req.rank)
