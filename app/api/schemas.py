@@ -281,6 +281,17 @@ class RequestView(_Model):
         "written; recv: ms the check of its Dones' digests took (on the request's critical "
         "path both). Null when none was computed.",
     )
+    digest_early_layers: int = Field(
+        0,
+        description="Layers decode checked as they landed, before Done, while prefill computed "
+        "later ones (send: those decode confirmed; recv: those it checked). Their time is not "
+        "in digest_ms.",
+    )
+    digest_early_ms: float = Field(
+        0.0,
+        description="Recv: ms the checks of layers as they landed took (those that matched and "
+        "one that did not), off the request's critical path.",
+    )
     traceparent: str | None = Field(
         None,
         description="W3C trace context the engine passed with the request (from the proxy); "

@@ -11,7 +11,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from app.errors import DeadlineExceeded, ProtocolError, SidecarGone
 from app.transfer.control.framing import ONE_WAY, ClientClosed, corr_ids
-from app.transfer.wire.protocol import AnyMsg, Msg, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import AnyMsg, Msg
 
 # A one-way message to the sidecar waits this long for room in the queue.
 _SYNC_NOTIFY_TIMEOUT_S = 1.0

@@ -26,6 +26,7 @@ import zmq
 
 from app.transfer.control.framing import ONE_WAY
 from app.transfer.wire.auth import FrameAuth, user_key
+from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import (
     PROTOCOL_VERSION,
     AddSend,
@@ -39,8 +40,6 @@ from app.transfer.wire.protocol import (
     Role,
     Status,
     StepSlice,
-    decode,
-    encode,
 )
 from tests.chaos.harness import LENS, Chaos, Outcome, metric_sum
 

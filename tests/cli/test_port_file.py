@@ -23,7 +23,8 @@ from app.config import load_settings
 from app.errors import ConfigError
 from app.ports import read_port_file, wait_port_file, write_port_file
 from app.transfer.wire.auth import FrameAuth, user_key
-from app.transfer.wire.protocol import Ping, Pong, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import Ping, Pong
 
 START_TIMEOUT_S = 120.0  # two processes importing the sidecar on two busy cores
 

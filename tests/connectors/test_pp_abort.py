@@ -20,7 +20,8 @@ from vllm.v1.request import Request, RequestStatus
 
 from app.connectors.vllm.config import PP_PLACEHOLDER, ConnectorConfig
 from app.connectors.vllm.scheduler import SchedulerSide
-from app.transfer.wire.protocol import AbortRequest, decode
+from app.transfer.wire.codec import decode
+from app.transfer.wire.protocol import AbortRequest
 
 PP, TP = 2, 2
 

@@ -12,7 +12,8 @@ import pytest
 import zmq
 
 from app.engine_link.client import EngineLink
-from app.transfer.wire.protocol import LayerReady, decode
+from app.transfer.wire.codec import decode
+from app.transfer.wire.protocol import LayerReady
 from tests.devices.harness import LateEvent
 
 

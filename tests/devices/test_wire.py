@@ -14,7 +14,8 @@ from app.kvcache.groups import build_cache_config
 from app.kvcache.layout import allocate
 from app.kvcache.preset_registration import preset_registration
 from app.kvcache.presets import load_preset
-from app.transfer.wire.protocol import PROTOCOL_VERSION, LayerReady, RegisterEngine, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import PROTOCOL_VERSION, LayerReady, RegisterEngine
 
 
 def _register(**kw: object) -> RegisterEngine:

@@ -10,7 +10,8 @@ import zmq
 
 from app.sim.cluster import Cluster, ClusterSpec
 from app.transfer.wire.auth import FrameAuth, user_key
-from app.transfer.wire.protocol import AnyMsg, Msg, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import AnyMsg, Msg
 
 
 @pytest.fixture

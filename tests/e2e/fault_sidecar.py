@@ -2,7 +2,8 @@
 tests.e2e.fault_sidecar --fail-writes N`` serves like ``kv-sidecar serve`` (settings from the
 environment) but its Mooncake engine fails its first N write calls; ``--flip-writes`` makes
 every write carry a flipped bit every 256 bytes of each run (flipped in prefill's memory for the
-write only, then restored: a fault on the wire, which decode's digest check must catch)."""
+write only, then restored: a fault on the wire, which decode's digest check must catch);
+``--old-decode`` answers ``LayerDigests`` with ``Error``, as a release that predates them does."""
 
 from __future__ import annotations
 
@@ -17,12 +18,22 @@ import numpy as np
 from app.config import load_settings
 from app.service import serve
 from app.transfer.lanes.mooncake import MooncakeEngine
+from app.transfer.requests.receiving import RecvSide
+from app.transfer.wire.protocol import Error, LayerDigests
 
 
-def command(*, fail_writes: int = 0, flip_writes: bool = False) -> list[str]:
+def command(
+    *, fail_writes: int = 0, flip_writes: bool = False, old_decode: bool = False
+) -> list[str]:
     """The argv that starts this launcher (for ``ClusterSpec.sidecar_cmd``)."""
     flip = ["--flip-writes"] if flip_writes else []
-    return [sys.executable, "-m", __name__, "--fail-writes", str(fail_writes), *flip]
+    old = ["--old-decode"] if old_decode else []
+    return [sys.executable, "-m", __name__, "--fail-writes", str(fail_writes), *flip, *old]
+
+
+async def _unknown(self: RecvSide, msg: LayerDigests) -> Error:
+    # What a decode without LayerDigests answers: its decoder knows no such tag.
+    return Error(reason="malformed frame: expected a msgpack map whose 'type' names a message")
 
 
 def flip_in_flight(engine: MooncakeEngine) -> None:
@@ -51,7 +62,10 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--fail-writes", type=int, default=0)
     parser.add_argument("--flip-writes", action="store_true")
+    parser.add_argument("--old-decode", action="store_true")
     args = parser.parse_args()
+    if args.old_decode:
+        RecvSide.layer_digests = _unknown  # type: ignore[assignment,method-assign]
 
     def hook(engine: MooncakeEngine) -> None:
         engine.inject_failures(args.fail_writes)

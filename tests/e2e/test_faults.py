@@ -16,17 +16,8 @@ from app.sim.commands import Command
 from app.sim.rounds import summarize
 from app.store.master import free_port
 from app.transfer.wire.auth import load_auth
-from app.transfer.wire.protocol import (
-    Ack,
-    Done,
-    Error,
-    Hello,
-    Rejected,
-    Role,
-    Status,
-    decode,
-    encode,
-)
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import Ack, Done, Error, Hello, Rejected, Role, Status
 from tests.e2e import fault_sidecar
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}

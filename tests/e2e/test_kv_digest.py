@@ -66,6 +66,9 @@ def test_a_bit_flipped_on_the_wire_fails_every_request(
         blocks = {g["group"]: g["block_ids"] for g in entry["groups"]}
         assert where["block"] in blocks[where["group"]], (where, blocks)
         assert f"layer {where['layer']}, group {where['group']} ({where['kind']})" in entry["error"]
+        # With more than two layer placements (DeepSeek's two layers hold an MLA latent and an
+        # indexer each) the first is checked as it landed, before Done; Llama's two go in Done.
+        assert (entry["digest_early_ms"] > 0) == (model != "llama-3.1-8b"), entry
 
 
 def test_with_the_digest_off_nothing_is_checked(make_cluster: Callable[..., Cluster]) -> None:

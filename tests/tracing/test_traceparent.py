@@ -10,7 +10,8 @@ import pytest
 
 from app.errors import ProtocolError
 from app.tracing.traceparent import PATTERN, TraceParent, new_trace, parse
-from app.transfer.wire.protocol import PROTOCOL_VERSION, AddSend, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import PROTOCOL_VERSION, AddSend
 
 GOOD = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -26,6 +26,7 @@ from app.transfer.wire.auth import (
     UNAUTHENTICATED_REASON,
     FrameAuth,
 )
+from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import (
     Abort,
     Ack,
@@ -37,8 +38,6 @@ from app.transfer.wire.protocol import (
     Msg,
     Role,
     Status,
-    decode,
-    encode,
 )
 
 pytestmark = pytest.mark.timeout(120)

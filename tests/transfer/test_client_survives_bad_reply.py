@@ -12,7 +12,8 @@ import zmq.asyncio
 from app.errors import ProtocolError
 from app.transfer.control import client as control_client
 from app.transfer.control.client import PeerClient
-from app.transfer.wire.protocol import Ack, AnyMsg, Hello, Role, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import Ack, AnyMsg, Hello, Role
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -18,6 +18,7 @@ from app.errors import DeadlineExceeded
 from app.transfer.control.client import PeerClient
 from app.transfer.control.framing import ONE_WAY, ClientClosed
 from app.transfer.control.server import ControlServer
+from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import (
     PROTOCOL_VERSION,
     Abort,
@@ -30,8 +31,6 @@ from app.transfer.wire.protocol import (
     Msg,
     Rejected,
     Role,
-    decode,
-    encode,
 )
 
 pytestmark = pytest.mark.timeout(30)

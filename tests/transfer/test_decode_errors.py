@@ -6,7 +6,8 @@ import msgspec
 import pytest
 
 from app.errors import ProtocolError
-from app.transfer.wire.protocol import PROTOCOL_VERSION, Hello, Role, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import PROTOCOL_VERSION, Hello, Role
 
 HELLO = msgspec.msgpack.decode(encode(Hello(compat_hash="c", engine_id="e", role=Role.PREFILL)))
 

@@ -20,17 +20,8 @@ from app.transfer.control.framing import (
     ONE_WAY,
 )
 from app.transfer.control.server import ControlServer
-from app.transfer.wire.protocol import (
-    Ack,
-    AnyMsg,
-    Error,
-    Hello,
-    Msg,
-    PoolLookup,
-    Role,
-    decode,
-    encode,
-)
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import Ack, AnyMsg, Error, Hello, Msg, PoolLookup, Role
 
 pytestmark = pytest.mark.timeout(60)
 

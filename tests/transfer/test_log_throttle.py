@@ -13,7 +13,8 @@ import zmq.asyncio
 
 from app.transfer.control.framing import ONE_WAY
 from app.transfer.control.server import ControlServer
-from app.transfer.wire.protocol import AnyMsg, GetFinished, Msg, encode
+from app.transfer.wire.codec import encode
+from app.transfer.wire.protocol import AnyMsg, GetFinished, Msg
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,6 +16,7 @@ from app.errors import ProtocolError
 from app.transfer.control.client import PeerClient
 from app.transfer.control.framing import ONE_WAY
 from app.transfer.control.server import ControlServer
+from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import (
     Abort,
     Ack,
@@ -32,8 +33,6 @@ from app.transfer.wire.protocol import (
     RemoteTarget,
     Role,
     Status,
-    decode,
-    encode,
 )
 
 pytestmark = pytest.mark.timeout(120)

@@ -29,6 +29,7 @@ from app.kvcache.presets import load_preset
 from app.kvcache.specs import RegionKind, SpecKind
 from app.transfer.control.server import ControlServer
 from app.transfer.planning.planner import MambaMode
+from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import (
     MAX_DEADLINE_S,
     MAX_TP,
@@ -49,8 +50,6 @@ from app.transfer.wire.protocol import (
     Role,
     Status,
     StepSlice,
-    decode,
-    encode,
 )
 from app.transfer.wire.target_auth import remote_target
 

@@ -19,7 +19,8 @@ from app.transfer.control.framing import (
     log,
 )
 from app.transfer.wire.auth import MAX_SKEW_S, FrameAuth
-from app.transfer.wire.protocol import AnyMsg, Error, Msg, decode, describe, encode
+from app.transfer.wire.codec import decode, describe, encode
+from app.transfer.wire.protocol import AnyMsg, Error, Msg
 
 
 class PeerClient:

@@ -9,7 +9,7 @@ holds what they share: the framing constants, ``ClientClosed``, ``LogThrottle``.
 Framing, fixed:
 
 - A client sends two frames ``[corr_id, payload]``: ``corr_id`` is 8 bytes (a big-endian
-  per-client counter starting at 1) and ``payload`` is ``protocol.encode(msg)``.
+  per-client counter starting at 1) and ``payload`` is ``codec.encode(msg)``.
 - The server's ROUTER sees ``[identity, corr_id, payload]`` and answers
   ``[identity, corr_id, reply_payload]``; the client's DEALER sees ``[corr_id, reply_payload]``.
 - ``corr_id`` of 8 zero bytes (``ONE_WAY``) marks a one-way message: the server never answers
@@ -31,7 +31,7 @@ Framing, fixed:
 
 Authentication (``auth``, a :class:`~app.transfer.wire.auth.FrameAuth`; the peer port has one, the
 engines' same-pod ``ipc://`` socket does not): every ``payload`` is sealed (an HMAC header in
-front of ``protocol.encode(msg)``). The server opens each frame after the size cap (which applies
+front of ``codec.encode(msg)``). The server opens each frame after the size cap (which applies
 to the sealed frame) and before decoding; a frame that fails is counted in ``rejected`` and
 ``unauthenticated_frames``, never reaches the handler, and is answered with the fixed
 ``UNAUTHENTICATED_REASON``. Replies to authenticated frames are sealed; replies to any frame that

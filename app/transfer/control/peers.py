@@ -71,6 +71,8 @@ class Peer:
     # the table's clock at the last message or answer from it; the lease runs from here
     last_heard: float = 0.0
     in_use: bool = False
+    # It checks a request's layers as they land (``LayerDigests``); an older decode does not.
+    layer_digests: bool = True
 
 
 class Peers:

@@ -24,7 +24,8 @@ from app.transfer.control.framing import (
     log,
 )
 from app.transfer.wire.auth import UNAUTHENTICATED_REASON, FrameAuth
-from app.transfer.wire.protocol import AnyMsg, Error, Msg, decode, describe, encode
+from app.transfer.wire.codec import decode, describe, encode
+from app.transfer.wire.protocol import AnyMsg, Error, Msg
 
 # Frames the receive loop reads before it gives the event loop a turn.
 _FAIR_BATCH = 32

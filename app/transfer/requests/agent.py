@@ -102,6 +102,10 @@ class Request:
     digest_mismatch: DigestMismatch | None = None
     # Send: ms its Done waited for the digest; recv: ms the check of its Dones' digests took.
     digest_ms: float | None = None
+    # Layers decode checked as they landed, before Done (``LayerDigests``): send, those decode
+    # confirmed; recv, those it checked.
+    digest_early_layers: int = 0
+    digest_early_ms: float = 0.0  # recv: the time those checks took (off the critical path)
     # Progress pushes ``deadline`` to ``idle_s`` past it, never beyond ``cap`` (absolute,
     # ``transfer_max_s`` from the transfer's start). Until then ``deadline`` is the wait it
     # was admitted with (decode's claim, prefill's target).

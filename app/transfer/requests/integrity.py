@@ -95,24 +95,30 @@ def sender_digests(
     early: Mapping[int, LayerDigest] | None = None,
 ) -> dict[int, DigestRuns]:
     """Per decode rank, every layer's ``layer_digest`` for ``req``: those in ``early`` (made
-    while the engine computed later layers) as they are, the others now."""
+    while the engine computed later ones, less what decode already checked) as they are, the
+    others now."""
     if agent.digest_memory is None:
         return {}
-    parts: dict[int, list[tuple[int, int, np.ndarray, np.ndarray, np.ndarray]]] = {}
+    parts: LayerDigest = []
     for pl in agent.desc.placements:
         got = (early or {}).get(pl.layer)
-        if got is None:
-            got = layer_digest(agent, planner, req, pl.layer, stats)
-        for d_rank, layer, group, dst, length, sums in got:
-            parts.setdefault(d_rank, []).append((layer, group, dst, length, sums))
+        parts += layer_digest(agent, planner, req, pl.layer, stats) if got is None else got
+    return digest_runs(parts)
+
+
+def digest_runs(parts: LayerDigest) -> dict[int, DigestRuns]:
+    """``parts`` (of one layer or many) as the wire carries them, per decode rank."""
+    by_rank: dict[int, LayerDigest] = {}
+    for part in parts:
+        by_rank.setdefault(part[0], []).append(part)
     out = {}
-    for d_rank, ps in parts.items():
+    for d_rank, ps in by_rank.items():
         out[d_rank] = DigestRuns.of(
-            np.concatenate([np.full(p[2].size, p[0]) for p in ps]),
-            np.concatenate([np.full(p[2].size, p[1]) for p in ps]),
-            np.concatenate([p[2] for p in ps]),
+            np.concatenate([np.full(p[3].size, p[1]) for p in ps]),
+            np.concatenate([np.full(p[3].size, p[2]) for p in ps]),
             np.concatenate([p[3] for p in ps]),
             np.concatenate([p[4] for p in ps]),
+            np.concatenate([p[5] for p in ps]),
         )
     return out
 

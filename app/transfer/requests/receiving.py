@@ -21,6 +21,8 @@ from asyncio import FIRST_COMPLETED
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from app.errors import OutOfBoundsError
 from app.kvcache.digest import DigestVerdict
 from app.transfer.control.peers import Peer, Peers
@@ -36,6 +38,7 @@ from app.transfer.wire.protocol import (
     Claim,
     Done,
     ExpectRecv,
+    LayerDigests,
     Msg,
     Reply,
     Status,
@@ -185,6 +188,47 @@ class RecvSide:
                 req.digest_ms = round((req.digest_ms or 0.0) + took, 3)
         return self.done(msg, verdict)
 
+    async def layer_digests(self, msg: LayerDigests) -> Ack:
+        """Digests of layers that landed here, from the prefill rank that claimed the request,
+        checked on a worker thread while later layers are computed: ``ok`` only when every run
+        matched (prefill then leaves them out of ``Done``). A mismatch ends the request FAILED
+        now, its sender asked to drain first (``end``)."""
+        agent = self._agents.get(msg.target_rank)
+        req = agent.recvs.get(msg.request) if agent else None
+        if msg.epoch != self._epoch():
+            why = f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}"
+        elif agent is None or req is None or req.state.terminal:
+            why = f"request {msg.request} is not in flight on rank {msg.target_rank}"
+        elif req.senders.get(msg.sender_rank) != msg.sender_engine:
+            why = (
+                f"prefill {msg.sender_engine} rank {msg.sender_rank} did not claim request "
+                f"{msg.request}"
+            )
+        else:
+            started = time.monotonic()
+            verdict = await asyncio.to_thread(
+                check_digests, agent, req, msg.sender_rank, msg.digests, self.digests
+            )
+            if verdict.checked:
+                took = 1e3 * (time.monotonic() - started)
+                req.digest_early_ms = round(req.digest_early_ms + took, 3)
+            if verdict.why:
+                self._digest_failed(req, verdict)
+            if req.state.terminal:
+                return Ack(request=msg.request, ok=False, error=req.error)
+            if not verdict.checked:
+                return Ack(request=msg.request, ok=False, error="decode holds no KV to digest")
+            req.digest = "ok"
+            req.digest_early_layers += int(np.unique(msg.digests.arrays()[0]).size)
+            req.progressed(self._clock())
+            return Ack(request=msg.request)
+        return Ack(request=msg.request, ok=False, error=why)
+
+    def _digest_failed(self, req: RecvRequest, verdict: DigestVerdict) -> None:
+        req.digest = "refused" if verdict.mismatch is None else "mismatch"
+        req.digest_mismatch = verdict.mismatch
+        self.end(req, Status.FAILED, verdict.why)
+
     def done(self, msg: Done, verdict: DigestVerdict | None = None) -> Ack:
         """A sender's Done; ``verdict``: its digests' check, already made (``done_checked``)."""
         if msg.epoch != self._epoch():
@@ -249,10 +293,8 @@ class RecvSide:
             if verdict is None:
                 verdict = check_digests(agent, req, msg.sender_rank, msg.digests, self.digests)
             if verdict.why:
-                req.digest = "refused" if verdict.mismatch is None else "mismatch"
-                req.digest_mismatch = verdict.mismatch
-                req.delivered[msg.sender_rank] = Status.FAILED
-                self.end(req, Status.FAILED, verdict.why)
+                req.delivered[msg.sender_rank] = Status.FAILED  # it drained before its Done
+                self._digest_failed(req, verdict)
                 return Ack(request=msg.request)
             if verdict.checked:
                 req.digest = "ok"

@@ -16,16 +16,26 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.errors import DeadlineExceeded, KVSidecarError
-from app.kvcache.digest import DigestShare
+from app.kvcache.digest import DigestRuns, DigestShare
 from app.transfer.control.peers import Peer, Peers
 from app.transfer.requests.agent import Agent, SendRequest, agent_of
 from app.transfer.requests.integrity import (
     DigestStats,
     LayerDigest,
+    digest_runs,
     layer_digest,
     sender_digests,
 )
-from app.transfer.wire.protocol import MAX_DEADLINE_S, Abort, Ack, Done, Msg, Status
+from app.transfer.wire.protocol import (
+    MAX_DEADLINE_S,
+    Abort,
+    Ack,
+    Done,
+    Error,
+    LayerDigests,
+    Msg,
+    Status,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,9 +126,11 @@ class SendEnding:
     def final_layer_written(self, req: SendRequest, layer: int) -> None:
         """``layer`` of ``req``'s final step is written. When ``req`` is drawn for the digest,
         digest the final step's layer written before it now, on a worker thread while the engine
-        computes the next ones, so that its ``Done`` waits only for the last two layers'. One
-        layer behind, not at once: an engine whose layer signal came before its writes ended (a late
-        write) has had a layer's compute to finish them, which the digest then sees."""
+        computes the next ones, and send it to decode, which checks it as it is (that layer has
+        landed: the stream writes in order, each write confirmed before the next). One layer
+        behind, not at once: an engine whose layer signal came before its writes ended (a late
+        write) has had a layer's compute to finish them, which the digest then sees. The layer
+        before the last goes in ``Done`` with the last: nothing is computed after it."""
         before, req.last_final_layer = req.last_final_layer, layer
         agent = self._agents.get(req.rank)
         peer = self._peers.table.get(req.peer)
@@ -131,12 +143,58 @@ class SendEnding:
             or not self._settings.digest.draw(req.id)
         ):
             return
-        job = asyncio.to_thread(
-            layer_digest, agent, peer.planners[req.rank], req, before, self.digests
-        )
-        task = asyncio.ensure_future(job)
+        send = req.final_layers_left > 1 and peer.layer_digests
+        task = asyncio.ensure_future(self._early_digest(agent, peer, req, before, send=send))
         task.add_done_callback(_retrieved)
         req.early_digests[before] = task
+
+    async def _early_digest(
+        self, agent: Agent, peer: Peer, req: SendRequest, layer: int, *, send: bool
+    ) -> LayerDigest:
+        """``layer``'s digest of ``req``; with ``send``, checked by decode now. What ``Done``
+        must still carry: the runs of the decode ranks that did not confirm theirs."""
+        made = await asyncio.to_thread(
+            layer_digest, agent, peer.planners[req.rank], req, layer, self.digests
+        )
+        if not send or req.state.terminal:
+            return made
+        ranks = digest_runs(made)
+        confirmed = await asyncio.gather(
+            *(self._layer_checked(peer, req, d, runs) for d, runs in ranks.items())
+        )
+        checked = {d for d, ok in zip(ranks, confirmed, strict=True) if ok}
+        if checked == set(ranks):
+            req.digest_early_layers += 1
+        return [part for part in made if part[0] not in checked]
+
+    async def _layer_checked(
+        self, peer: Peer, req: SendRequest, d_rank: int, runs: DigestRuns
+    ) -> bool:
+        """Whether decode rank ``d_rank`` checked ``runs`` and found them equal. A decode that
+        does not know ``LayerDigests`` (an older release) gets every digest in ``Done`` from
+        then on."""
+        msg = LayerDigests(
+            request=req.id,
+            sender_engine=self._settings.engine_id,
+            sender_rank=req.rank,
+            target_rank=d_rank,
+            epoch=peer.epoch,
+            digests=runs,
+        )
+        try:
+            reply = await peer.client.request(msg, self._settings.ack_timeout_s)
+        except KVSidecarError as e:  # a deadline, a closed link: Done carries it instead
+            log.info("send %s: layer digests not checked early: %s", req.id, e)
+            return False
+        if isinstance(reply, Error) and peer.layer_digests:
+            peer.layer_digests = False
+            log.warning(
+                "decode %s refused LayerDigests (%s): an older release? Its digests go in "
+                "Done from now on",
+                peer.endpoint,
+                reply.reason,
+            )
+        return isinstance(reply, Ack) and reply.ok
 
     async def send_done(self, req: SendRequest) -> None:
         """Tell every D rank this rank wrote to how the request ended, and wait for the acks."""
@@ -165,7 +223,7 @@ class SendEnding:
                 )
             except (KVSidecarError, ValueError) as e:  # unchecked, not failed: the KV is sent
                 log.warning("send %s: no KV digest: %s", req.id, e)
-            if digests:
+            if digests or req.digest_early_layers:
                 req.digest = "sent"
                 req.digest_ms = round(1e3 * (time.monotonic() - started), 3)
         for d_rank, groups in req.d_ranks.items():

@@ -41,6 +41,7 @@ from app.transfer.wire.protocol import (
     Finished,
     GetFinished,
     Hello,
+    LayerDigests,
     LayerReady,
     Msg,
     NewEpoch,
@@ -253,6 +254,8 @@ class Sidecar(SidecarCore):
             return self.recv.claim(msg)
         if isinstance(msg, Done):
             return await self.recv.done_checked(msg)
+        if isinstance(msg, LayerDigests):
+            return await self.recv.layer_digests(msg)
         if isinstance(msg, Abort):
             # From prefill (it ended a send; drained) or from decode (asks us to drain).
             self.recv.aborted_by_prefill(msg.request, msg.sender_engine, msg.reason)

@@ -1,21 +1,20 @@
 """Wire messages (DESIGN §4): msgspec Structs, msgpack-encoded, tagged, versioned. Never pickle.
 
 Two channels use them: sidecar <-> sidecar (the control port: Hello / AgentMetadata / Rejected,
-Claim / Done / Ack, Abort, Ping / Pong, NewEpoch) and engine <-> its sidecar (the IPC socket:
-register, admit, layer ready, finished). Every message carries ``version``; a frame that does
-not decode, or decodes to an unknown version, is answered with ``Error`` and counted by the
-receiver.
+Claim / LayerDigests / Done / Ack, Abort, Ping / Pong, NewEpoch) and engine <-> its sidecar (the
+IPC socket: register, admit, layer ready, finished). Every message carries ``version``; a frame
+that does not decode (``codec``), or decodes to an unknown version, is answered with ``Error``
+and counted by the receiver.
 """
 
 from __future__ import annotations
 
 from enum import IntEnum
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Literal
 
 import msgspec
 
 from app.devices.spec import MAX_RING_SLOTS
-from app.errors import ProtocolError
 from app.kvcache.bounds import MAX_TP as MAX_TP
 from app.kvcache.bounds import Index, NonNegInt, TpSize
 from app.kvcache.desc import LayoutDesc
@@ -63,10 +62,6 @@ PromptDigest = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]
 # The format of the targets this release signs: 2 binds decode's prompt (``prompt_digest``). A
 # target without the field is of format 1, from an older decode, and refused by name.
 TARGET_FORMAT = 2
-
-# What a frame shows of itself in an error: enough to recognise it, not enough to flood a log.
-_SHOWN_BYTES = 32
-_SHOWN_REASON = 300
 
 
 class Status(IntEnum):
@@ -137,6 +132,20 @@ class Done(Msg, tag="done"):
     bytes: NonNegInt = 0
     error: str | None = None
     digests: DigestRuns | None = None  # sampled (issue 51); an older prefill sends none
+
+
+class LayerDigests(Msg, tag="layer_digests"):
+    """Digests of layers of a request that already landed at decode, sent by the prefill rank
+    that wrote them while its engine computes later ones (issue 51): decode checks them now, and
+    the ``Done`` carries only the layers no ``Ack`` with ``ok`` answered. A decode that predates
+    this message answers ``Error``; prefill then sends every layer's digests in ``Done``."""
+
+    request: str
+    sender_engine: str
+    sender_rank: Index
+    target_rank: Index
+    epoch: str
+    digests: DigestRuns
 
 
 class Ack(Msg, tag="ack"):
@@ -449,6 +458,7 @@ AnyMsg = (
     | AgentMetadata
     | Rejected
     | Done
+    | LayerDigests
     | Ack
     | Abort
     | Ping
@@ -477,67 +487,6 @@ AnyMsg = (
     | PoolPoll
     | PoolRunning
 )
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(AnyMsg)
-_TAGS = frozenset(str(t.__struct_config__.tag) for t in get_args(AnyMsg))
-
-
-def encode(msg: Msg) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(frame: bytes) -> AnyMsg:
-    """Decode one frame; any failure is a ProtocolError that says what was wrong with it.
-
-    Hostile bytes reach msgspec and Python in more ways than ``DecodeError`` (invalid UTF-8 is a
-    ``UnicodeDecodeError``, deep nesting a ``RecursionError``), and every one of them must stay
-    a counted rejection in the caller, never an escape from its error path.
-    """
-    try:
-        msg = _decoder.decode(frame)
-    except Exception as e:
-        raise _malformed(frame, e) from None
-    if msg.version != PROTOCOL_VERSION:
-        raise _unsupported(msg.version)
-    return msg
-
-
-def describe(frame: bytes) -> str:
-    """A frame as an error shows it: its size and its first bytes."""
-    more = "..." if len(frame) > _SHOWN_BYTES else ""
-    return f"{len(frame)} bytes {frame[:_SHOWN_BYTES]!r}{more}"
-
-
-def _malformed(frame: bytes, e: Exception) -> ProtocolError:
-    # msgspec echoes offending values (an unknown tag, a long string): keep the reply small.
-    text = str(e) or type(e).__name__
-    if not isinstance(e, (msgspec.DecodeError, msgspec.ValidationError)):
-        text = f"{type(e).__name__}: {text}"
-    if len(text) > _SHOWN_REASON:
-        text = text[:_SHOWN_REASON] + "..."
-    try:
-        raw = msgspec.msgpack.decode(frame)
-    except Exception:  # the same hostile bytes that failed the typed decode
-        raw = None
-    fields = raw if isinstance(raw, dict) else {}
-    version, tag = fields.get("version"), fields.get("type")
-    # A newer peer's message may not fit our structs: name the version, not the field.
-    if isinstance(version, int) and not isinstance(version, bool) and version != PROTOCOL_VERSION:
-        return _unsupported(version)
-    if isinstance(e, msgspec.ValidationError) and isinstance(tag, str) and tag in _TAGS:
-        return ProtocolError(f"malformed frame: invalid {tag!r} message: {text}")
-    return ProtocolError(
-        f"malformed frame: expected a msgpack map whose 'type' names a message, got "
-        f"{describe(frame)}: {text}"
-    )
-
-
-def _unsupported(version: object) -> ProtocolError:
-    return ProtocolError(
-        f"protocol version {repr(version)[:40]} is not supported; this sidecar speaks "
-        f"{PROTOCOL_VERSION}"
-    )
 
 
 def tcp_endpoint(host: str, port: int) -> str:

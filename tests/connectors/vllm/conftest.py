@@ -26,7 +26,7 @@ import zmq
 
 from app.harness.local_pd import LocalPD
 from app.harness.tiny_models import write_tiny_model
-from app.transfer.wire.protocol import decode
+from app.transfer.wire.codec import decode
 from tests.conftest import wait_for
 
 SSM_DTYPE_ARGS = {

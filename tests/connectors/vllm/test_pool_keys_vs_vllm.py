@@ -28,7 +28,8 @@ from vllm.v1.request import Request
 from app.connectors.vllm.pool_keys import key_runs, without_keys
 from app.store.hashing import expand_key_runs, hash_blocks
 from app.store.tenants import TenantKeys
-from app.transfer.wire.protocol import PoolLookup, decode, encode
+from app.transfer.wire.codec import decode, encode
+from app.transfer.wire.protocol import PoolLookup
 
 REQUESTS = 10_000
 BS = 16
