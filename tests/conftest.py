@@ -102,14 +102,18 @@ def one_rank_settings(
 
 def digested_bytes(admin_url: str) -> dict[str, float]:
     """``kvsidecar_kv_digest_bytes_total`` of one sidecar (its admin API), by side."""
+    return counter_by(admin_url, "kvsidecar_kv_digest_bytes", "side")
+
+
+def counter_by(admin_url: str, name: str, label: str) -> dict[str, float]:
+    """Counter ``name`` of one sidecar (its admin API), summed by ``label``."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{admin_url}/metrics", timeout=10).text
-    return {
-        s.labels["side"]: s.value
-        for fam in text_string_to_metric_families(text)
-        if fam.name == "kvsidecar_kv_digest_bytes"
-        for s in fam.samples
-        if s.name.endswith("_total")
-    }
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples if fam.name == name else ():
+            if s.name.endswith("_total"):
+                out[s.labels[label]] = out.get(s.labels[label], 0.0) + s.value
+    return out

@@ -13,7 +13,7 @@ import pytest
 
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
-from tests.conftest import digested_bytes
+from tests.conftest import counter_by, digested_bytes
 from tests.e2e import fault_sidecar
 
 # One preset per group kind the check must cover: full attention, a sliding window (+ full),
@@ -56,6 +56,9 @@ def test_a_bit_flipped_on_the_wire_fails_every_request(
     assert s["verified"] == 0
     errors = _decode_errors(result)
     assert sorted(errors) == sorted(pr.id for pr, _ in pairs)
+    # One mismatch counted a request, however many of its layers' checks found one.
+    counted = counter_by(c.sides["decode"].admin_url, "kvsidecar_kv_digest_mismatches", "side")
+    assert counted.get("decode") == TRIALS, counted
     assert all("KV digest mismatch" in e and "block" in e for e in errors.values()), errors
     # The decode record on the admin API says where, with the request's own block ids.
     d = c.sides["decode"]

@@ -10,7 +10,6 @@ with numpy over the sidecar's mapping, device memory (CUDA, NPU) with torch ops 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -28,8 +27,6 @@ from app.kvcache.digest import (
 from app.kvcache.tensor_digest import TensorMemory
 from app.transfer.planning.planner import PairPlanner, StepRequest
 from app.transfer.requests.agent import Agent, RecvRequest, SendRequest
-
-log = logging.getLogger(__name__)
 
 MISMATCH = "KV digest mismatch"
 """How a failed request's error begins when decode's check found a mismatch: the engine's
@@ -128,7 +125,7 @@ def check_digests(
 ) -> DigestVerdict:
     """Whether the bytes prefill rank ``sender_rank`` wrote for ``req`` match what it read
     (unchecked when the sidecar owns the memory). A run outside the request's own blocks is
-    refused unread."""
+    refused unread. The caller counts and logs a mismatch, once a request."""
     memory = agent.digest_memory
     if memory is None:
         return DigestVerdict()
@@ -160,8 +157,6 @@ def check_digests(
         return DigestVerdict(checked=True)
     group = int(groups[bad])
     kind = str(desc.groups[group].kind)
-    with stats.lock:
-        stats.mismatches[(kind, "decode")] += 1
     where = DigestMismatch(
         sender_rank, int(layers[bad]), group, kind, int(block_of[bad]), int(length[bad])
     )
@@ -170,5 +165,4 @@ def check_digests(
         f"{group} ({kind}), block {where.block} ({where.nbytes} B at "
         f"0x{int(dst[bad]):x}); decode recomputes the request"
     )
-    log.warning("request %s: %s", req.id, why)
     return DigestVerdict(why, True, where)

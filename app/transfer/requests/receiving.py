@@ -225,9 +225,17 @@ class RecvSide:
         return Ack(request=msg.request, ok=False, error=why)
 
     def _digest_failed(self, req: RecvRequest, verdict: DigestVerdict) -> None:
+        """End ``req`` on its digest's check; counted and logged once, by the check that ended
+        it (two layers checked at once may both differ)."""
+        if req.state.terminal:
+            return
         req.digest = "refused" if verdict.mismatch is None else "mismatch"
         req.digest_mismatch = verdict.mismatch
         self.end(req, Status.FAILED, verdict.why)
+        log.warning("request %s: %s", req.id, verdict.why)
+        if verdict.mismatch is not None:
+            with self.digests.lock:
+                self.digests.mismatches[(verdict.mismatch.kind, "decode")] += 1
 
     def done(self, msg: Done, verdict: DigestVerdict | None = None) -> Ack:
         """A sender's Done; ``verdict``: its digests' check, already made (``done_checked``)."""
