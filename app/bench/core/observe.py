@@ -145,7 +145,10 @@ def sidecar_transfers(
         for e in _send_detail(prefill_admin, rid)
     ]
     recvs = ended_within(_listed(decode_admin, "recv"), t0, t1)
-    keep = ("id", "side", "state", "created_at", "ended_at", "bytes", "error", "digest")
+    keep = (
+        *("id", "side", "state", "created_at", "ended_at", "bytes", "error", "digest"),
+        *("digest_ms", "digest_early_layers", "digest_early_ms"),
+    )
     return {
         "bytes": sum(int(r["bytes"] or 0) for r in sends),
         "landed": sorted(float(r["ended_at"]) for r in recvs if r["state"] == "DONE"),
