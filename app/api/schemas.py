@@ -292,6 +292,9 @@ class RequestView(_Model):
         description="Recv: ms the checks of layers as they landed took (those that matched and "
         "one that did not), off the request's critical path.",
     )
+    digest_early_checks: int = Field(
+        0, description="Recv: the messages (LayerDigests) those layers came in, each checked once."
+    )
     traceparent: str | None = Field(
         None,
         description="W3C trace context the engine passed with the request (from the proxy); "

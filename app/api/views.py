@@ -322,6 +322,7 @@ def request_view(req: Request, now: float | None = None, timeline: bool = False)
         digest_ms=req.digest_ms,
         digest_early_layers=req.digest_early_layers,
         digest_early_ms=req.digest_early_ms,
+        digest_early_checks=req.digest_early_checks,
         traceparent=req.traceparent,
         created_at=req.created + wall,
         ended_at=None if req.finished_at is None else req.finished_at + wall,

@@ -1,10 +1,11 @@
 """Each layer of a digested push is checked while the engine computes the next ones (issue 51):
-prefill digests a layer once the next one is written and sends it (``LayerDigests``), decode
-checks it as it landed, and ``Done`` carries only the last two layers. Over real sidecars and
-Mooncake, a simulated engine that takes 25 ms a layer, every request digested: both sides
-check 14 of 16 layers before ``Done``, and what each side's digest holds the request up after
-the last layer is a small part of what decode's early checks took. With every layer checked
-after ``Done`` (the behaviour this test guards against) decode's wait is the larger."""
+prefill digests a layer once the next one is written and sends it (``LayerDigests``, a few
+layers a message), decode checks it as it landed, and ``Done`` carries only the last two
+layers. Over real sidecars and Mooncake, a simulated engine that takes 25 ms a layer, every
+request digested: both sides check 14 of 16 layers before ``Done``, in four messages, and what
+each side's digest holds the request up after the last layer is a small part of what decode's
+early checks took. With every layer checked after ``Done`` (the behaviour this test guards
+against) decode's wait is the larger."""
 
 from __future__ import annotations
 
@@ -43,8 +44,10 @@ def test_layers_are_checked_as_they_land(make_cluster: Callable[..., Cluster]) -
     for pr, dr in pairs:
         sent, checked = record("prefill", pr.id), record("decode", dr.id)
         assert (sent["digest"], checked["digest"]) == ("sent", "ok")
-        # Every layer but the last two, on both sides' records.
+        # Every layer but the last two, on both sides' records, in four messages (4, 4, 4, 2
+        # layers), not one a layer.
         assert sent["digest_early_layers"] == checked["digest_early_layers"] == LAYERS - 2
+        assert checked["digest_early_checks"] == 4, checked
         early = float(checked["digest_early_ms"])
         p_ms, d_ms = float(sent["digest_ms"]), float(checked["digest_ms"])
         # After the last layer each side digests two layers; decode checked 14 before.

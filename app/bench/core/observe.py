@@ -147,7 +147,7 @@ def sidecar_transfers(
     recvs = ended_within(_listed(decode_admin, "recv"), t0, t1)
     keep = (
         *("id", "side", "state", "created_at", "ended_at", "bytes", "error", "digest"),
-        *("digest_ms", "digest_early_layers", "digest_early_ms"),
+        *("digest_ms", "digest_early_layers", "digest_early_ms", "digest_early_checks"),
     )
     return {
         "bytes": sum(int(r["bytes"] or 0) for r in sends),

@@ -106,6 +106,7 @@ class Request:
     # confirmed; recv, those it checked.
     digest_early_layers: int = 0
     digest_early_ms: float = 0.0  # recv: the time those checks took (off the critical path)
+    digest_early_checks: int = 0  # recv: the LayerDigests messages those layers came in
     # Progress pushes ``deadline`` to ``idle_s`` past it, never beyond ``cap`` (absolute,
     # ``transfer_max_s`` from the transfer's start). Until then ``deadline`` is the wait it
     # was admitted with (decode's claim, prefill's target).
@@ -166,6 +167,8 @@ class SendRequest(Request):
     # The KV digest's layers made while later ones were computed (``final_layer_written``).
     last_final_layer: int | None = None
     early_digests: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
+    # Layers digested early whose message to decode is not yet sent (the batch being filled).
+    early_open: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
 
     @property
     def held(self) -> bool:

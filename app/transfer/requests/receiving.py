@@ -220,6 +220,7 @@ class RecvSide:
                 return Ack(request=msg.request, ok=False, error="decode holds no KV to digest")
             req.digest = "ok"
             req.digest_early_layers += int(np.unique(msg.digests.arrays()[0]).size)
+            req.digest_early_checks += 1
             req.progressed(self._clock())
             return Ack(request=msg.request)
         return Ack(request=msg.request, ok=False, error=why)

@@ -9,6 +9,7 @@ only once none of its writes is on the wire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -38,6 +39,11 @@ from app.transfer.wire.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+# Messages a digested request's layers go in before ``Done`` (``LayerDigests``), at most: few
+# enough that a short prompt's small layers do not pay a round trip each, several so that each
+# is checked while later layers are computed.
+_EARLY_MESSAGES = 4
 
 Spawn = Callable[[Coroutine[Any, Any, None]], None]
 
@@ -129,8 +135,10 @@ class SendEnding:
         computes the next ones, and send it to decode, which checks it as it is (that layer has
         landed: the stream writes in order, each write confirmed before the next). One layer
         behind, not at once: an engine whose layer signal came before its writes ended (a late
-        write) has had a layer's compute to finish them, which the digest then sees. The layer
-        before the last goes in ``Done`` with the last: nothing is computed after it."""
+        write) has had a layer's compute to finish them, which the digest then sees. Layers go
+        in a few messages (``_EARLY_MESSAGES``), not one each: each costs both sidecars a thread
+        hop, a frame and an ack. The layer before the last goes in ``Done`` with the last:
+        nothing is computed after it."""
         before, req.last_final_layer = req.last_final_layer, layer
         agent = self._agents.get(req.rank)
         peer = self._peers.table.get(req.peer)
@@ -143,29 +151,46 @@ class SendEnding:
             or not self._settings.digest.draw(req.id)
         ):
             return
-        send = req.final_layers_left > 1 and peer.layer_digests
-        task = asyncio.ensure_future(self._early_digest(agent, peer, req, before, send=send))
-        task.add_done_callback(_retrieved)
-        req.early_digests[before] = task
-
-    async def _early_digest(
-        self, agent: Agent, peer: Peer, req: SendRequest, layer: int, *, send: bool
-    ) -> LayerDigest:
-        """``layer``'s digest of ``req``; with ``send``, checked by decode now. What ``Done``
-        must still carry: the runs of the decode ranks that did not confirm theirs."""
-        made = await asyncio.to_thread(
-            layer_digest, agent, peer.planners[req.rank], req, layer, self.digests
+        job = asyncio.to_thread(
+            layer_digest, agent, peer.planners[req.rank], req, before, self.digests
         )
-        if not send or req.state.terminal:
+        made = asyncio.ensure_future(job)
+        made.add_done_callback(_retrieved)
+        req.early_open[before] = made
+        early = len(agent.desc.placements) - 2  # layers sent before Done
+        last = req.final_layers_left <= 2 or not peer.layer_digests
+        if len(req.early_open) < -(-early // _EARLY_MESSAGES) and not last:
+            return
+        batch, req.early_open = req.early_open, {}
+        if req.final_layers_left > 1 and peer.layer_digests:
+            task = asyncio.ensure_future(self._early_check(peer, req, batch))
+            task.add_done_callback(_retrieved)
+            for member in batch:
+                req.early_digests[member] = task
+        else:  # Done carries them
+            for member, fut in batch.items():
+                req.early_digests[member] = fut
+
+    async def _early_check(
+        self, peer: Peer, req: SendRequest, batch: dict[int, asyncio.Future[LayerDigest]]
+    ) -> dict[int, LayerDigest]:
+        """The layers of ``batch`` once digested, checked by decode now. What ``Done`` must
+        still carry of each: the runs of the decode ranks that did not confirm theirs (a layer
+        whose digest failed is left out: ``Done`` digests it again)."""
+        made = {}
+        for layer, fut in batch.items():
+            with contextlib.suppress(Exception):
+                made[layer] = await fut
+        if req.state.terminal or not made:
             return made
-        ranks = digest_runs(made)
+        ranks = digest_runs([part for parts in made.values() for part in parts])
         confirmed = await asyncio.gather(
             *(self._layer_checked(peer, req, d, runs) for d, runs in ranks.items())
         )
         checked = {d for d, ok in zip(ranks, confirmed, strict=True) if ok}
         if checked == set(ranks):
-            req.digest_early_layers += 1
-        return [part for part in made if part[0] not in checked]
+            req.digest_early_layers += len(made)
+        return {layer: [p for p in parts if p[0] not in checked] for layer, parts in made.items()}
 
     async def _layer_checked(
         self, peer: Peer, req: SendRequest, d_rank: int, runs: DigestRuns
@@ -351,18 +376,25 @@ def why_refused(reply: Msg) -> str:
     return (reply.error or "") if isinstance(reply, Ack) else getattr(reply, "reason", "")
 
 
-def _retrieved(task: asyncio.Future[LayerDigest]) -> None:
+def _retrieved(task: asyncio.Future[Any]) -> None:
     # A request that failed never awaits its early digests: their errors are not news.
     if not task.cancelled():
         task.exception()
 
 
 async def _made(req: SendRequest) -> dict[int, LayerDigest]:
-    """The layers of ``req`` digested early; one whose digest failed is digested again."""
-    out = {}
-    for layer, task in req.early_digests.items():
+    """The layers of ``req`` digested early, less what decode confirmed; one whose digest
+    failed is left out (made again at ``Done``)."""
+    out: dict[int, LayerDigest] = {}
+    for layer, task in {**req.early_digests, **req.early_open}.items():
         try:
-            out[layer] = await task
+            got = await task
         except Exception as e:  # made again at Done, where an error is handled as always
             log.info("send %s: early digest of layer %d failed (%s); made again", req.id, layer, e)
+            continue
+        if isinstance(got, dict):  # a batch decode was asked to check
+            if layer in got:
+                out[layer] = got[layer]
+        else:
+            out[layer] = got
     return out
