@@ -3,9 +3,11 @@ decode rank, decode digests the same runs in its own memory before the request m
 
 Prefill plans the request's whole prompt once more (one step from the first token decode lacks
 to the prompt's end: the union of what its steps wrote) and sends, per decode rank, the runs'
-decode addresses with their digests; decode needs no prefill layout. Host memory is digested
-with numpy over the sidecar's mapping, device memory (CUDA, NPU) with torch ops on the device
-(``kvcache.tensor_digest``); both give the same words, so the two sides may differ in kind.
+decode addresses with their digests (a layer's once the next is written, in ``LayerDigests``
+while the engine computes; the last two layers' in ``Done``); decode needs no prefill layout.
+Host memory is digested with numpy over the sidecar's mapping, device memory (CUDA, NPU) with
+torch ops on the device (``kvcache.tensor_digest``); both give the same words, so the two sides
+may differ in kind.
 """
 
 from __future__ import annotations
