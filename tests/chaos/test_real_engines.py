@@ -261,16 +261,23 @@ def test_prefill_sidecar_killed_under_64_requests(pair: Pair) -> None:
     logged = steps.between(w0, after_t1)
     normal = step_periods(logged, w0, sc.fault_wall)
     after = step_periods(logged, after_t0, after_t1)
-    assert len(normal) >= 3 and len(after) >= 3, (len(normal), len(after), sc.notes)
-    ratio = statistics.median(after) / statistics.median(normal)
-    sc.notes.append(
-        f"P's median step {statistics.median(normal) * 1e3:.0f} ms before the kill, "
-        f"{statistics.median(after) * 1e3:.0f} ms from 2 s after it ({ratio:.2f}x, "
-        f"{len(after)} steps)"
-    )
+    assert len(normal) >= 3, (len(normal), sc.notes)
+    step = statistics.median(normal)
+    if len(after) >= 3:
+        ratio = statistics.median(after) / step
+        sc.notes.append(
+            f"P's median step {step * 1e3:.0f} ms before the kill, "
+            f"{statistics.median(after) * 1e3:.0f} ms from 2 s after it ({ratio:.2f}x, "
+            f"{len(after)} steps)"
+        )
+        assert ratio < 3.0, sc.notes
+    else:
+        # Its prompts were computed, held only for their sends: prefill answered them all within
+        # 2 s and a step or two of the kill (2.1 s once, on an AMD EPYC); the bound below holds
+        # it to its pace, which a step waiting out its calls (30 s) would break.
+        sc.notes.append(f"P answered {len(after)} step(s) past 2 s after the kill")
     sc.verify(outputs=True)
     assert sc.p_engine_took < bound, (bound, sc.notes)
-    assert ratio < 3.0, sc.notes
     transfers_resume(pair)
 
 
