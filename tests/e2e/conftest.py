@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import zmq
 
@@ -28,6 +30,12 @@ def make_cluster(tmp_path: Path) -> Iterator[object]:
     yield make
     for c in started:
         c.close()
+
+
+def request_entry(admin_url: str, rid: str) -> dict[str, Any]:
+    """Request ``rid``'s one record on a sidecar's admin API (``/v1/requests/{rid}``)."""
+    (entry,) = httpx.get(f"{admin_url}/v1/requests/{rid}", timeout=10).json()["entries"]
+    return entry  # type: ignore[no-any-return]
 
 
 def ask_control(

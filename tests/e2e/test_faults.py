@@ -19,6 +19,7 @@ from app.transfer.wire.auth import load_auth
 from app.transfer.wire.codec import decode, encode
 from app.transfer.wire.protocol import Ack, Done, Error, Hello, Rejected, Role, Status
 from tests.e2e import fault_sidecar
+from tests.e2e.conftest import request_entry
 
 FAST = {"KVSIDECAR_ACK_TIMEOUT_S": "2", "KVSIDECAR_HANDSHAKE_TIMEOUT_S": "3"}
 
@@ -278,7 +279,7 @@ def test_repeated_done_is_acknowledged_once_counted(make_cluster: Callable[..., 
     pairs = c.make_requests([256])
     assert summarize(c.run(pairs), pairs)["verified"] == 1
     rid = pairs[0][1].id
-    (entry,) = httpx.get(f"{d.admin_url}/v1/requests/{rid}", timeout=10).json()["entries"]
+    entry = request_entry(d.admin_url, rid)
     assert entry["state"] == "DONE"
     groups = [g["group"] for g in entry["groups"]]
     repeat = Done(
@@ -304,7 +305,7 @@ def test_repeated_done_is_acknowledged_once_counted(make_cluster: Callable[..., 
             assert isinstance(ack, Ack) and ack.ok, ack
     finally:
         ctx.destroy(0)
-    (after,) = httpx.get(f"{d.admin_url}/v1/requests/{rid}", timeout=10).json()["entries"]
+    after = request_entry(d.admin_url, rid)
     assert (after["state"], after["bytes"]) == ("DONE", entry["bytes"])
     metrics = httpx.get(f"{d.admin_url}/metrics", timeout=10).text
     assert "kvsidecar_duplicate_dones_total 2.0" in metrics

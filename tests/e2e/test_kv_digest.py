@@ -15,6 +15,7 @@ from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
 from tests.conftest import counter_by, digested_bytes
 from tests.e2e import fault_sidecar
+from tests.e2e.conftest import request_entry
 
 # One preset per group kind the check must cover: full attention, a sliding window (+ full),
 # MLA (+ its indexer), a GDN state (+ full). Requests per preset: 100 in all.
@@ -63,7 +64,7 @@ def test_a_bit_flipped_on_the_wire_fails_every_request(
     # The decode record on the admin API says where, with the request's own block ids.
     d = c.sides["decode"]
     for _, dr in pairs[:3]:
-        (entry,) = httpx.get(f"{d.admin_url}/v1/requests/{dr.id}", timeout=10).json()["entries"]
+        entry = request_entry(d.admin_url, dr.id)
         assert (entry["state"], entry["digest"]) == ("FAILED", "mismatch"), entry
         where = entry["digest_mismatch"]
         blocks = {g["group"]: g["block_ids"] for g in entry["groups"]}
@@ -144,11 +145,7 @@ def test_the_default_share_checks_one_request_in_eight(
     assert s["verified"] == n, s
 
     def states(side: str, ids: list[str]) -> list[str]:
-        url = c.sides[side].admin_url
-        return [
-            httpx.get(f"{url}/v1/requests/{rid}", timeout=10).json()["entries"][0]["digest"]
-            for rid in ids
-        ]
+        return [request_entry(c.sides[side].admin_url, rid)["digest"] for rid in ids]
 
     sent = states("prefill", [pr.id for pr, _ in pairs])
     checked = states("decode", [dr.id for _, dr in pairs])

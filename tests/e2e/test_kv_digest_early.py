@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import httpx
-
 from app.sim.cluster import Cluster
 from app.sim.rounds import summarize
 from tests.conftest import digested_bytes
 from tests.e2e import fault_sidecar
+from tests.e2e.conftest import request_entry
 
 LAYERS = 16
 PROMPT = 1024  # 4 MiB of KV a layer (Llama-3.1-8B's heads): a digest of a few ms a layer
@@ -36,13 +35,9 @@ def test_layers_are_checked_as_they_land(make_cluster: Callable[..., Cluster]) -
     s = summarize(c.run(pairs, compute_ms=25, timeout_s=60), pairs)
     assert s["verified"] == 2, s
 
-    def record(side: str, rid: str) -> dict[str, object]:
-        url = c.sides[side].admin_url
-        (entry,) = httpx.get(f"{url}/v1/requests/{rid}", timeout=10).json()["entries"]
-        return entry
-
     for pr, dr in pairs:
-        sent, checked = record("prefill", pr.id), record("decode", dr.id)
+        sent = request_entry(c.sides["prefill"].admin_url, pr.id)
+        checked = request_entry(c.sides["decode"].admin_url, dr.id)
         assert (sent["digest"], checked["digest"]) == ("sent", "ok")
         # Every layer but the last two, on both sides' records, in four messages (4, 4, 4, 2
         # layers), not one a layer.
@@ -75,6 +70,5 @@ def test_an_older_decode_gets_every_digest_in_done(make_cluster: Callable[..., C
     assert p["prefill"] > 0 and p["prefill"] == d["decode"], (p, d)
     for pr, dr in pairs:
         for side, rid, state in (("prefill", pr.id, "sent"), ("decode", dr.id, "ok")):
-            url = c.sides[side].admin_url
-            (entry,) = httpx.get(f"{url}/v1/requests/{rid}", timeout=10).json()["entries"]
+            entry = request_entry(c.sides[side].admin_url, rid)
             assert (entry["digest"], entry["digest_early_layers"]) == (state, 0), entry

@@ -15,12 +15,7 @@ from app.sim.commands import Command
 from app.sim.rounds import summarize
 from app.transfer.wire.protocol import Abort, Ack, Claim, Done, Status
 from tests.conftest import wait_for
-from tests.e2e.conftest import ask_control
-
-
-def _entry(url: str, rid: str) -> dict[str, object]:
-    (entry,) = httpx.get(f"{url}/v1/requests/{rid}", timeout=10).json()["entries"]
-    return entry  # type: ignore[no-any-return]
+from tests.e2e.conftest import ask_control, request_entry
 
 
 def test_unclaimed_engine_cannot_claim_complete_or_abort(
@@ -61,7 +56,7 @@ def test_unclaimed_engine_cannot_claim_complete_or_abort(
     reply = ask_control(d.control_port, forged)
     assert isinstance(reply, Ack) and not reply.ok and "did not claim" in (reply.error or "")
     ask_control(d.control_port, Abort(request=victim.id, reason="x", sender_engine="mallory"))
-    entry = _entry(d.admin_url, victim.id)
+    entry = request_entry(d.admin_url, victim.id)
     assert (entry["state"], entry["bytes"]) == ("PENDING", 0), entry
     metrics = httpx.get(f"{d.admin_url}/metrics", timeout=10).text
     assert "kvsidecar_refused_claims_total 1.0" in metrics
@@ -104,11 +99,15 @@ def test_decode_abort_holds_blocks_while_prefill_may_still_write(
         t0 = time.monotonic()
         r = httpx.post(f"{d.admin_url}/v1/requests/{dr.id}/abort", timeout=10)
         assert r.status_code == 200, r.text
-        entry = _entry(d.admin_url, dr.id)
+        entry = request_entry(d.admin_url, dr.id)
         assert (entry["state"], entry["quarantined"]) == ("ABORTED", True), entry
         metrics = httpx.get(f"{d.admin_url}/metrics", timeout=10).text
         assert "kvsidecar_quarantine_requests 1.0" in metrics
-        wait_for("the quarantine to end", lambda: not _entry(d.admin_url, dr.id)["quarantined"], 15)
+        wait_for(
+            "the quarantine to end",
+            lambda: not request_entry(d.admin_url, dr.id)["quarantined"],
+            15,
+        )
         held = time.monotonic() - t0
         assert quarantine_max * 0.9 <= held <= quarantine_max + 5, held
         out = c.call(d, Command(cmd="wait", requests=[dr], timeout_s=10), 30)

@@ -146,9 +146,15 @@ class RecvSide:
         req.progressed(now)
         return Ack(request=msg.request)
 
+    def _stale(self, epoch: str) -> str:
+        """Why a message for ``epoch`` is refused ("" when it is this sidecar's)."""
+        if epoch == self._epoch():
+            return ""
+        return f"stale epoch {epoch}; this sidecar runs {self._epoch()}"
+
     def _check_claim(self, msg: Claim) -> str:
-        if msg.epoch != self._epoch():
-            return f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}"
+        if stale := self._stale(msg.epoch):
+            return stale
         agent = self._agents.get(msg.target_rank)
         req = agent.recvs.get(msg.request) if agent else None
         if req is None or req.state.terminal:
@@ -195,10 +201,10 @@ class RecvSide:
         now, its sender asked to drain first (``end``)."""
         agent = self._agents.get(msg.target_rank)
         req = agent.recvs.get(msg.request) if agent else None
-        if msg.epoch != self._epoch():
-            why = f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}"
+        if stale := self._stale(msg.epoch):
+            why = stale
         elif agent is None or req is None or req.state.terminal:
-            why = f"request {msg.request} is not in flight on rank {msg.target_rank}"
+            why = f"request {msg.request} is not expected on rank {msg.target_rank}"
         elif req.senders.get(msg.sender_rank) != msg.sender_engine:
             why = (
                 f"prefill {msg.sender_engine} rank {msg.sender_rank} did not claim request "
@@ -240,12 +246,8 @@ class RecvSide:
 
     def done(self, msg: Done, verdict: DigestVerdict | None = None) -> Ack:
         """A sender's Done; ``verdict``: its digests' check, already made (``done_checked``)."""
-        if msg.epoch != self._epoch():
-            return Ack(
-                request=msg.request,
-                ok=False,
-                error=f"stale epoch {msg.epoch}; this sidecar runs {self._epoch()}",
-            )
+        if stale := self._stale(msg.epoch):
+            return Ack(request=msg.request, ok=False, error=stale)
         agent = self._agents.get(msg.target_rank)
         req = agent.recent(msg.request, RecvRequest) if agent else None
         if agent is None or req is None:

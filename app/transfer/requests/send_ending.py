@@ -157,12 +157,13 @@ class SendEnding:
         made = asyncio.ensure_future(job)
         made.add_done_callback(_retrieved)
         req.early_open[before] = made
-        early = len(agent.desc.placements) - 2  # layers sent before Done
-        last = req.final_layers_left <= 2 or not peer.layer_digests
-        if len(req.early_open) < -(-early // _EARLY_MESSAGES) and not last:
-            return
+        send = req.final_layers_left > 1 and peer.layer_digests
+        # Layers a message: all but the last two, in _EARLY_MESSAGES messages.
+        size = -(-(len(agent.desc.placements) - 2) // _EARLY_MESSAGES)
+        if send and req.final_layers_left > 2 and len(req.early_open) < size:
+            return  # the batch fills on; the one before the last layer closes it
         batch, req.early_open = req.early_open, {}
-        if req.final_layers_left > 1 and peer.layer_digests:
+        if send:
             task = asyncio.ensure_future(self._early_check(peer, req, batch))
             task.add_done_callback(_retrieved)
             for member in batch:
